@@ -1,0 +1,280 @@
+#!/usr/bin/env python3
+"""Node-side probe: prints one JSON report of this machine's facts for env-dump and preflight.
+
+Sent by nodectl to the node's configured python over stdin (`python3 - WORKDIR`), so it must stay a single
+self-contained file: standard library first; psutil, pynvml (nvidia-ml-py) and torch only when importable. Each
+section runs on its own: a failing section records {"error": ...} under its key and the report still prints.
+The redaction rules at the top are also what the controller uses (SPEC: secrets never printed or stored).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import resource
+import socket
+import sys
+import threading
+import time
+
+SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "PRIVATE_KEY", "API_KEY", "ACCESS_KEY")
+SECRET_PREFIXES = ("AWS_",)
+URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/@\s]+)@")
+REDACTED = "***"
+
+
+def is_secret_name(name: str) -> bool:
+    upper = name.upper()
+    return (any(marker in upper for marker in SECRET_MARKERS) or upper.endswith("_KEY")
+            or upper.startswith(SECRET_PREFIXES))
+
+
+def redact_value(name: str, value: str) -> str:
+    """The value as it may be shown: '***' for a secret-named variable, URL credentials masked otherwise."""
+    if is_secret_name(name):
+        return REDACTED
+    return URL_CREDENTIALS.sub(lambda m: m["scheme"] + REDACTED + "@", value)
+
+
+def redact_env(env: dict) -> dict:
+    return {name: redact_value(name, str(value)) for name, value in env.items()}
+
+
+def _section(report: dict, key: str, fn) -> None:
+    try:
+        report[key] = fn()
+    except Exception as exc:  # a probe never fails as a whole
+        report[key] = {"error": f"{exc.__class__.__name__}: {exc}"}
+
+
+def probe_os() -> dict:
+    release = {}
+    try:
+        with open("/etc/os-release", encoding="utf-8") as handle:
+            for line in handle:
+                key, _, value = line.strip().partition("=")
+                if key:
+                    release[key] = value.strip('"')
+    except OSError:
+        pass
+    return {"hostname": socket.gethostname(), "system": platform.system(), "kernel": platform.release(),
+            "distribution": release.get("PRETTY_NAME", ""), "machine": platform.machine()}
+
+
+def probe_cpu() -> dict:
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"model": model, "count": os.cpu_count(),
+            "available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+
+
+def probe_memory() -> dict:
+    info = {}
+    with open("/proc/meminfo", encoding="utf-8") as handle:
+        for line in handle:
+            key, _, value = line.partition(":")
+            info[key] = int(value.split()[0]) * 1024
+    return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable")}
+
+
+def probe_python() -> dict:
+    return {"version": platform.python_version(), "executable": sys.executable,
+            "implementation": platform.python_implementation(), "prefix": sys.prefix}
+
+
+def probe_packages() -> dict:
+    from importlib import metadata
+
+    packages = {}
+    for dist in metadata.distributions():
+        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        if name:
+            packages[name] = dist.version
+    return dict(sorted(packages.items()))
+
+
+def probe_torch() -> dict:
+    import torch
+
+    info = {"version": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
+            "cuda_available": torch.cuda.is_available(), "device_count": 0, "cudnn": None, "nccl": None,
+            "distributed": torch.distributed.is_available()}
+    if torch.distributed.is_available():
+        info["nccl_available"] = torch.distributed.is_nccl_available()
+        info["gloo_available"] = torch.distributed.is_gloo_available()
+    if torch.cuda.is_available():
+        info["device_count"] = torch.cuda.device_count()
+        info["cudnn"] = torch.backends.cudnn.version()
+        try:
+            nccl = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        except Exception as exc:
+            info["nccl"] = f"unknown ({exc})"
+        info["devices"] = [{"name": torch.cuda.get_device_name(i),
+                            "capability": ".".join(map(str, torch.cuda.get_device_capability(i)))}
+                           for i in range(info["device_count"])]
+    return info
+
+
+def _user_of(pid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(os.stat(f"/proc/{pid}").st_uid).pw_name
+    except Exception:
+        return "?"
+
+
+def _nvml_call(fn, *args, default=None):
+    try:
+        return fn(*args)
+    except Exception:
+        return default
+
+
+def probe_gpus() -> dict:
+    try:
+        import pynvml
+    except ImportError:
+        return {"available": False, "reason": "nvidia-ml-py is not installed", "count": 0, "devices": []}
+    try:
+        pynvml.nvmlInit()
+    except Exception as exc:
+        return {"available": False, "reason": f"NVML: {exc}", "count": 0, "devices": []}
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+        devices = [_gpu(pynvml, index) for index in range(count)]
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        cuda = _nvml_call(pynvml.nvmlSystemGetCudaDriverVersion)
+        return {"available": True, "count": count, "driver": driver.decode() if isinstance(driver, bytes) else driver,
+                "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None, "devices": devices}
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _gpu(pynvml, index: int) -> dict:
+    handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+    name = pynvml.nvmlDeviceGetName(handle)
+    memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    ecc_current = _nvml_call(lambda: pynvml.nvmlDeviceGetEccMode(handle)[0])
+    processes = []
+    for proc in _nvml_call(pynvml.nvmlDeviceGetComputeRunningProcesses, handle, default=[]) or []:
+        processes.append({"pid": proc.pid, "user": _user_of(proc.pid),
+                          "used_bytes": getattr(proc, "usedGpuMemory", None)})
+    nvlinks = []
+    for link in range(getattr(pynvml, "NVML_NVLINK_MAX_LINKS", 18)):
+        state = _nvml_call(pynvml.nvmlDeviceGetNvLinkState, handle, link)
+        if state is None:
+            break
+        nvlinks.append(bool(state))
+    remap = _nvml_call(pynvml.nvmlDeviceGetRemappedRows, handle)
+    return {
+        "index": index, "name": name.decode() if isinstance(name, bytes) else name,
+        "uuid": _nvml_call(pynvml.nvmlDeviceGetUUID, handle),
+        "pci_bus_id": _nvml_call(lambda: pynvml.nvmlDeviceGetPciInfo(handle).busId),
+        "memory_total_bytes": memory.total, "memory_used_bytes": memory.used,
+        "persistence_mode": _nvml_call(pynvml.nvmlDeviceGetPersistenceMode, handle) == 1,
+        "ecc_enabled": None if ecc_current is None else ecc_current == 1,
+        "ecc_volatile_uncorrected": _nvml_call(
+            pynvml.nvmlDeviceGetTotalEccErrors, handle, 1, 0),  # UNCORRECTED, VOLATILE
+        "retired_pages_pending": _nvml_call(lambda: pynvml.nvmlDeviceGetRetiredPagesPendingStatus(handle) == 1),
+        "remapped_rows_pending": None if remap is None else bool(remap[2]),
+        "remapped_rows_failed": None if remap is None else bool(remap[3]),
+        "nvlinks_active": sum(nvlinks), "nvlinks": len(nvlinks),
+        "compute_processes": processes,
+    }
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.read().strip()
+    except OSError:
+        return None
+
+
+def probe_nics() -> list:
+    addresses: dict = {}
+    try:
+        import psutil
+
+        for name, addrs in psutil.net_if_addrs().items():
+            addresses[name] = [a.address for a in addrs if a.family in (socket.AF_INET, socket.AF_INET6)]
+    except ImportError:
+        pass
+    nics = []
+    for name in sorted(os.listdir("/sys/class/net")):
+        base = f"/sys/class/net/{name}"
+        speed = _read(f"{base}/speed")
+        nics.append({"name": name, "addresses": addresses.get(name, []), "mtu": int(_read(f"{base}/mtu") or 0),
+                     "state": _read(f"{base}/operstate"),
+                     "speed_mbps": int(speed) if speed and speed.lstrip("-").isdigit() and int(speed) > 0 else None,
+                     "virtual": os.path.realpath(base).startswith("/sys/devices/virtual")})
+    return nics
+
+
+def probe_infiniband() -> list:
+    root = "/sys/class/infiniband"
+    devices = []
+    if not os.path.isdir(root):
+        return devices
+    for device in sorted(os.listdir(root)):
+        ports = []
+        ports_dir = f"{root}/{device}/ports"
+        for port in sorted(os.listdir(ports_dir)) if os.path.isdir(ports_dir) else []:
+            base = f"{ports_dir}/{port}"
+            ports.append({"port": int(port), "state": _read(f"{base}/state"), "phys_state": _read(f"{base}/phys_state"),
+                          "rate": _read(f"{base}/rate"), "link_layer": _read(f"{base}/link_layer")})
+        devices.append({"name": device, "ports": ports})
+    return devices
+
+
+def _limit(value: int):
+    return "unlimited" if value == resource.RLIM_INFINITY else value
+
+
+def probe_limits() -> dict:
+    memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return {"memlock_soft": _limit(memlock[0]), "memlock_hard": _limit(memlock[1]),
+            "nofile_soft": _limit(nofile[0]), "nofile_hard": _limit(nofile[1])}
+
+
+def probe_disk(workdir: str) -> dict:
+    path = os.path.expanduser(workdir)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    stat = os.statvfs(path)
+    shm = os.statvfs("/dev/shm") if os.path.exists("/dev/shm") else None
+    return {"workdir": os.path.expanduser(workdir), "checked_path": path, "free_bytes": stat.f_bavail * stat.f_frsize,
+            "shm_bytes": shm.f_blocks * shm.f_frsize if shm else None}
+
+
+def probe(workdir: str = "~") -> dict:
+    started = time.time()
+    report: dict = {"probe_version": 1}
+    torch_thread = threading.Thread(target=_section, args=(report, "torch", probe_torch), daemon=True)
+    torch_thread.start()  # importing torch is the slow part; everything else runs beside it
+    for key, fn in (("os", probe_os), ("cpu", probe_cpu), ("memory", probe_memory), ("python", probe_python),
+                    ("packages", probe_packages), ("gpus", probe_gpus), ("nics", probe_nics),
+                    ("infiniband", probe_infiniband), ("limits", probe_limits), ("disk", lambda: probe_disk(workdir)),
+                    ("env", lambda: redact_env(dict(os.environ)))):
+        _section(report, key, fn)
+    torch_thread.join(timeout=60)
+    if "torch" not in report:
+        report["torch"] = {"error": "TimeoutError: importing torch took over 60 s"}
+    report["clock"] = {"time": time.time(), "timezone": time.strftime("%Z")}
+    report["elapsed_s"] = round(time.time() - started, 3)
+    return report
+
+
+if __name__ == "__main__":
+    print(json.dumps(probe(sys.argv[1] if len(sys.argv) > 1 else "~"), default=str))

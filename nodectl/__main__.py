@@ -1,0 +1,3 @@
+from nodectl.cli import main
+
+main(prog_name="nodectl")

@@ -1,0 +1,40 @@
+"""The `nodectl` command group. Each command lives in its own module and is registered here explicitly."""
+from __future__ import annotations
+
+import click
+
+from nodectl import __version__
+from nodectl.cli.context import AppContext
+from nodectl.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, TransportOptions
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-i", "--inventory", envvar="NODECTL_INVENTORY", metavar="INVENTORY",
+              help="hosts.yaml or hostfile (default: $NODECTL_INVENTORY, ./hosts.yaml, else this machine).")
+@click.option("-v", "--verbose", count=True, help="More detail (repeatable).")
+@click.option("-q", "--quiet", is_flag=True, help="Only results and errors.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout, nothing else there.")
+@click.option("--accept-new-host-keys", is_flag=True,
+              help="Record unknown SSH host keys (like ssh's accept-new); a changed key is still refused.")
+@click.option("--connect-timeout", type=click.FloatRange(min=0.5), default=DEFAULT_CONNECT_TIMEOUT,
+              show_default=True, help="Seconds to wait for each node's SSH connection.")
+@click.option("--fanout", type=click.IntRange(min=1), default=DEFAULT_FANOUT, show_default=True,
+              help="Nodes worked on at once.")
+@click.version_option(__version__, prog_name="nodectl")
+@click.pass_context
+def main(ctx: click.Context, inventory, verbose, quiet, as_json, accept_new_host_keys, connect_timeout, fanout):
+    """Check, launch and watch multi-node PyTorch training over plain SSH."""
+    ctx.obj = AppContext(
+        inventory_option=inventory, verbose=verbose, quiet=quiet, json=as_json,
+        transport_options=TransportOptions(connect_timeout=connect_timeout, fanout=fanout,
+                                           accept_new_host_keys=accept_new_host_keys))
+
+
+def _register() -> None:
+    from nodectl.cli import env_dump
+
+    for module in (env_dump,):
+        main.add_command(module.command)
+
+
+_register()

@@ -1,0 +1,79 @@
+"""`nodectl env-dump`: one JSON snapshot per node, a table of key facts, or only what differs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+from rich.table import Table
+
+from nodectl.cli.context import AppContext
+from nodectl.cli.options import node_selection
+from nodectl.envdump import diff_reports, summary_row
+from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
+from nodectl.probe import probe_nodes
+
+
+@click.command("env-dump")
+@node_selection
+@click.option("--diff", is_flag=True, help="Only the keys whose values differ between nodes.")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path),
+              help="Write one <node>.json per node into this folder.")
+@click.pass_obj
+def command(app: AppContext, nodes: int | None, exclude: tuple[str, ...], diff: bool, output: Path | None) -> None:
+    """Snapshot every node (OS, CPU, memory, Python packages, torch/CUDA/NCCL, GPUs, NICs, IB, limits, env)."""
+    inventory = app.inventory().select(nodes, exclude)
+    with app.cluster(inventory) as cluster, app.node_progress("probing nodes", len(inventory.nodes)) as advance:
+        results = probe_nodes(cluster, on_done=advance)
+    reports = {r.node.name: r.value for r in results if r.ok and "error" not in r.value}
+    failed = {r.node.name: r.error or r.value.get("error") for r in results if r.node.name not in reports}
+    unreachable = {r.node.name: r.error for r in results if r.unreachable}
+    if output:
+        output.mkdir(parents=True, exist_ok=True)
+        for name, report in reports.items():
+            (output / f"{name}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+    differences = diff_reports(reports) if diff else None
+    if app.json:
+        document = {"nodes": reports, "errors": failed}
+        if diff:
+            document["diff"] = differences
+        app.emit_json(document)
+    elif diff:
+        _print_diff(app, differences, list(reports))
+    else:
+        _print_table(app, reports)
+    for name, error in failed.items():
+        app.err.print(f"[red]{name}[/]: {error}")
+    if output:
+        app.info(f"wrote {len(reports)} report(s) to {output}/")
+    if unreachable:
+        raise SystemExit(EXIT_UNREACHABLE)
+    if failed:
+        raise SystemExit(EXIT_FAILED)
+
+
+def _print_table(app: AppContext, reports: dict) -> None:
+    table = Table(title="nodes", title_justify="left")
+    columns = ["node", "os", "kernel", "cpus", "memory", "python", "torch", "cuda", "nccl", "driver", "gpus"]
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for name, report in reports.items():
+        row = summary_row(report)
+        table.add_row(name, *(row[c] for c in columns[1:]))
+    app.out.print(table)
+
+
+def _print_diff(app: AppContext, differences: dict, nodes: list[str]) -> None:
+    if len(nodes) < 2:
+        app.out.print("only one node reported: nothing to compare")
+        return
+    if not differences:
+        app.out.print(f"no differences between {len(nodes)} nodes")
+        return
+    table = Table(title=f"{len(differences)} key(s) differ", title_justify="left")
+    table.add_column("key", overflow="fold")
+    for node in nodes:
+        table.add_column(node, overflow="fold")
+    for key, values in differences.items():
+        table.add_row(key, *(str(values.get(node, "")) for node in nodes))
+    app.out.print(table)

@@ -1,0 +1,71 @@
+"""env-dump's judgement-free part: flattening reports and finding what differs between nodes."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+# Facts that differ on every run or every machine by nature; --diff leaves them out so real drift stands out.
+VOLATILE_PREFIXES = (
+    "clock.", "elapsed_s", "memory.available_bytes", "disk.free_bytes", "node.", "os.hostname",
+    "python.executable", "python.prefix",
+)
+VOLATILE_PARTS = (".memory_used_bytes", ".uuid", ".pci_bus_id", ".compute_processes", ".addresses")
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": [1, {"c": 2}]}} -> {"a.b.0": 1, "a.b.1.c": 2}. NICs are keyed by name, not position."""
+    if isinstance(value, Mapping):
+        items = value.items()
+    elif isinstance(value, list) and value and all(isinstance(v, Mapping) and "name" in v for v in value):
+        items = ((v["name"], {k: x for k, x in v.items() if k != "name"}) for v in value)
+    elif isinstance(value, list) and value:
+        items = enumerate(value)
+    else:
+        return {prefix: value} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, item in items:
+        out.update(flatten(item, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _volatile(key: str) -> bool:
+    return key.startswith(VOLATILE_PREFIXES) or any(part in key for part in VOLATILE_PARTS) \
+        or (key.startswith("env.") and key.split(".", 1)[1] in _VOLATILE_ENV)
+
+
+_VOLATILE_ENV = {"SSH_CLIENT", "SSH_CONNECTION", "PWD", "OLDPWD", "_", "SHLVL"}
+
+
+def diff_reports(reports: Mapping[str, Mapping]) -> dict[str, dict[str, Any]]:
+    """{dotted key: {node: value}} for every key whose value is not the same on all nodes (missing counts)."""
+    flat = {node: flatten(report) for node, report in reports.items()}
+    keys = sorted(set().union(*(f.keys() for f in flat.values()))) if flat else []
+    differing = {}
+    for key in keys:
+        if _volatile(key):
+            continue
+        values = {node: f.get(key, "<missing>") for node, f in flat.items()}
+        if len({repr(v) for v in values.values()}) > 1:
+            differing[key] = values
+    return differing
+
+
+def summary_row(report: Mapping) -> dict[str, str]:
+    """The key facts of one report, for env-dump's table."""
+    def get(*path, default="-"):
+        value: Any = report
+        for part in path:
+            if not isinstance(value, Mapping) or part not in value:
+                return default
+            value = value[part]
+        return default if value is None else value
+
+    gpus = get("gpus", "devices", default=[])
+    gpu_text = f"{len(gpus)}x {gpus[0]['name']}" if gpus else "none"
+    memory = get("memory", "total_bytes", default=0)
+    return {
+        "os": str(get("os", "distribution")), "kernel": str(get("os", "kernel")),
+        "cpus": str(get("cpu", "count")), "memory": f"{memory / 2**30:.0f} GiB" if memory else "-",
+        "python": str(get("python", "version")), "torch": str(get("torch", "version")),
+        "cuda": str(get("torch", "cuda")), "nccl": str(get("torch", "nccl")),
+        "driver": str(get("gpus", "driver")), "gpus": gpu_text,
+    }

@@ -1,0 +1,306 @@
+"""The inventory (SPEC §1): hosts.yaml or a DeepSpeed hostfile, parsed once into frozen dataclasses.
+
+Every problem is an `InventoryError` (exit 2) naming the file, the line, the key and what was expected; no other
+exception escapes `load_inventory` for any input document.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import re
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from nodectl.errors import InventoryError, UsageError
+
+NODE_KEYS = {"user", "port", "identity_file", "gpus", "device", "python", "workdir", "env", "transport"}
+TOP_KEYS = {"master_port", "defaults", "nodes"}
+HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\-\[\]]+$")
+NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+HOSTFILE_LINE_RE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-\[\]%]+)(\s+slots\s*=\s*(?P<slots>\d+))?\s*$")
+DEFAULT_WORKDIR = "~/nodectl"
+LOCAL_WORKDIR = "~/.nodectl/local"
+
+
+@dataclass(frozen=True)
+class Node:
+    """One machine of the inventory, with defaults already merged. `index` is its position in the file."""
+
+    name: str
+    host: str
+    addr: str
+    index: int
+    user: str | None = None
+    port: int | None = None
+    identity_file: str | None = None
+    gpus: int | None = None          # None: as many as the node has (cuda) or 1 (cpu)
+    device: str = "cuda"
+    python: str = "python3"
+    workdir: str = DEFAULT_WORKDIR
+    env: Mapping[str, str] = field(default_factory=dict)
+    transport: str = "ssh"
+    line: int | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return self.transport == "local"
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Inventory:
+    nodes: tuple[Node, ...]
+    source: str                      # a path, or "<built-in>"
+    master_port: int | None = None
+    builtin: bool = False
+
+    def select(self, count: int | None = None, exclude: tuple[str, ...] = ()) -> "Inventory":
+        """The first `count` nodes after dropping `exclude` (names or hosts), in node-rank order."""
+        unknown = [x for x in exclude if not any(x in (n.name, n.host) for n in self.nodes)]
+        if unknown:
+            raise UsageError(f"--exclude names no node of {self.source}: {', '.join(unknown)}; "
+                             f"nodes are {', '.join(n.name for n in self.nodes)}")
+        if self.builtin and count and count > len(self.nodes):
+            return builtin_inventory(count=count, template=self.nodes[0])
+        kept = [n for n in self.nodes if n.name not in exclude and n.host not in exclude]
+        if count is not None:
+            if count < 1:
+                raise UsageError(f"--nodes must be at least 1, got {count}")
+            if count > len(kept):
+                raise UsageError(f"--nodes {count} asked, but {self.source} has {len(kept)} usable node(s)")
+            kept = kept[:count]
+        return replace(self, nodes=tuple(kept))
+
+    def node(self, name: str) -> Node:
+        for n in self.nodes:
+            if name in (n.name, n.host):
+                return n
+        raise UsageError(f"no node named {name!r}; nodes are {', '.join(n.name for n in self.nodes)}")
+
+
+def detect_local_gpus() -> int:
+    """GPUs on this machine through NVML; 0 where there is no driver."""
+    if os.environ.get("NODECTL_FORCE_CPU") == "1":
+        return 0
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return int(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # no pynvml, no driver, no GPU: all mean "none"
+        return 0
+
+
+def builtin_inventory(count: int = 1, template: Node | None = None) -> Inventory:
+    """SPEC §1's default: local node(s) on this machine, cuda with every detected GPU, else one CPU rank."""
+    if template is None:
+        gpus = detect_local_gpus()
+        template = Node(name="local0", host="localhost", addr="127.0.0.1", index=0, transport="local",
+                        python=sys.executable,
+                        device="cuda" if gpus else "cpu", gpus=gpus or 1, workdir=LOCAL_WORKDIR)
+    nodes = tuple(replace(template, name=f"local{i}", index=i) for i in range(count))
+    return Inventory(nodes=nodes, source="<built-in>", builtin=True)
+
+
+def resolve_inventory_path(explicit: str | None) -> Path | None:
+    """-i/--inventory, then NODECTL_INVENTORY, then ./hosts.yaml; None means the built-in default."""
+    for candidate in (explicit, os.environ.get("NODECTL_INVENTORY")):
+        if candidate:
+            return Path(candidate)
+    return Path("hosts.yaml") if Path("hosts.yaml").is_file() else None
+
+
+def load_inventory(path: str | os.PathLike | None) -> Inventory:
+    if path is None:
+        return builtin_inventory()
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InventoryError(str(path), "file", "not found") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InventoryError(str(path), "file", f"cannot be read ({exc})") from None
+    return parse_inventory(text, str(path))
+
+
+def parse_inventory(text: str, source: str = "hosts.yaml") -> Inventory:
+    if _looks_like_hostfile(text):
+        return _parse_hostfile(text, source)
+    try:
+        doc = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InventoryError(source, "yaml", f"not valid YAML ({problem})",
+                             mark.line + 1 if mark else None) from None
+    except (ValueError, TypeError, RecursionError) as exc:  # e.g. unhashable keys, absurd nesting
+        raise InventoryError(source, "yaml", f"not a usable YAML document ({exc.__class__.__name__})") from None
+    return _Parser(source).inventory(doc)
+
+
+def _looks_like_hostfile(text: str) -> bool:
+    lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln]
+    return bool(lines) and all(HOSTFILE_LINE_RE.match(ln) and ":" not in ln for ln in lines) \
+        and any("slots" in ln for ln in lines)
+
+
+def _parse_hostfile(text: str, source: str) -> Inventory:
+    nodes, seen = [], set()
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        match = HOSTFILE_LINE_RE.match(line)
+        host, slots = match["host"], match["slots"]
+        if host in seen:
+            raise InventoryError(source, "host", f"{host!r} listed twice", number)
+        if slots is not None and int(slots) < 1:
+            raise InventoryError(source, "slots", "a positive integer", number)
+        seen.add(host)
+        nodes.append(Node(name=host, host=host, addr=host, index=len(nodes),
+                          gpus=int(slots) if slots else None, line=number))
+    return Inventory(nodes=tuple(nodes), source=source)
+
+
+class _LineMap(dict):
+    """A mapping that remembers the line of each key, for error messages."""
+
+    line: int | None = None
+    key_lines: dict
+
+
+class _LineLoader(yaml.SafeLoader):
+    def construct_line_map(self, node):
+        data = _LineMap()
+        data.line = node.start_mark.line + 1
+        data.key_lines = {}
+        yield data
+        data.update(self.construct_mapping(node))
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node)
+            if isinstance(key, (str, int, float, bool)) or key is None:
+                data.key_lines[key] = key_node.start_mark.line + 1
+
+
+_LineLoader.add_constructor("tag:yaml.org,2002:map", _LineLoader.construct_line_map)
+
+
+class _Parser:
+    """Checks the document's shape and types, collecting nothing: the first problem is raised."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, key: str, expected: str, container: Any = None, name: Any = None) -> None:
+        line = None
+        if isinstance(container, _LineMap):
+            line = container.key_lines.get(name, container.line) if name is not None else container.line
+        raise InventoryError(self.source, key, expected, line)
+
+    def inventory(self, doc: Any) -> Inventory:
+        if not isinstance(doc, dict):
+            self.fail("document", "a mapping with a 'nodes:' list (or a hostfile of 'host slots=N' lines)")
+        for key in doc:
+            if key not in TOP_KEYS:
+                self.fail(str(key), f"unknown key; expected one of {', '.join(sorted(TOP_KEYS))}", doc, key)
+        master_port = self.port(doc.get("master_port"), "master_port", doc) if "master_port" in doc else None
+        defaults = doc.get("defaults") or {}
+        if not isinstance(defaults, dict):
+            self.fail("defaults", "a mapping of node settings", doc, "defaults")
+        self.settings(defaults, "defaults")
+        raw_nodes = doc.get("nodes")
+        if not isinstance(raw_nodes, list) or not raw_nodes:
+            self.fail("nodes", "a non-empty list of nodes, each with a 'host:'", doc, "nodes")
+        nodes, names = [], set()
+        for index, raw in enumerate(raw_nodes):
+            node = self.node(raw, index, defaults, doc)
+            if node.name in names:
+                self.fail(f"nodes[{index}].name", f"duplicate node name {node.name!r}", raw, "name")
+            names.add(node.name)
+            nodes.append(node)
+        return Inventory(nodes=tuple(nodes), source=self.source, master_port=master_port)
+
+    def node(self, raw: Any, index: int, defaults: dict, doc: dict) -> Node:
+        where = f"nodes[{index}]"
+        if not isinstance(raw, dict):
+            self.fail(where, "a mapping with at least 'host:'", doc, "nodes")
+        for key in raw:
+            if key not in NODE_KEYS | {"host", "name", "addr"}:
+                allowed = ", ".join(sorted(NODE_KEYS | {"host", "name", "addr"}))
+                self.fail(f"{where}.{key}", f"unknown key; expected one of {allowed}", raw, key)
+        host = raw.get("host")
+        if not isinstance(host, str) or not HOST_RE.match(host):
+            self.fail(f"{where}.host", "a host name, address or ~/.ssh/config alias "
+                      "(letters, digits, '.', '-', '_', ':')", raw, "host" if "host" in raw else None)
+        name = raw.get("name", host)
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            self.fail(f"{where}.name", "a label of letters, digits, '.', '-' and '_'", raw, "name")
+        addr = raw.get("addr", host)
+        if not isinstance(addr, str) or not HOST_RE.match(addr):
+            self.fail(f"{where}.addr", "a host name or IP address other nodes can reach", raw, "addr")
+        settings = self.settings(defaults, "defaults") | self.settings(raw, where)
+        env = {**self.settings(defaults, "defaults").get("env", {}), **self.settings(raw, where).get("env", {})}
+        settings["env"] = env
+        node = Node(name=name, host=host, addr=addr, index=index, line=getattr(raw, "line", None), **settings)
+        if node.is_local and "workdir" not in raw and "workdir" not in defaults:
+            node = replace(node, workdir=LOCAL_WORKDIR)
+        if node.is_local and "python" not in raw and "python" not in defaults:
+            node = replace(node, python=sys.executable)  # this machine: the interpreter nodectl runs in
+        return node
+
+    def settings(self, raw: dict, where: str) -> dict:
+        """The per-node settings in `raw` (defaults or one node), checked and typed."""
+        out: dict[str, Any] = {}
+        for key in NODE_KEYS & raw.keys():
+            value, label = raw[key], f"{where}.{key}"
+            if key == "port":
+                out[key] = self.port(value, label, raw, key)
+            elif key == "gpus":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    self.fail(label, f"a positive integer (ranks per node), got {value!r}", raw, key)
+                out[key] = value
+            elif key == "device":
+                if value not in ("cuda", "cpu"):
+                    self.fail(label, f"'cuda' or 'cpu', got {value!r}", raw, key)
+                out[key] = value
+            elif key == "transport":
+                if value not in ("ssh", "local"):
+                    self.fail(label, f"'ssh' or 'local', got {value!r}", raw, key)
+                out[key] = value
+            elif key == "env":
+                out[key] = self.env(value, label, raw)
+            else:  # user, identity_file, python, workdir: plain one-line strings
+                if not isinstance(value, str) or not value.strip() or any(c in value for c in "\n\r\0"):
+                    self.fail(label, f"a non-empty one-line string, got {value!r}", raw, key)
+                out[key] = value
+        return out
+
+    def env(self, value: Any, label: str, parent: dict) -> dict[str, str]:
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            self.fail(label, "a mapping of NAME: value", parent, "env")
+        env = {}
+        for name, item in value.items():
+            if not isinstance(name, str) or not ENV_NAME_RE.match(name):
+                self.fail(f"{label}.{name}", "an environment variable name ([A-Za-z_][A-Za-z0-9_]*)", value, name)
+            if isinstance(item, (dict, list)) or item is None or (isinstance(item, str) and "\0" in item):
+                self.fail(f"{label}.{name}", "a string or number", value, name)
+            env[name] = str(item).lower() if isinstance(item, bool) else str(item)
+        return env
+
+    def port(self, value: Any, label: str, parent: dict, key: str | None = None) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 65535:
+            self.fail(label, f"a TCP port number 1-65535, got {value!r}", parent, key or label)
+        return value

@@ -1,0 +1,59 @@
+"""Running launchers/probe.py on nodes and keeping what it reports, with the clock skew seen from here."""
+from __future__ import annotations
+
+import json
+import time
+from typing import Iterable
+
+from nodectl.inventory import Node
+from nodectl.resources import resource_dir
+from nodectl.transport import Cluster, NodeResult, Transport, quote_path
+
+PROBE_TIMEOUT = 90.0
+
+
+class ProbeFailed(Exception):
+    pass
+
+
+def probe_source() -> str:
+    return (resource_dir("launchers") / "probe.py").read_text(encoding="utf-8")
+
+
+def run_probe(transport: Transport, source: str | None = None) -> dict:
+    """One node's report. `clock.skew_s` is the node's clock minus the controller's, at the probe's midpoint."""
+    node = transport.node
+    command = f"{quote_path(node.python)} - {quote_path(node.workdir)}"
+    before = time.time()
+    result = transport.run(command, stdin=source or probe_source(), timeout=PROBE_TIMEOUT)
+    after = time.time()
+    if not result.ok:
+        raise ProbeFailed(f"`{command}` exited {result.exit_code} on {node.name}: {result.tail(5) or 'no output'}")
+    try:
+        report = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise ProbeFailed(f"probe on {node.name} printed no report: {result.tail(5)}") from None
+    report.setdefault("clock", {})
+    if isinstance(report["clock"].get("time"), (int, float)):
+        # The node read its clock somewhere inside [before, after]; its start-up (imports) sits before that
+        # read, so the midpoint of the round trip overstates skew by at most half the probe's time.
+        report["clock"]["skew_s"] = round(report["clock"]["time"] - (before + after) / 2, 3)
+        report["clock"]["round_trip_s"] = round(after - before, 3)
+    report["node"] = {"name": node.name, "host": node.host, "addr": node.addr, "index": node.index,
+                      "transport": node.transport, "device": node.device}
+    return report
+
+
+def probe_nodes(cluster: Cluster, nodes: Iterable[Node] | None = None, on_done=None) -> list[NodeResult[dict]]:
+    source = probe_source()
+
+    def work(transport: Transport) -> dict:
+        return run_probe(transport, source)
+
+    def guarded(transport: Transport) -> dict:
+        try:
+            return work(transport)
+        except ProbeFailed as exc:
+            return {"error": str(exc), "node": {"name": transport.node.name, "host": transport.node.host}}
+
+    return cluster.fan_out(guarded, nodes, on_done=on_done)

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from sshcluster import SSHCluster, sshd_available  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class CLIResult:
+    exit_code: int
+    stdout: str
+    stderr: str
+
+    def json(self):
+        return json.loads(self.stdout)
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
+
+
+def run_nodectl(args: list[str], env: dict | None = None, cwd: Path | None = None, timeout: float = 180,
+                input: str | None = None) -> CLIResult:
+    """nodectl as a user runs it: a separate process, its real exit code, stdout and stderr apart."""
+    proc = subprocess.run([sys.executable, "-m", "nodectl", *args], capture_output=True, text=True,
+                          env=env or os.environ.copy(), cwd=cwd, timeout=timeout, input=input)
+    return CLIResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def _cluster(tmp_path_factory, count: int, first_octet: int) -> SSHCluster:
+    if not sshd_available():
+        pytest.skip("openssh-server is not installed (apt-get install openssh-server)")
+    return SSHCluster(tmp_path_factory.mktemp("ssh"), count=count, first_octet=first_octet).start()
+
+
+@pytest.fixture(scope="session")
+def ssh_cluster(tmp_path_factory):
+    """Three real sshd nodes on 127.0.0.2-4 with trusted host keys."""
+    cluster = _cluster(tmp_path_factory, 3, first_octet=2)
+    cluster.trust_host_keys()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def fresh_cluster(tmp_path_factory):
+    """Two sshd nodes (127.0.0.20-21) whose host keys the client has never seen; one per test."""
+    cluster = _cluster(tmp_path_factory, 2, first_octet=20)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_user_ssh_config(monkeypatch, tmp_path):
+    """Keep the user's ~/.ssh and inventory out of in-process code too (fabric's no_user_ssh_config)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    monkeypatch.delenv("NODECTL_INVENTORY", raising=False)

@@ -1,0 +1,1 @@
+"""The built-in FSDP2 + LoRA trainer (`python -m trainer`)."""
