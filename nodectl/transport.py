@@ -107,7 +107,7 @@ class LocalTransport(Transport):
         data = stdin.encode() if isinstance(stdin, str) else stdin
         try:
             proc = subprocess.run(["/bin/sh", "-c", command], input=data or b"", capture_output=True,
-                                  timeout=timeout or self.options.command_timeout, cwd=os.path.expanduser("~"))
+                                  timeout=timeout or self.options.command_timeout, cwd=_home())
         except subprocess.TimeoutExpired:
             raise CommandTimeout(f"{command!r} did not finish within {timeout or self.options.command_timeout}s")
         return CommandResult(command, proc.returncode, proc.stdout.decode(errors="replace"),
@@ -121,6 +121,11 @@ class LocalTransport(Transport):
     def get(self, remote, local) -> None:
         Path(local).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(os.path.expanduser(remote), local)
+
+
+def _home() -> str:
+    home = os.path.expanduser("~")
+    return home if os.path.isdir(home) else "/"
 
 
 class SSHTransport(Transport):

@@ -30,6 +30,9 @@ class AppContext:
     def cluster(self, inventory: Inventory) -> Cluster:
         return Cluster(inventory.nodes, self.transport_options)
 
+    def cluster_for(self, run_nodes) -> Cluster:
+        return Cluster([rn.node for rn in run_nodes], self.transport_options)
+
     def info(self, message: str) -> None:
         """Progress and notes: stderr, so --json keeps stdout clean."""
         if not self.quiet:

@@ -1,0 +1,46 @@
+#!/usr/bin/env python3
+"""What torchrun starts for each rank: the user's program with its output in logs/rank<R>.log.
+
+torchrun runs `python -u rankexec.py SCRIPT ARGS...` (or `-m MODULE ARGS...`). This wrapper starts the program
+as its child with the same environment, forwards signals to it, and records the child's pid and, when it ends,
+its exit code with the time (state/rank<R>.exit), which is how nodectl tells the first failing rank. It imports
+nothing beyond the standard library and nothing from nodectl.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
+
+
+def write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def main() -> int:
+    run_dir, rank = os.environ["NODECTL_RUN_DIR"], os.environ["RANK"]
+    env = dict(os.environ, NODECTL_STACK_FILE=f"{run_dir}/stacks/rank{rank}.txt")
+    with open(f"{run_dir}/logs/rank{rank}.log", "ab", buffering=0) as log:
+        child = subprocess.Popen([sys.executable, "-u", *sys.argv[1:]], stdout=log, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, env=env)
+    for signum in FORWARDED:
+        signal.signal(signum, lambda sig, _frame: child.send_signal(sig))
+    write_atomic(f"{run_dir}/state/rank{rank}.pid", str(child.pid))
+    code = child.wait()
+    write_atomic(f"{run_dir}/state/rank{rank}.exit", json.dumps({"code": code, "time": time.time()}))
+    if code < 0:  # died of a signal: die of the same one, so torchrun sees what happened
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

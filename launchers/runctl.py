@@ -1,0 +1,339 @@
+#!/usr/bin/env python3
+"""Node-side helper for one run folder: prepare, start, poll, stop, stacks, logs, pack.
+
+nodectl installs this file once per version under <workdir>/.nodectl/ and calls it over SSH with argv and a
+JSON document on stdin; it answers with one JSON document on stdout. Standard library only; imports nothing
+from nodectl. A run's processes are found two ways, so `stop` gets all of them and nothing else: the process
+group recorded at start, and every process whose environment carries this run's NODECTL_RUN_ID and node rank
+(torchrun starts each rank in a session of its own, so one process group is not enough).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import time
+
+STATE_DIRS = ("logs", "state", "heartbeat", "stacks", "output", "flight")
+READ_LIMIT = 256 * 1024
+
+
+def _read_json(path: str, default=None):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError):
+        return default
+
+
+def _write(path: str, text: str, mode: int = 0o644) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def cmd_have(args: list, request: dict) -> dict:
+    """Which of the given content hashes the node's object store lacks."""
+    store = os.path.join(os.path.expanduser(args[0]), ".nodectl", "objects")
+    return {"missing": [h for h in request["hashes"] if not os.path.exists(os.path.join(store, h))]}
+
+
+def _unpack_objects(store: str, tar_path: str) -> None:
+    os.makedirs(store, exist_ok=True)
+    with tarfile.open(tar_path) as tar:
+        for member in tar.getmembers():
+            if not member.isfile() or "/" in member.name or member.name.startswith("."):
+                raise ValueError(f"unexpected entry {member.name!r} in the upload")
+            data = tar.extractfile(member).read()
+            if hashlib.sha256(data).hexdigest() != member.name:
+                raise ValueError(f"object {member.name} arrived corrupted")
+            tmp = os.path.join(store, f".{member.name}.{os.getpid()}")
+            with open(tmp, "wb") as handle:
+                handle.write(data)
+            os.replace(tmp, os.path.join(store, member.name))
+    os.unlink(tar_path)
+
+
+def cmd_prepare(args: list, request: dict) -> dict:
+    """Lay out the run folder: code and lib from the object store, the rendered files, the state folders."""
+    workdir, run_dir = os.path.expanduser(request["workdir"]), os.path.expanduser(request["run_dir"])
+    store = os.path.join(workdir, ".nodectl", "objects")
+    if request.get("upload"):
+        _unpack_objects(store, os.path.expanduser(request["upload"]))
+    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    os.chmod(run_dir, 0o700)
+    for name in STATE_DIRS:
+        os.makedirs(os.path.join(run_dir, name), exist_ok=True)
+    for entry in request["files"]:
+        target = os.path.join(run_dir, entry["path"])
+        if os.path.commonpath([run_dir, os.path.realpath(target)]) != os.path.realpath(run_dir):
+            raise ValueError(f"path {entry['path']!r} leaves the run folder")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        shutil.copyfile(os.path.join(store, entry["sha256"]), target)
+        os.chmod(target, entry.get("mode", 0o644) & 0o777)
+    for name, spec in request["rendered"].items():
+        _write(os.path.join(run_dir, name), spec["text"], spec["mode"])
+    return {"run_dir": run_dir, "files": len(request["files"])}
+
+
+def cmd_port(args: list, request: dict) -> dict:
+    """Whether a TCP port is free here, and a free one if not."""
+    port = int(args[0])
+    with socket.socket() as probe:
+        try:
+            probe.bind(("", port))
+            return {"port": port, "free": True}
+        except OSError:
+            pass
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return {"port": probe.getsockname()[1], "free": False}
+
+
+def cmd_start(args: list, request: dict) -> dict:
+    """Start launch.sh detached in its own session; it survives the SSH connection that started it."""
+    run_dir = os.path.expanduser(args[0])
+    node = _read_json(os.path.join(run_dir, "node.json"))
+    if os.path.exists(os.path.join(run_dir, "state", "pgid")):
+        return {"error": f"{run_dir} was already started"}
+    env = dict(os.environ, NODECTL_RUN_ID=node["run_id"], NODECTL_NODE_RANK=str(node["node_rank"]))
+    with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as log:
+        proc = subprocess.Popen(["/bin/bash", os.path.join(run_dir, "launch.sh")], cwd=run_dir, env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    _write(os.path.join(run_dir, "state", "pgid"), str(proc.pid))
+    _write(os.path.join(run_dir, "state", "started"), str(time.time()))
+    return {"pgid": proc.pid}
+
+
+def _proc_environ(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as handle:
+            return handle.read()
+    except OSError:
+        return b""
+
+
+def _pgid(pid: int):
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def run_processes(run_dir: str) -> list:
+    """Live pids of this node's share of the run (never this helper itself)."""
+    node = _read_json(os.path.join(run_dir, "node.json"), {})
+    marker_id = f"NODECTL_RUN_ID={node.get('run_id')}".encode()
+    marker_rank = f"NODECTL_NODE_RANK={node.get('node_rank')}".encode()
+    group = None
+    if not os.path.exists(os.path.join(run_dir, "state", "launcher.exit")):
+        # Trust the recorded group only while its leader (launch.sh) may live: afterwards the number can be reused.
+        try:
+            with open(os.path.join(run_dir, "state", "pgid"), encoding="utf-8") as handle:
+                group = int(handle.read().strip())
+        except (OSError, ValueError):
+            group = None
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        pid = int(entry)
+        if group is not None and _pgid(pid) == group:
+            pids.append(pid)
+            continue
+        environ = _proc_environ(pid).split(b"\0")
+        if marker_id in environ and marker_rank in environ:
+            pids.append(pid)
+    return [pid for pid in pids if not _is_zombie(pid)]
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def _rank_state(run_dir: str, rank: int, now: float) -> dict:
+    state = {"rank": rank, "exit": _read_json(os.path.join(run_dir, "state", f"rank{rank}.exit"))}
+    try:
+        with open(os.path.join(run_dir, "state", f"rank{rank}.pid"), encoding="utf-8") as handle:
+            pid = int(handle.read())
+        state["pid"], state["alive"] = pid, os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)
+    except (OSError, ValueError):
+        state["pid"], state["alive"] = None, False
+    heartbeat = _read_json(os.path.join(run_dir, "heartbeat", f"rank{rank}.json"))
+    if isinstance(heartbeat, dict):
+        state["heartbeat"] = heartbeat
+        state["heartbeat_age"] = round(now - float(heartbeat.get("time", now)), 1)
+    log = os.path.join(run_dir, "logs", f"rank{rank}.log")
+    state["log_size"] = os.path.getsize(log) if os.path.exists(log) else 0
+    return state
+
+
+def _read_from(path: str, offset: int) -> tuple:
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read(READ_LIMIT)
+    except OSError:
+        return offset, ""
+    cut = data.rfind(b"\n") + 1 if len(data) == READ_LIMIT else len(data)
+    return offset + cut, data[:cut].decode("utf-8", errors="replace")
+
+
+def cmd_poll(args: list, request: dict) -> dict:
+    """The node's state for one run, plus new log text for the ranks asked for (from their offsets)."""
+    run_dir, now = os.path.expanduser(args[0]), time.time()
+    node = _read_json(os.path.join(run_dir, "node.json"))
+    if node is None:
+        return {"error": f"no run at {run_dir}"}
+    pids = run_processes(run_dir)
+    answer = {"now": now, "node_rank": node["node_rank"], "alive": len(pids),
+              "launcher_exit": _read_json(os.path.join(run_dir, "state", "launcher.exit")),
+              "started": os.path.exists(os.path.join(run_dir, "state", "pgid")),
+              "ranks": [_rank_state(run_dir, rank, now) for rank in node["ranks"]], "logs": {}}
+    for rank, offset in (request.get("offsets") or {}).items():
+        new_offset, text = _read_from(os.path.join(run_dir, "logs", f"rank{rank}.log"), int(offset))
+        answer["logs"][rank] = {"offset": new_offset, "text": text}
+    return answer
+
+
+def cmd_tail(args: list, request: dict) -> dict:
+    """The last `lines` lines of each rank's log, with the offset a follower continues from."""
+    run_dir = os.path.expanduser(args[0])
+    lines, out = int(request.get("lines", 20)), {}
+    for rank in request["ranks"]:
+        path = os.path.join(run_dir, "logs", f"rank{rank}.log")
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as handle:
+                handle.seek(max(0, size - 64 * 1024 * max(1, lines // 100 + 1)))
+                text = handle.read().decode("utf-8", errors="replace")
+        except OSError:
+            size, text = 0, ""
+        kept = text.splitlines()[-lines:] if lines > 0 else []
+        out[str(rank)] = {"offset": size, "text": "\n".join(kept) + ("\n" if kept else "")}
+    return {"logs": out}
+
+
+def cmd_stop(args: list, request: dict) -> dict:
+    """SIGTERM every process of this node's share of the run, SIGKILL what is left after the grace period."""
+    run_dir, grace = os.path.expanduser(args[0]), float(request.get("grace", 10))
+    if not os.path.exists(os.path.join(run_dir, "node.json")):
+        return {"error": f"no run at {run_dir}"}
+    targets = run_processes(run_dir)
+    for pid in targets:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.time() + grace
+    left = targets
+    while left and time.time() < deadline:
+        time.sleep(0.1)
+        left = [pid for pid in run_processes(run_dir)]
+    killed = list(left)
+    for pid in left:
+        _signal(pid, signal.SIGKILL)
+    time.sleep(0.05)
+    for _ in range(50):
+        if not run_processes(run_dir):
+            break
+        time.sleep(0.1)
+    stopped = {"time": time.time(), "terminated": len(targets), "killed": len(killed)}
+    if targets:
+        _write(os.path.join(run_dir, "state", "stopped"), json.dumps(stopped))
+    return dict(stopped, left=len(run_processes(run_dir)))
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def cmd_stacks(args: list, request: dict) -> dict:
+    """Every rank's Python stack: py-spy where installed, else SIGUSR1 to programs that registered for it."""
+    run_dir = os.path.expanduser(args[0])
+    node = _read_json(os.path.join(run_dir, "node.json"), {})
+    py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
+    stacks = {}
+    for rank in node.get("ranks", []):
+        state = _rank_state(run_dir, rank, time.time())
+        if not state["alive"]:
+            stacks[str(rank)] = {"error": "not running"}
+            continue
+        stacks[str(rank)] = _stack_of(run_dir, rank, state["pid"], py_spy)
+    return {"stacks": stacks, "tool": "py-spy" if py_spy else "faulthandler"}
+
+
+def _stack_of(run_dir: str, rank: int, pid: int, py_spy) -> dict:
+    if py_spy:
+        proc = subprocess.run([py_spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=30)
+        if proc.returncode == 0:
+            return {"text": proc.stdout}
+    ready = os.path.join(run_dir, "stacks", f"rank{rank}.ready")
+    if not os.path.exists(ready):
+        return {"error": "py-spy is not installed on the node and the program registered no SIGUSR1 handler "
+                         "(the built-in trainer does; `pip install py-spy` covers any program)"}
+    path = os.path.join(run_dir, "stacks", f"rank{rank}.txt")
+    before = os.path.getsize(path) if os.path.exists(path) else 0
+    os.kill(pid, signal.SIGUSR1)
+    for _ in range(50):
+        time.sleep(0.1)
+        if os.path.exists(path) and os.path.getsize(path) > before:
+            time.sleep(0.2)  # let faulthandler finish every thread
+            break
+    with open(path, "rb") as handle:
+        handle.seek(before)
+        return {"text": handle.read().decode("utf-8", errors="replace")}
+
+
+def cmd_pack(args: list, request: dict) -> dict:
+    """A tar.gz of the run's results (not code/ or lib/) for `collect` to fetch."""
+    run_dir = os.path.expanduser(args[0])
+    target = os.path.join(run_dir, ".collect.tar.gz")
+    count = 0
+    with tarfile.open(target, "w:gz") as tar:
+        for name in sorted(os.listdir(run_dir)):
+            if name in ("code", "lib", "env.sh") or name.startswith(".collect"):
+                continue
+            tar.add(os.path.join(run_dir, name), arcname=name)
+            count += 1
+    return {"archive": target, "entries": count, "bytes": os.path.getsize(target)}
+
+
+def cmd_cleanup(args: list, request: dict) -> dict:
+    path = os.path.expanduser(args[0])
+    if os.path.exists(path):
+        os.unlink(path)
+    return {}
+
+
+COMMANDS = {"have": cmd_have, "prepare": cmd_prepare, "port": cmd_port, "start": cmd_start, "poll": cmd_poll,
+            "tail": cmd_tail, "stop": cmd_stop, "stacks": cmd_stacks, "pack": cmd_pack, "cleanup": cmd_cleanup}
+
+
+def main() -> None:
+    name, args = sys.argv[1], sys.argv[2:]
+    raw = sys.stdin.read()
+    request = json.loads(raw) if raw.strip() else {}
+    try:
+        answer = COMMANDS[name](args, request)
+    except Exception as exc:  # reported to the controller, which shows it with the node's name
+        answer = {"error": f"{name}: {exc.__class__.__name__}: {exc}"}
+    sys.stdout.write(json.dumps(answer) + "\n")
+
+
+if __name__ == "__main__":
+    main()

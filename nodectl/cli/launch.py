@@ -1,0 +1,203 @@
+"""`nodectl launch`: plan, render, (dry-run stops here), sync, start on every node, then watch or detach."""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import sys
+from pathlib import Path
+
+import click
+from rich.markup import escape
+from rich.syntax import Syntax
+
+from nodectl import sync
+from nodectl.cli.context import AppContext
+from nodectl.cli.options import node_selection
+from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, UsageError
+from nodectl.launch import settle_master_port, start_run
+from nodectl.plan import LaunchPlan, build_plan
+from nodectl.render import render_plan
+from nodectl.runs import Run, create_run, git_revision
+from nodectl.watch import LogStream, stop_nodes, tail_lines, wait_for_end
+
+
+def _check_command(args: tuple[str, ...], files: list[sync.SyncFile], sync_dir: str) -> tuple[str, ...]:
+    """SCRIPT must be a file inside the synced folder (its path made relative to it); -m needs a module."""
+    if not args:
+        return args
+    if args[0] in ("-m", "--module"):
+        if len(args) < 2 or not args[1] or args[1].startswith("-"):
+            raise UsageError("-m needs a module name: nodectl launch -- -m package.module ARGS")
+        return ("-m", *args[1:])
+    script = Path(args[0])
+    root = Path(sync_dir).resolve()
+    absolute = (script if script.is_absolute() else Path.cwd() / script).resolve()
+    if absolute.is_relative_to(root):
+        relative = absolute.relative_to(root).as_posix()
+    else:
+        relative = script.as_posix()
+    if f"code/{relative}" not in {f.path for f in files}:
+        raise UsageError(f"script {args[0]!r} is not in the synced folder {sync_dir} (or .gitignore excludes it)")
+    return (relative, *args[1:])
+
+
+def _print_dry_run(app: AppContext, plan: LaunchPlan, rendered) -> None:
+    if app.json:
+        app.emit_json({"plan": plan.to_json(), "scripts": {r.node: {"launch.sh": r.launch, "env.sh": r.env_redacted}
+                                                           for r in rendered}})
+        return
+    for r in rendered:
+        app.out.rule(f"{r.node}: launch.sh")
+        app.out.print(Syntax(r.launch, "bash", word_wrap=True) if app.out.is_terminal else r.launch, markup=False)
+        app.out.rule(f"{r.node}: env.sh (mode 0600 on the node; secrets shown as ***)")
+        app.out.print(r.env_redacted, markup=False, highlight=False)
+    app.info(f"dry run: {plan.nnodes} node(s), world size {plan.world_size}; nothing was started")
+
+
+@click.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@node_selection
+@click.option("--gpus", type=click.IntRange(min=1), help="Ranks per node (default: the inventory's gpus).")
+@click.option("--config", type=click.Path(exists=True, dir_okay=False), help="Recipe for the built-in trainer.")
+@click.option("--sync", "sync_dir", type=click.Path(file_okay=False), default=".", show_default=True,
+              help="Folder copied to each node's run folder (.gitignore respected).")
+@click.option("--sync-limit", type=click.IntRange(min=1), default=sync.DEFAULT_SYNC_LIMIT // 2**20,
+              show_default=True, help="Refuse to sync more than this many MiB.")
+@click.option("--template", type=click.Path(dir_okay=False), help="Your own launch script template (Jinja2).")
+@click.option("--dry-run", is_flag=True, help="Print the rendered scripts; touch no node.")
+@click.option("--skip-preflight", is_flag=True, help="Start without the quick preflight.")
+@click.option("--detach", is_flag=True, help="Return once every node has started.")
+@click.option("--follow", type=click.Choice(["rank0", "all"]), default="rank0", show_default=True,
+              help="Stream rank 0, or every rank prefixed [node/rank].")
+@click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL when stopping.")
+@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
+              help="torchrun's --max-restarts.")
+@click.option("--stall-after", type=click.FloatRange(min=1), default=None,
+              help="Stop the run when a live rank's heartbeat is older than this many seconds.")
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+@click.pass_obj
+def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit, template, dry_run, skip_preflight,
+            detach, follow, grace, max_restarts, stall_after, command) -> None:
+    """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
+    inventory = app.inventory().select(nodes, exclude)
+    files = sync.project_files(sync_dir, sync_limit * 2**20)
+    command = _check_command(tuple(command), files, sync_dir)
+    config = os.path.abspath(config) if config else None
+    facts = {}
+    if not skip_preflight and not dry_run:
+        facts = _quick_preflight(app, inventory)
+    plan = build_plan(inventory, gpus=gpus, command=command, sync_dir=sync_dir, config=config,
+                      max_restarts=max_restarts, facts=facts)
+    files = files + sync.nodectl_files(plan.builtin_trainer, config)
+    rendered = render_plan(plan, template)
+    if dry_run:
+        _print_dry_run(app, plan, rendered)
+        return
+    with app.cluster(inventory) as cluster:
+        plan = settle_master_port(plan, cluster)
+        rendered = render_plan(plan, template)
+        run = _record(plan, rendered, inventory.source, app)
+        _start(app, run, plan, rendered, cluster, files, grace)
+        if detach:
+            run.update(state="running")
+            app.out.print(f"run {plan.run_id} started on {plan.nnodes} node(s), world size {plan.world_size}")
+            app.out.print(f"follow it:  nodectl tail rank0 -f --run {plan.run_id}")
+            app.out.print(f"stop it:    nodectl stop --run {plan.run_id}")
+            return
+        _watch(app, run, plan, cluster, follow, grace, stall_after)
+
+
+def _quick_preflight(app: AppContext, inventory) -> dict:
+    try:
+        from nodectl.preflight.gate import quick_gate
+    except ImportError:
+        return {}
+    return quick_gate(app, inventory)
+
+
+def _record(plan: LaunchPlan, rendered, source: str, app: AppContext) -> Run:
+    run = create_run(plan.to_json(), argv=["nodectl", *sys.argv[1:]], config_fingerprint=plan.fingerprint(),
+                     inventory_source=source, git=git_revision(plan.sync_dir))
+    scripts = run.folder / "scripts"
+    scripts.mkdir()
+    for r in rendered:
+        (scripts / f"{r.node}.sh").write_text(r.launch)
+        (scripts / f"{r.node}.env").write_text(r.env_redacted)
+    app.info(f"run {plan.run_id}: {plan.nnodes} node(s) x {plan.nodes[0].nproc} rank(s), backend {plan.backend}, "
+             f"master {plan.master_addr}:{plan.master_port}")
+    return run
+
+
+def _start(app, run: Run, plan: LaunchPlan, rendered, cluster, files, grace: float) -> None:
+    with app.node_progress("syncing and starting", plan.nnodes) as advance:
+        results = start_run(plan, rendered, cluster, files, on_done=advance)
+    problems = [r for r in results if not r.ok or isinstance(r.value, Exception)]
+    for r in results:
+        if r.ok and not isinstance(r.value, Exception):
+            run.set_node_state(r.node.name, pgid=r.value.pgid, files=r.value.files, bytes_sent=r.value.bytes_sent)
+    if not problems:
+        return
+    for r in problems:
+        app.err.print(f"[red]{escape(r.node.name)}[/]: {escape(r.error or str(r.value))}")
+    app.err.print("stopping the nodes that had started")
+    stop_nodes(cluster, run.nodes(), grace)
+    run.update(state="failed-to-start")
+    raise SystemExit(EXIT_UNREACHABLE if any(r.unreachable for r in problems) else EXIT_FAILED)
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _watch(app, run: Run, plan: LaunchPlan, cluster, follow: str, grace: float, stall_after) -> None:
+    run_nodes = run.nodes()
+    ranks = {rank: rn.node.name for rn in run_nodes for rank in rn.ranks}
+    followed = ranks if follow == "all" else {0: ranks[0]}
+    console = app.err if app.json else app.out
+    stream = LogStream(console, followed, prefixed=follow == "all")
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        outcome, failure = wait_for_end(cluster, run_nodes, stream,
+                                        lost_after=app.transport_options.connect_timeout + 5, stall_after=stall_after)
+    except KeyboardInterrupt:
+        stream.flush()
+        app.err.print(f"interrupted: stopping run {plan.run_id} on every node")
+        stop_nodes(cluster, run_nodes, grace)
+        run.update(state="interrupted", ended=__import__("time").time())
+        raise SystemExit(EXIT_INTERRUPTED)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    stream.flush()
+    if outcome == "succeeded":
+        run.update(state="succeeded", ended=__import__("time").time())
+        app.info(f"run {plan.run_id} succeeded")
+        if app.json:
+            app.emit_json({"run_id": plan.run_id, "state": "succeeded"})
+        return
+    _fail(app, run, plan, cluster, run_nodes, failure, grace)
+
+
+def _fail(app, run: Run, plan: LaunchPlan, cluster, run_nodes, failure, grace: float) -> None:
+    import time
+
+    app.err.print(f"[red]{escape(failure.describe())}[/]; stopping the run on every node")
+    stopped = stop_nodes(cluster, run_nodes, grace)
+    if failure.rank is not None:
+        rn = next(rn for rn in run_nodes if failure.rank in rn.ranks)
+        logs = tail_lines(cluster, rn, [failure.rank], 20)
+        failure.last_lines = logs.get(failure.rank, {}).get("text", "")
+    left = {name: (r.value or {}).get("left") for name, r in stopped.items() if r.ok}
+    run.update(state="failed", ended=time.time(),
+               failure={"kind": failure.kind, "node": failure.node, "rank": failure.rank, "code": failure.code,
+                        "detail": failure.detail, "description": failure.describe()})
+    if app.json:
+        app.emit_json({"run_id": plan.run_id, "state": "failed", "failure": run.manifest()["failure"],
+                       "last_lines": failure.last_lines, "processes_left": left})
+    else:
+        app.err.print(f"[bold red]run {plan.run_id} failed:[/] {escape(failure.describe())}")
+        if failure.last_lines:
+            app.err.print(f"last lines of rank {failure.rank}:")
+            app.err.print(failure.last_lines.rstrip(), markup=False, highlight=False)
+        app.err.print(f"all logs: nodectl tail all --run {plan.run_id}   (or nodectl collect --run {plan.run_id})")
+    raise SystemExit(EXIT_FAILED)

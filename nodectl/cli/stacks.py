@@ -1,0 +1,43 @@
+"""`nodectl stacks`: the Python stack of every rank, saved under runs/<run_id>/stacks/ and printed."""
+from __future__ import annotations
+
+import click
+from rich.markup import escape
+
+from nodectl import agent
+from nodectl.cli.context import AppContext
+from nodectl.cli.runs_cmds import opened, run_option
+from nodectl.errors import EXIT_UNREACHABLE
+
+
+@click.command("stacks")
+@run_option
+@click.pass_obj
+def command(app: AppContext, run_id: str | None) -> None:
+    """Gather every rank's Python stack (py-spy, or SIGUSR1 for programs that registered faulthandler)."""
+    run = opened(app, run_id)
+    run_nodes = {rn.node.name: rn for rn in run.nodes()}
+    folder = run.folder / "stacks"
+    folder.mkdir(exist_ok=True)
+    with app.cluster_for(run_nodes.values()) as cluster:
+        results = cluster.fan_out(lambda t: agent.call(t, "stacks", run_nodes[t.node.name].run_dir, timeout=120))
+    gathered, unreachable = {}, False
+    for result in results:
+        if not result.ok:
+            unreachable = True
+            app.err.print(f"[red]{escape(result.node.name)}[/]: {escape(result.error)}")
+            continue
+        for rank, entry in result.value["stacks"].items():
+            text = entry.get("text") or f"(no stack: {entry.get('error')})\n"
+            (folder / f"rank{rank}.txt").write_text(text)
+            gathered[int(rank)] = {"node": result.node.name, **entry}
+    if app.json:
+        app.emit_json({"run_id": run.run_id, "stacks": gathered})
+    else:
+        for rank in sorted(gathered):
+            app.out.rule(f"rank {rank} on {gathered[rank]['node']}")
+            app.out.print(gathered[rank].get("text") or f"no stack: {gathered[rank].get('error')}",
+                          markup=False, highlight=False)
+        app.info(f"saved under {folder}/")
+    if unreachable:
+        raise SystemExit(EXIT_UNREACHABLE)

@@ -1,0 +1,81 @@
+"""`nodectl status`: per node and rank: running / exited(code) / stalled / lost, heartbeat age, last step."""
+from __future__ import annotations
+
+import click
+from rich.markup import escape
+from rich.table import Table
+
+from nodectl.cli.context import AppContext
+from nodectl.cli.runs_cmds import opened, run_option
+from nodectl.errors import EXIT_UNREACHABLE
+from nodectl.watch import poll, rank_failures, tail_lines
+
+
+def rank_rows(states: dict, run_nodes, stall_after: float) -> list[dict]:
+    rows = []
+    for rn in run_nodes:
+        result = states[rn.node.name]
+        answer = result.value if result.ok else None
+        if not answer or "error" in answer:
+            reason = result.error or (answer or {}).get("error")
+            rows += [{"node": rn.node.name, "rank": r, "state": "lost", "detail": reason} for r in rn.ranks]
+            continue
+        for rank in answer["ranks"]:
+            rows.append({"node": rn.node.name, "rank": rank["rank"], **_rank_state(rank, answer, stall_after)})
+    return rows
+
+
+def _rank_state(rank: dict, answer: dict, stall_after: float) -> dict:
+    heartbeat = rank.get("heartbeat") or {}
+    age = rank.get("heartbeat_age")
+    row = {"heartbeat_age": age, "step": heartbeat.get("step"), "pid": rank.get("pid")}
+    if rank.get("exit"):
+        row["state"], row["exit_code"] = f"exited({rank['exit']['code']})", rank["exit"]["code"]
+    elif rank.get("alive"):
+        row["state"] = "stalled" if age is not None and age > stall_after else "running"
+    elif answer.get("alive"):
+        row["state"] = "starting"
+    else:
+        row["state"] = "lost"  # gone without an exit code: killed with its wrapper, or the node restarted
+    return row
+
+
+@click.command("status")
+@run_option
+@click.option("--stall-after", type=click.FloatRange(min=0), default=300.0, show_default=True,
+              help="Call a live rank stalled when its heartbeat is older than this (seconds).")
+@click.pass_obj
+def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
+    """Show the state of every rank of a run."""
+    run = opened(app, run_id)
+    run_nodes = run.nodes()
+    with app.cluster_for(run_nodes) as cluster:
+        states = poll(cluster, run_nodes)
+        rows = rank_rows(states, run_nodes, stall_after)
+        failures = rank_failures(states)
+        first = failures[0] if failures else None
+        if first and first.rank is not None:
+            rn = next(rn for rn in run_nodes if first.rank in rn.ranks)
+            first.last_lines = tail_lines(cluster, rn, [first.rank], 20).get(first.rank, {}).get("text", "")
+    manifest = run.manifest()
+    if app.json:
+        app.emit_json({"run_id": run.run_id, "state": manifest.get("state"), "ranks": rows,
+                       "first_failure": first.__dict__ if first else None})
+    else:
+        table = Table(title=f"run {run.run_id} ({manifest.get('state')})", title_justify="left")
+        for column in ("node", "rank", "state", "heartbeat", "step", "pid"):
+            table.add_column(column)
+        colour = {"running": "green", "stalled": "yellow", "lost": "red", "starting": "cyan"}
+        for row in rows:
+            state = row["state"]
+            shade = colour.get(state, "green" if state == "exited(0)" else "red")
+            age = row.get("heartbeat_age")
+            table.add_row(row["node"], str(row["rank"]), f"[{shade}]{state}[/]",
+                          "-" if age is None else f"{age:.0f}s ago", str(row.get("step") or "-"), str(row.get("pid") or "-"))
+        app.out.print(table)
+        if first:
+            app.out.print(f"[red]first failure:[/] {escape(first.describe())}")
+            if first.last_lines:
+                app.out.print(first.last_lines.rstrip(), markup=False, highlight=False)
+    if any(row["state"] == "lost" and row.get("detail") for row in rows):
+        raise SystemExit(EXIT_UNREACHABLE)

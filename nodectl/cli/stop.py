@@ -1,0 +1,43 @@
+"""`nodectl stop`: every process of one run on every node (SIGTERM, SIGKILL after --grace), nothing else."""
+from __future__ import annotations
+
+import time
+
+import click
+from rich.markup import escape
+
+from nodectl.cli.context import AppContext
+from nodectl.cli.runs_cmds import opened, run_option
+from nodectl.errors import EXIT_UNREACHABLE
+from nodectl.watch import stop_nodes
+
+
+@click.command("stop")
+@run_option
+@click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
+              help="Seconds between SIGTERM and SIGKILL.")
+@click.pass_obj
+def command(app: AppContext, run_id: str | None, grace: float) -> None:
+    """Stop a run on every node. Safe to repeat."""
+    run = opened(app, run_id)
+    run_nodes = run.nodes()
+    with app.cluster_for(run_nodes) as cluster:
+        results = stop_nodes(cluster, run_nodes, grace)
+    summary, unreachable = {}, False
+    for name, result in results.items():
+        answer = result.value if result.ok else None
+        if not answer or "error" in answer:
+            unreachable = True
+            summary[name] = {"error": result.error or answer.get("error")}
+            app.err.print(f"[red]{escape(name)}[/]: {escape(summary[name]['error'])}")
+            continue
+        summary[name] = answer
+        app.info(f"{name}: {answer['terminated']} process(es) stopped, {answer['killed']} needed SIGKILL, "
+                 f"{answer['left']} left")
+    manifest = run.manifest()
+    if manifest.get("state") in ("running", "starting") and not unreachable:
+        run.update(state="stopped", ended=time.time())
+    if app.json:
+        app.emit_json({"run_id": run.run_id, "nodes": summary})
+    if unreachable:
+        raise SystemExit(EXIT_UNREACHABLE)

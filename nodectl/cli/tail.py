@@ -1,0 +1,86 @@
+"""`nodectl tail TARGET`: a rank's, a node's or every rank's log, during and after a run."""
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+import click
+
+from nodectl.cli.context import AppContext
+from nodectl.cli.runs_cmds import opened, run_option
+from nodectl.errors import EXIT_UNREACHABLE, UsageError
+from nodectl.runs import Run, RunNode
+from nodectl.watch import LogStream, poll, tail_lines
+
+
+def resolve_target(run: Run, target: str) -> dict[int, str]:
+    """rank<R>, node<K> (node rank), a node name, or all -> {global rank: node name}."""
+    run_nodes = run.nodes()
+    ranks = {rank: rn.node.name for rn in run_nodes for rank in rn.ranks}
+    if target == "all":
+        return ranks
+    if match := re.fullmatch(r"rank(\d+)", target):
+        if int(match[1]) in ranks:
+            return {int(match[1]): ranks[int(match[1])]}
+    for rn in run_nodes:
+        if target in (rn.node.name, f"node{rn.node_rank}"):
+            return {rank: rn.node.name for rn2 in [rn] for rank in rn2.ranks}
+    valid = ["all"] + [f"rank{r}" for r in sorted(ranks)][:16] + [f"node{rn.node_rank}" for rn in run_nodes] \
+        + [rn.node.name for rn in run_nodes]
+    raise UsageError(f"unknown target {target!r} for run {run.run_id}; valid: {', '.join(dict.fromkeys(valid))}")
+
+
+def _collected(run: Run, node: str, rank: int) -> Path:
+    return run.folder / "nodes" / node / "logs" / f"rank{rank}.log"
+
+
+@click.command("tail")
+@click.argument("target")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the run ends.")
+@click.option("-n", "--lines", type=click.IntRange(min=0), default=20, show_default=True)
+@run_option
+@click.pass_obj
+def command(app: AppContext, target: str, follow: bool, lines: int, run_id: str | None) -> None:
+    """Print the last lines of TARGET's log: rank<R>, node<K>, a node name, or all."""
+    run = opened(app, run_id)
+    ranks = resolve_target(run, target)
+    run_nodes = [rn for rn in run.nodes() if any(r in rn.ranks for r in ranks)]
+    stream = LogStream(app.out, ranks, prefixed=len(ranks) > 1)
+    unreachable = False
+    with app.cluster_for(run_nodes) as cluster:
+        for rn in run_nodes:
+            mine = [r for r in ranks if r in rn.ranks]
+            logs = tail_lines(cluster, rn, mine, lines)
+            if not logs:
+                unreachable |= not _from_collected(run, rn, mine, lines, stream)
+                continue
+            for rank in mine:
+                entry = logs.get(rank, {"offset": 0, "text": ""})
+                stream.offsets[rank] = entry["offset"]
+                for line in entry["text"].splitlines():
+                    stream.emit(rank, line)
+        while follow:
+            states = poll(cluster, run_nodes, stream.offsets)
+            stream.feed(states)
+            if all(r.ok and (r.value or {}).get("launcher_exit") or (r.ok and (r.value or {}).get("alive") == 0)
+                   for r in states.values()):
+                stream.feed(poll(cluster, run_nodes, stream.offsets))
+                break
+            time.sleep(1.0)
+        stream.flush()
+    if unreachable:
+        raise SystemExit(EXIT_UNREACHABLE)
+
+
+def _from_collected(run: Run, rn: RunNode, ranks: list[int], lines: int, stream: LogStream) -> bool:
+    found = False
+    for rank in ranks:
+        path = _collected(run, rn.node.name, rank)
+        if path.is_file():
+            found = True
+            for line in path.read_text(errors="replace").splitlines()[-lines:] if lines else []:
+                stream.emit(rank, line)
+    if not found:
+        stream.console.print(f"{rn.node.name} cannot be reached and its logs were not collected")
+    return found

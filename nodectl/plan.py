@@ -1,0 +1,173 @@
+"""LaunchPlan: everything a launch will do, decided before any node is touched (torchx's dryrun, then act)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import secrets
+import socket
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Mapping
+
+from nodectl.errors import UsageError
+from nodectl.inventory import Inventory, Node
+
+BUILTIN_TRAINER_MODULE = "trainer"
+
+# Good distributed defaults (SPEC §4); the inventory's env: overrides any of them.
+DEFAULT_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    "TORCH_SHOW_CPP_STACKTRACES": "1",
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    "PYTHONUNBUFFERED": "1",
+    "PYTHONFAULTHANDLER": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    node: Node
+    node_rank: int
+    nproc: int
+    run_dir: str                 # on the node; may start with ~/
+    env: Mapping[str, str]
+
+    @property
+    def ranks(self) -> list[int]:
+        return list(range(self.node_rank * self.nproc, (self.node_rank + 1) * self.nproc))
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    run_id: str
+    nodes: tuple[NodePlan, ...]
+    backend: str
+    master_addr: str
+    master_port: int
+    port_was_chosen: bool        # True when nodectl picked the port (may move it if taken)
+    command: tuple[str, ...]     # what follows rankexec.py: SCRIPT ARGS... or -m MODULE ARGS...
+    sync_dir: str
+    builtin_trainer: bool
+    config: str | None
+    max_restarts: int = 0
+    attempt: int = 0
+    created: float = field(default_factory=time.time)
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.nproc for n in self.nodes)
+
+    def node_of_rank(self, rank: int) -> NodePlan:
+        for node_plan in self.nodes:
+            if rank in node_plan.ranks:
+                return node_plan
+        raise UsageError(f"rank{rank} is not in run {self.run_id} (world size {self.world_size})")
+
+    def fingerprint(self) -> str:
+        """What makes two launches the same job: command, config content, nodes and their settings."""
+        config_text = Path(self.config).read_text() if self.config and Path(self.config).is_file() else None
+        identity = {"command": self.command, "config": config_text, "backend": self.backend,
+                    "nodes": [{"host": n.node.host, "nproc": n.nproc, "env": dict(n.env)} for n in self.nodes]}
+        for entry in identity["nodes"]:
+            entry["env"] = {k: v for k, v in entry["env"].items() if not k.startswith("NODECTL_RUN")}
+        return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+
+    def to_json(self) -> dict:
+        from nodectl.secrets import redact_env
+
+        data = asdict(self)
+        for entry in data["nodes"]:
+            entry["env"] = redact_env(entry["env"])
+            entry["node"]["env"] = redact_env(entry["node"]["env"])
+            entry["ranks"] = list(range(entry["node_rank"] * entry["nproc"], (entry["node_rank"] + 1) * entry["nproc"]))
+        return data
+
+
+def flight_recorder_env(run_dir: str, torch_version: str | None) -> dict[str, str]:
+    """The NCCL flight recorder, under the names the node's torch reads (TORCH_FR_* from 2.7 on)."""
+    major_minor = tuple(int(x) for x in (torch_version or "9.9").split("+")[0].split(".")[:2] if x.isdigit())
+    if major_minor and major_minor < (2, 7):
+        return {"TORCH_NCCL_TRACE_BUFFER_SIZE": "2000", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": f"{run_dir}/flight/rank_"}
+    return {"TORCH_FR_BUFFER_SIZE": "2000", "TORCH_FR_DUMP_TEMP_FILE": f"{run_dir}/flight/rank_"}
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def _pick_port(inventory: Inventory) -> tuple[int, bool]:
+    if inventory.master_port:
+        return inventory.master_port, False
+    if inventory.nodes[0].is_local:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            return probe.getsockname()[1], True
+    return random.randint(20000, 59999), True
+
+
+def _run_dir(node: Node, run_id: str, shared: bool) -> str:
+    base = f"{node.workdir.rstrip('/')}/runs/{run_id}"
+    return f"{base}/{node.name}" if shared else base
+
+
+def _cuda_devices(plan_nodes: list[tuple[Node, int]]) -> dict[str, str]:
+    """Several local 'nodes' on one machine each get their own GPUs, in node order."""
+    assignment, next_gpu = {}, 0
+    for node, nproc in plan_nodes:
+        if node.is_local and node.device == "cuda" and "CUDA_VISIBLE_DEVICES" not in node.env:
+            assignment[node.name] = ",".join(str(g) for g in range(next_gpu, next_gpu + nproc))
+            next_gpu += nproc
+    return assignment if len(assignment) > 1 else {}
+
+
+def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ...], sync_dir: str,
+               config: str | None = None, run_id: str | None = None, max_restarts: int = 0,
+               facts: Mapping[str, dict] | None = None) -> LaunchPlan:
+    """Decide ranks, addresses, ports, folders and environments. Pure: reads no node; `facts` are probe
+    reports from the preflight that just ran, when there was one (CPU count, torch version)."""
+    facts = facts or {}
+    nodes = inventory.nodes
+    devices = {n.device for n in nodes}
+    if len(devices) > 1:
+        raise UsageError("nodes mix device: cuda and device: cpu; one run uses one backend")
+    run_id = run_id or new_run_id()
+    builtin = not command
+    if builtin:
+        command = ("-m", BUILTIN_TRAINER_MODULE, *(("--config", config) if config else ()))
+    per_node = [(n, gpus or n.gpus or 1) for n in nodes]
+    homes = [(n.host, n.port, n.user, n.workdir) for n in nodes]
+    port, chosen = _pick_port(inventory)
+    gpu_sets = _cuda_devices(per_node)
+    node_plans = []
+    for node_rank, (node, nproc) in enumerate(per_node):
+        run_dir = _run_dir(node, run_id, homes.count((node.host, node.port, node.user, node.workdir)) > 1)
+        report = facts.get(node.name) or {}
+        env = {**DEFAULT_ENV, "NODECTL_RUN_ID": run_id, "NODECTL_RUN_DIR": run_dir,
+               "NODECTL_NODE_RANK": str(node_rank), "NODECTL_NNODES": str(len(nodes)),
+               **flight_recorder_env(run_dir, (report.get("torch") or {}).get("version"))}
+        cpus = (report.get("cpu") or {}).get("available")
+        if isinstance(cpus, int) and cpus > 0:
+            env["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
+        if node.name in gpu_sets:
+            env["CUDA_VISIBLE_DEVICES"] = gpu_sets[node.name]
+        if builtin:
+            env["PYTHONPATH"] = f"{run_dir}/lib"
+        env.update(node.env)
+        node_plans.append(NodePlan(node=node, node_rank=node_rank, nproc=nproc, run_dir=run_dir, env=env))
+    return LaunchPlan(run_id=run_id, nodes=tuple(node_plans), backend="gloo" if devices == {"cpu"} else "nccl",
+                      master_addr=nodes[0].addr, master_port=port, port_was_chosen=chosen, command=tuple(command),
+                      sync_dir=os.path.abspath(sync_dir), builtin_trainer=builtin, config=config,
+                      max_restarts=max_restarts)
+
+
+def with_port(plan: LaunchPlan, port: int) -> LaunchPlan:
+    return replace(plan, master_port=port)

@@ -1,0 +1,91 @@
+"""Rendering a LaunchPlan into per-node files with Jinja2.
+
+StrictUndefined turns a missing variable into an error naming it; the `q` and `qpath` filters are the only way a
+value reaches the script, so no user value is ever read by a shell as code. A user template comes from
+`--template PATH` or `templates/launch_node.sh.j2` inside the synced project.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from nodectl import __version__
+from nodectl.errors import UsageError
+from nodectl.plan import LaunchPlan, NodePlan
+from nodectl.resources import resource_dir
+from nodectl.secrets import redact_env
+from nodectl.transport import quote_path
+
+LAUNCH_TEMPLATE = "launch_node.sh.j2"
+ENV_TEMPLATE = "env.sh.j2"
+ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class RenderedNode:
+    node: str
+    launch: str        # launch.sh
+    env: str           # env.sh, with real values: only ever written 0600 on the node
+    env_redacted: str  # what may be shown or stored locally
+
+
+def _quote(value) -> str:
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise jinja2.TemplateError(f"refusing to quote a {type(value).__name__} into a shell script")
+    return shlex.quote(str(value))
+
+
+def _quote_path(value) -> str:
+    return quote_path(str(value))
+
+
+def _environment(search: list[Path]) -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader([str(p) for p in search]),
+                             undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
+    env.filters["q"] = _quote
+    env.filters["qpath"] = _quote_path
+    return env
+
+
+def template_search_path(user_template: str | None, sync_dir: str | None) -> tuple[list[Path], str]:
+    """Where launch templates come from: --template, then <project>/templates/, then nodectl's own."""
+    search, name = [], LAUNCH_TEMPLATE
+    if user_template:
+        path = Path(user_template)
+        if not path.is_file():
+            raise UsageError(f"--template {user_template}: no such file")
+        search.append(path.resolve().parent)
+        name = path.name
+    elif sync_dir and (Path(sync_dir) / "templates" / LAUNCH_TEMPLATE).is_file():
+        search.append(Path(sync_dir) / "templates")
+    search.append(resource_dir("templates"))
+    return search, name
+
+
+def render_plan(plan: LaunchPlan, user_template: str | None = None) -> list[RenderedNode]:
+    search, name = template_search_path(user_template, plan.sync_dir)
+    environment = _environment(search)
+    rendered = []
+    for node_plan in plan.nodes:
+        rendered.append(_render_node(environment, name, plan, node_plan))
+    return rendered
+
+
+def _render_node(environment: jinja2.Environment, name: str, plan: LaunchPlan, np: NodePlan) -> RenderedNode:
+    for key in np.env:
+        if not ENV_NAME.match(key):
+            raise UsageError(f"environment variable name {key!r} of node {np.node.name} is not valid")
+    context = {"plan": plan, "np": np, "version": __version__}
+    try:
+        launch = environment.get_template(name).render(**context)
+        env_text = environment.get_template(ENV_TEMPLATE).render(env=dict(np.env), **context)
+        redacted = environment.get_template(ENV_TEMPLATE).render(env=redact_env(dict(np.env)), **context)
+    except jinja2.UndefinedError as exc:
+        raise UsageError(f"template {name}: {exc.message} (undefined variable)") from None
+    except jinja2.TemplateError as exc:
+        raise UsageError(f"template {name}: {exc}") from None
+    return RenderedNode(node=np.node.name, launch=launch, env=env_text, env_redacted=redacted)

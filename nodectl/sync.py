@@ -1,0 +1,133 @@
+"""Code sync: the project folder (minus what .gitignore excludes) and nodectl's own node-side files, sent to each
+node through a content-addressed store under <workdir>/.nodectl/objects, so a file whose content a node already
+has is never sent again."""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pathspec
+
+from nodectl import agent
+from nodectl.errors import UsageError
+from nodectl.resources import resource_dir
+from nodectl.transport import Transport
+
+DEFAULT_SYNC_LIMIT = 512 * 2**20
+ALWAYS_EXCLUDED = (".git/", "runs/", "__pycache__/", "*.pyc", ".nodectl/")
+
+
+@dataclass(frozen=True)
+class SyncFile:
+    path: str        # where it lands, relative to the node's run folder (code/..., lib/..., config/...)
+    source: Path
+    sha256: str
+    mode: int
+    size: int
+
+    def entry(self) -> dict:
+        return {"path": self.path, "sha256": self.sha256, "mode": self.mode}
+
+
+def _hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _git_files(root: Path) -> list[str] | None:
+    try:
+        proc = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                              capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    return [p for p in proc.stdout.decode().split("\0") if p]
+
+
+def _walk_files(root: Path) -> list[str]:
+    patterns = list(ALWAYS_EXCLUDED)
+    ignore = root / ".gitignore"
+    if ignore.is_file():
+        patterns += ignore.read_text(encoding="utf-8", errors="replace").splitlines()
+    spec = pathspec.PathSpec.from_lines("gitwildmatch", patterns)
+    files = []
+    for folder, dirs, names in os.walk(root):
+        rel_folder = os.path.relpath(folder, root)
+        dirs[:] = [d for d in dirs if not spec.match_file(os.path.normpath(os.path.join(rel_folder, d)) + "/")]
+        files += [os.path.normpath(os.path.join(rel_folder, n)) for n in names]
+    return [f for f in files if not spec.match_file(f)]
+
+
+def project_files(root: str | Path, limit: int = DEFAULT_SYNC_LIMIT) -> list[SyncFile]:
+    root = Path(root)
+    if not root.is_dir():
+        raise UsageError(f"--sync {root}: not a folder")
+    names = _git_files(root)
+    if names is None:
+        names = _walk_files(root)
+    excluded = pathspec.PathSpec.from_lines("gitwildmatch", ALWAYS_EXCLUDED)
+    files, total = [], 0
+    for name in sorted(set(names)):
+        source = root / name
+        if excluded.match_file(name) or not source.is_file() or source.is_symlink():
+            continue
+        size = source.stat().st_size
+        total += size
+        if total > limit:
+            raise UsageError(f"--sync {root}: more than {limit / 2**20:.0f} MiB to send (at {name}); exclude data "
+                             f"and outputs in .gitignore, or raise the cap with --sync-limit MiB")
+        files.append(SyncFile(f"code/{name}", source, _hash(source), source.stat().st_mode & 0o777, size))
+    return files
+
+
+def _tree(base: Path, prefix: str) -> list[SyncFile]:
+    out = []
+    for source in sorted(base.rglob("*")):
+        if source.is_file() and "__pycache__" not in source.parts and source.suffix != ".pyc":
+            rel = source.relative_to(base).as_posix()
+            out.append(SyncFile(f"{prefix}/{rel}", source, _hash(source), 0o644, source.stat().st_size))
+    return out
+
+
+def nodectl_files(builtin_trainer: bool, config: str | None) -> list[SyncFile]:
+    """rankexec.py always; the built-in trainer and its recipe when it is what runs."""
+    launchers = resource_dir("launchers")
+    files = [SyncFile("lib/rankexec.py", launchers / "rankexec.py", _hash(launchers / "rankexec.py"), 0o644,
+                      (launchers / "rankexec.py").stat().st_size)]
+    if builtin_trainer:
+        files += _tree(resource_dir("trainer"), "lib/trainer")
+    if config:
+        path = Path(config)
+        files.append(SyncFile(f"config/{path.name}", path, _hash(path), 0o644, path.stat().st_size))
+    return files
+
+
+def upload_missing(transport: Transport, files: list[SyncFile]) -> tuple[str | None, int]:
+    """Send the objects the node lacks as one tar; returns (remote tar path or None, bytes sent)."""
+    node = transport.node
+    unique = {f.sha256: f for f in files}
+    missing = agent.call(transport, "have", node.workdir, request={"hashes": sorted(unique)})["missing"]
+    if not missing:
+        return None, 0
+    with tempfile.NamedTemporaryFile(suffix=".tar", delete=False) as handle:
+        with tarfile.open(fileobj=handle, mode="w") as tar:
+            for sha in missing:
+                tar.add(str(unique[sha].source), arcname=sha, recursive=False)
+        local_tar = handle.name
+    try:
+        remote = f"{node.workdir.rstrip('/')}/.nodectl/upload-{os.getpid()}-{node.name}.tar"
+        transport.put(local_tar, remote)
+        return remote, os.path.getsize(local_tar)
+    finally:
+        os.unlink(local_tar)
+
+

@@ -1,0 +1,68 @@
+"""Helpers for launch tests: a small torchrun project, and finding a run's processes by their environment."""
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import psutil
+
+SCRIPT = '''\
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+total = torch.tensor([rank + 1.0]); dist.all_reduce(total)
+print(f"rank={rank} world={dist.get_world_size()} node={os.environ['NODECTL_NODE_RANK']} sum={total.item():g}",
+      flush=True)
+print("ARGS=" + repr(sys.argv[1:]), flush=True)
+if os.environ.get("FAIL_RANK") == str(rank):
+    time.sleep(float(os.environ.get("FAIL_AFTER", "1")))
+    print("rank is failing on purpose", flush=True)
+    sys.exit(7)
+time.sleep(float(os.environ.get("SLEEP", "0.2")))
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def make_project(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.py").write_text(SCRIPT)
+    (folder / ".gitignore").write_text("data/\n")
+    (folder / "data").mkdir(exist_ok=True)
+    (folder / "data" / "big.bin").write_bytes(b"x" * 1024)
+    return folder
+
+
+def run_processes(run_id: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("NODECTL_RUN_ID") == run_id and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def wait_for(predicate, timeout: float = 60, interval: float = 0.2):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not met in time")
+
+
+def latest_run_id(project: Path) -> str:
+    return sorted(p.name for p in (project / "runs").iterdir())[-1]
+
+
+def kill_leftovers(run_id: str) -> None:
+    for proc in run_processes(run_id):
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass

@@ -1,0 +1,157 @@
+"""launch / tail / status / stop / collect / runs against real sshd nodes and real torchrun with gloo."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import REPO, run_nodectl
+from launch_helpers import kill_leftovers, latest_run_id, make_project, run_processes, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def project(tmp_path):
+    return make_project(tmp_path / "project")
+
+
+def nodectl_args(cluster, *args, count=2, **inventory):
+    return ["-i", str(cluster.inventory(count=count, **inventory)), *args]
+
+
+def test_plain_script_two_nodes_two_ranks_args_intact(ssh_cluster, project, tmp_path):
+    canary = tmp_path / "injected"
+    tricky = ["with space", f"$(touch {canary})", f"`touch {canary}`", "it's \"quoted\"", "semi;colon"]
+    result = run_nodectl(nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "2", "--",
+                                      "train.py", *tricky), env=ssh_cluster.env(), cwd=project)
+    assert result.exit_code == 0, result.output
+    assert "rank=0 world=4 node=0 sum=10" in result.stdout
+    run_id = latest_run_id(project)
+    for rank in range(4):
+        tail = run_nodectl(["-i", str(ssh_cluster.inventory(count=2)), "tail", f"rank{rank}"],
+                           env=ssh_cluster.env(), cwd=project)
+        assert tail.exit_code == 0, tail.output
+        assert f"rank={rank} world=4 node={rank // 2}" in tail.stdout
+        assert f"ARGS={tricky!r}" in tail.stdout
+    assert not canary.exists()
+    node_dir = ssh_cluster.nodes[1].workdir / "runs" / run_id
+    assert (node_dir / "code" / "train.py").is_file() and not (node_dir / "code" / "data").exists()
+    assert oct((node_dir / "env.sh").stat().st_mode & 0o777) == "0o600"
+    manifest = json.loads((project / "runs" / run_id / "manifest.json").read_text())
+    assert manifest["state"] == "succeeded" and manifest["fingerprint"]
+    assert (project / "runs" / run_id / "scripts" / "node0.sh").read_text().count("--node-rank=0") == 1
+
+    everything = run_nodectl(["tail", "all", "--run", run_id], env=ssh_cluster.env(), cwd=project)
+    assert "[node1/3]" in everything.stdout
+    bad = run_nodectl(["tail", "rank9"], env=ssh_cluster.env(), cwd=project)
+    assert bad.exit_code == 2 and "rank3" in bad.stderr and "node1" in bad.stderr
+
+    collected = run_nodectl(["collect"], env=ssh_cluster.env(), cwd=project)
+    assert collected.exit_code == 0, collected.output
+    assert "rank=3" in (project / "runs" / run_id / "nodes" / "node1" / "logs" / "rank3.log").read_text()
+    assert not (project / "runs" / run_id / "nodes" / "node1" / "code").exists()
+    runs = run_nodectl(["--json", "runs"], env=ssh_cluster.env(), cwd=project)
+    assert runs.json()["runs"][-1]["run_id"] == run_id
+
+
+def test_failing_rank_stops_every_node(ssh_cluster, project):
+    env = ssh_cluster.env()
+    result = run_nodectl(nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "2", "--grace", "3",
+                                      "--", "train.py", node_overrides={1: {"env": {"FAIL_RANK": "3", "SLEEP": "60"}},
+                                                                        0: {"env": {"SLEEP": "60"}}}),
+                         env=env, cwd=project)
+    run_id = latest_run_id(project)
+    try:
+        assert result.exit_code == 1, result.output
+        assert "rank 3 on node node1 failed (exit code 7)" in result.stderr
+        assert "rank is failing on purpose" in result.stderr  # its last lines
+        assert run_processes(run_id) == []
+        status = run_nodectl(["--json", "status"], env=env, cwd=project)
+        rows = {row["rank"]: row["state"] for row in status.json()["ranks"]}
+        assert rows[3] == "exited(7)" and "running" not in rows.values()
+    finally:
+        kill_leftovers(run_id)
+
+
+def test_sigint_stops_attached_launch_and_detach_status_stop(ssh_cluster, project):
+    env = ssh_cluster.env()
+    args = nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "1", "--grace", "2", "--", "train.py",
+                        SLEEP="120")
+    proc = subprocess.Popen([sys.executable, "-m", "nodectl", *args], env=env, cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_id = wait_for(lambda: (project / "runs").is_dir() and any((project / "runs").iterdir())
+                      and latest_run_id(project))
+    try:
+        wait_for(lambda: len(run_processes(run_id)) >= 4, timeout=60)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 130, err
+        assert run_processes(run_id) == []
+    finally:
+        proc.kill()
+        kill_leftovers(run_id)
+
+    detached = run_nodectl(args[:-2] + ["--detach", "--", "train.py"], env=env, cwd=project)
+    assert detached.exit_code == 0, detached.output
+    run_id = latest_run_id(project)
+    assert run_id in detached.stdout and "nodectl tail rank0 -f" in detached.stdout
+    try:
+        wait_for(lambda: "running" in json.dumps(run_nodectl(["--json", "status"], env=env, cwd=project).json()))
+        stopped = run_nodectl(["stop", "--grace", "2"], env=env, cwd=project)
+        assert stopped.exit_code == 0, stopped.output
+        assert run_processes(run_id) == []
+        again = run_nodectl(["stop"], env=env, cwd=project)  # idempotent
+        assert again.exit_code == 0 and "0 process(es) stopped" in again.stderr
+    finally:
+        kill_leftovers(run_id)
+
+
+def test_two_runs_at_once_stop_one_leaves_the_other(ssh_cluster, project):
+    env = ssh_cluster.env()
+    base = nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "1", "--detach", "--", "train.py",
+                        SLEEP="120")
+    first = run_nodectl(base, env=env, cwd=project)
+    time.sleep(1.1)  # run ids carry the second they started
+    second = run_nodectl(base, env=env, cwd=project)
+    assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
+    run_a, run_b = sorted(p.name for p in (project / "runs").iterdir())[-2:]
+    try:
+        wait_for(lambda: len(run_processes(run_a)) >= 4 and len(run_processes(run_b)) >= 4)
+        assert run_nodectl(["stop", "--run", run_a, "--grace", "2"], env=env, cwd=project).exit_code == 0
+        assert run_processes(run_a) == []
+        assert len(run_processes(run_b)) >= 4
+    finally:
+        kill_leftovers(run_a)
+        kill_leftovers(run_b)
+
+
+def test_builtin_local_default_two_local_nodes(project):
+    env = {**os.environ, "NODECTL_FORCE_CPU": "1", "PYTHONUNBUFFERED": "1", "HOME": str(project.parent / "home")}
+    result = run_nodectl(["launch", "--nodes", "2", "--gpus", "1", "--skip-preflight", "--", "train.py"],
+                         env=env, cwd=project)
+    assert result.exit_code == 0, result.output
+    assert "rank=0 world=2 node=0 sum=3" in result.stdout
+    tail = run_nodectl(["tail", "rank1"], env=env, cwd=project)
+    assert "rank=1 world=2 node=1" in tail.stdout
+
+
+def test_dry_run_touches_nothing_and_hides_secrets(ssh_cluster, project):
+    result = run_nodectl(nodectl_args(ssh_cluster, "launch", "--dry-run", "--", "train.py",
+                                      env={"HF_TOKEN": "hf_dry_canary", "NCCL_DEBUG": "WARN"}),
+                         env=ssh_cluster.env(), cwd=project)
+    assert result.exit_code == 0, result.output
+    assert "--node-rank=1" in result.stdout and "NCCL_DEBUG=WARN" in result.stdout
+    assert "hf_dry_canary" not in result.output and "HF_TOKEN='***'" in result.stdout
+    assert not (project / "runs").exists()
+
+
+def test_script_outside_sync_dir_is_a_usage_error(project):
+    result = run_nodectl(["launch", "--dry-run", "--", "missing.py"], cwd=project,
+                         env={**os.environ, "NODECTL_FORCE_CPU": "1"})
+    assert result.exit_code == 2 and "missing.py" in result.stderr and "Traceback" not in result.output
