@@ -20,7 +20,7 @@ import sys
 import tarfile
 import time
 
-STATE_DIRS = ("logs", "state", "heartbeat", "stacks", "output", "flight")
+STATE_DIRS = ("code", "lib", "logs", "state", "heartbeat", "stacks", "output", "flight")
 READ_LIMIT = 256 * 1024
 
 

@@ -33,6 +33,8 @@ class Failure:
             return f"node {self.node} was lost: {self.detail}"
         if self.kind == "stalled":
             return f"rank {self.rank} on node {self.node} stalled: {self.detail}"
+        if self.code is None:
+            return f"node {self.node}: {self.detail}"
         return f"node {self.node}: torchrun exited {self.code} {self.detail}".rstrip()
 
 
@@ -205,6 +207,7 @@ def _vanished(states) -> Failure | None:
         answer = result.value if result.ok else None
         if answer and "error" not in answer and answer.get("started") and answer.get("alive") == 0 \
                 and not answer.get("launcher_exit"):
-            return Failure("launcher", name, detail="- its processes are gone and torchrun recorded no exit code",
+            return Failure("launcher", name, detail="its processes are gone and torchrun recorded no exit code "
+                                                    "(killed from outside?)",
                            time=time.time())
     return None

@@ -1,0 +1,71 @@
+"""Rendered launch scripts: golden files, quoting that no value escapes, and template errors."""
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from nodectl.errors import UsageError
+from nodectl.inventory import parse_inventory
+from nodectl.plan import build_plan
+from nodectl.render import render_plan
+
+GOLDEN = Path(__file__).parent / "golden"
+INVENTORY = """\
+master_port: 29500
+defaults: {user: ubuntu, gpus: 8, python: /opt/venv/bin/python3, workdir: ~/nodectl,
+           env: {NCCL_SOCKET_IFNAME: ens1, HF_TOKEN: hf_secret_value}}
+nodes:
+  - {host: 10.0.0.11, name: node0, addr: 10.0.1.11}
+  - {host: 10.0.0.12, name: node1}
+"""
+
+
+def plan(command=("train.py", "--lr", "3e-4")):
+    inventory = parse_inventory(INVENTORY)
+    p = build_plan(inventory, gpus=None, command=command, sync_dir="/src/project", run_id="20260101-000000-abcd",
+                   facts={"node0": {"cpu": {"available": 64}, "torch": {"version": "2.6.0+cu124"}}})
+    return replace(p, created=0.0)
+
+
+@pytest.mark.parametrize("node", [0, 1])
+def test_golden_launch_scripts(node):
+    rendered = render_plan(plan())[node]
+    golden = GOLDEN / f"launch_node{node}.sh"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.write_text(rendered.launch)
+        (GOLDEN / f"env_node{node}.sh").write_text(rendered.env_redacted)
+    assert rendered.launch == golden.read_text()
+    assert rendered.env_redacted == (GOLDEN / f"env_node{node}.sh").read_text()
+
+
+def test_secrets_only_in_the_real_env_file():
+    rendered = render_plan(plan())[0]
+    assert "hf_secret_value" in rendered.env
+    assert "hf_secret_value" not in rendered.launch + rendered.env_redacted
+
+
+def test_hostile_values_stay_literal_in_bash(tmp_path):
+    canary = tmp_path / "canary"
+    hostile = ("run.py", f"$(touch {canary})", f"`touch {canary}`", "a'b\"c", "x;touch " + str(canary), "line\nbreak")
+    rendered = render_plan(plan(hostile))[0]
+    arguments = rendered.launch.split('rankexec.py"', 1)[1]  # to the end: the newline argument spans lines
+    printed = subprocess.run(["bash", "-c", "printf '%s\\0' " + arguments], capture_output=True, text=True)
+    assert printed.stdout.split("\0")[:-1] == list(hostile)
+    env_file = tmp_path / "env.sh"
+    env_file.write_text(render_plan(replace(plan(), nodes=tuple(
+        replace(n, env={**n.env, "EVIL": f"$(touch {canary})"}) for n in plan().nodes)))[0].env)
+    out = subprocess.run(["bash", "-c", f"set -a; . {env_file}; printf %s \"$EVIL\""], capture_output=True, text=True)
+    assert out.stdout == f"$(touch {canary})" and not canary.exists()
+
+
+def test_user_template_with_undefined_variable_fails_with_its_name(tmp_path):
+    template = tmp_path / "mine.sh.j2"
+    template.write_text("#!/bin/bash\necho {{ plan.run_id | q }} {{ no_such_thing }}\n")
+    with pytest.raises(UsageError, match="no_such_thing"):
+        render_plan(plan(), str(template))
+    template.write_text("#!/bin/bash\necho {{ np.node.name | q }}\n")
+    assert render_plan(plan(), str(template))[1].launch == "#!/bin/bash\necho node1\n"

@@ -1,0 +1,113 @@
+"""The built-in trainer under real torchrun processes with gloo on CPU."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_nodectl
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("demo-cache")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(nproc: int, out: Path, demo_cache: Path, *sets: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "NODECTL_DEMO_CACHE": str(demo_cache), "OMP_NUM_THREADS": "1"}
+    env.pop("NODECTL_RUN_DIR", None)
+    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
+            f"--master-port={free_port()}", "-m", "trainer", "--set", f"train.output_dir={out}"]
+    for assignment in sets:
+        argv += ["--set", assignment]
+    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=out.parent)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_ranks_learn_and_the_adapter_reloads_with_peft(tmp_path, demo_cache):
+    out = tmp_path / "out"
+    proc = torchrun(2, out, demo_cache, "train.steps=40", "train.save_probe_logits=true")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = [m["loss"] for m in metrics(out)]
+    assert losses[-1] < 0.7 * losses[0]
+    adapter = out / "adapter"
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+
+    summary = json.loads((out / "summary.json").read_text())
+    # Only LoRA tensors were gathered: their fp32 bytes, nothing of the frozen base.
+    assert summary["adapter"]["gathered_bytes"] == 4 * summary["trainable_params"]
+    assert summary["adapter"]["gathered_bytes"] < 4 * summary["frozen_params"]
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(demo_cache / "demo-v1" / "model", dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, str(adapter)).eval()
+    probe = torch.load(out / "probe.pt")
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    mask = probe["attention_mask"].bool()
+    torch.testing.assert_close(logits[mask], probe["logits"][mask], rtol=1e-4, atol=1e-4)
+    untrained = AutoModelForCausalLM.from_pretrained(demo_cache / "demo-v1" / "model", dtype=torch.float32)
+    with torch.no_grad():
+        before = untrained(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
+    assert not torch.allclose(before[mask], probe["logits"][mask], atol=1e-2)  # the adapter changed something
+
+
+def test_accumulation_and_world_size_give_the_same_steps(tmp_path, demo_cache):
+    common = ("train.steps=3", "train.log_every=1", "train.micro_batch_size=4", "train.warmup_steps=1")
+    one = torchrun(1, tmp_path / "one", demo_cache, *common, "train.grad_accum=2")
+    two = torchrun(2, tmp_path / "two", demo_cache, *common, "train.grad_accum=1")
+    assert one.returncode == 0 and two.returncode == 0, one.stderr[-2000:] + two.stderr[-2000:]
+    for a, b in zip(metrics(tmp_path / "one"), metrics(tmp_path / "two"), strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-3)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.bogus=1", "train.bogus: unknown key"),
+    ("model.path=/no/such/model", "model.path: /no/such/model has no config.json"),
+    ("lora.target_modules=[nothing_matches]", "lora.target_modules: ['nothing_matches'] matches no module"),
+])
+def test_bad_recipe_fails_fast_on_every_rank_with_one_message(tmp_path, demo_cache, override, message):
+    proc = torchrun(2, tmp_path / "out", demo_cache, override, timeout=120)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert output.count(f"recipe error: {message}") == 1, output[-3000:]
+    assert "Traceback" not in output.split("recipe error")[0][-500:]
+
+
+def test_nodectl_demo_launch_two_local_nodes(tmp_path, demo_cache):
+    env = {**os.environ, "NODECTL_FORCE_CPU": "1", "NODECTL_DEMO_CACHE": str(demo_cache),
+           "HOME": str(tmp_path / "home"), "PYTHONUNBUFFERED": "1"}
+    project = tmp_path / "project"
+    project.mkdir()
+    result = run_nodectl(["launch", "--nodes", "2", "--gpus", "1", "--skip-preflight"], env=env, cwd=project,
+                         timeout=300)
+    assert result.exit_code == 0, result.output[-3000:]
+    assert "adapter saved to" in result.stdout
+    run_id = sorted(p.name for p in (project / "runs").iterdir())[-1]
+    assert run_nodectl(["collect"], env=env, cwd=project).exit_code == 0
+    collected = project / "runs" / run_id / "nodes" / "local0" / "output"
+    losses = [json.loads(line)["loss"] for line in (collected / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] <= 0.7 * losses[0], losses
+    assert (collected / "adapter" / "adapter_model.safetensors").is_file()
+    heartbeat = json.loads((project / "runs" / run_id / "nodes" / "local1" / "heartbeat" / "rank1.json").read_text())
+    assert heartbeat["step"] == 80

@@ -1,0 +1,39 @@
+"""`python -m trainer --config recipe.yaml [--set section.key=value ...]` under torchrun (or alone)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description="FSDP2 + LoRA fine-tuning")
+    parser.add_argument("--config", help="recipe YAML (default: the built-in demo recipe)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one recipe value (repeatable)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    from .config import ConfigError, load_recipe
+    from .data import DataError
+
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        recipe = load_recipe(args.config, args.set)
+        from .loop import train
+
+        train(recipe)
+    except (ConfigError, DataError) as exc:
+        if rank == 0:  # every rank reached the same verdict before any collective; one of them says it
+            print(f"recipe error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

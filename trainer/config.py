@@ -1,0 +1,168 @@
+"""The recipe: YAML parsed once into dataclasses, checked before any process group exists."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class ConfigError(Exception):
+    """A recipe problem: names the key and what was expected."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    path: str = "demo"                 # a local folder with config.json, tokenizer and safetensors; or "demo"
+    dtype: str = "auto"                # auto: bf16 on GPUs, fp32 on CPU ranks
+    activation_checkpointing: bool = True
+    compile: bool = False
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = DEFAULT_TARGETS
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    path: str = "demo"                 # JSONL with {"prompt", "response"} or {"text"}; or "demo"
+    max_length: int = 128
+    packing: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 60
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    log_every: int = 5
+    save_every: int = 0                # 0: only at the end
+    keep_last: int = 2
+    output_dir: str = ""               # default: $NODECTL_RUN_DIR/output, else ./output
+    collective_timeout_s: float = 600.0
+    save_probe_logits: bool = False    # rank 0 writes probe.pt: one batch's logits, to verify an exported adapter
+
+
+@dataclass(frozen=True)
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def output_dir(self) -> Path:
+        if self.train.output_dir:
+            return Path(os.path.expanduser(self.train.output_dir))
+        run_dir = os.environ.get("NODECTL_RUN_DIR")
+        return Path(run_dir) / "output" if run_dir else Path("output")
+
+
+SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "train": TrainConfig}
+
+
+def _coerce(section: str, spec: dataclasses.Field, value: Any) -> Any:
+    key, kind = f"{section}.{spec.name}", spec.type
+    if kind == "bool":
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if isinstance(value, bool):
+            return value
+    elif kind == "int":
+        if isinstance(value, str) and value.lstrip("-").isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif kind == "float":
+        try:
+            if not isinstance(value, bool):
+                return float(value)
+        except (TypeError, ValueError):
+            pass
+    elif kind == "str":
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    elif kind.startswith("tuple"):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+            return tuple(value)
+    raise ConfigError(f"{key}: expected {kind}, got {value!r}")
+
+
+def _set_override(document: dict, assignment: str) -> None:
+    if "=" not in assignment or "." not in assignment.split("=", 1)[0]:
+        raise ConfigError(f"--set {assignment!r}: expected section.key=value, e.g. train.steps=100")
+    dotted, raw = assignment.split("=", 1)
+    section, key = dotted.split(".", 1)
+    document.setdefault(section, {})
+    if not isinstance(document[section], dict):
+        raise ConfigError(f"{section}: expected a mapping")
+    document[section][key] = yaml.safe_load(raw) if raw else ""
+
+
+DEMO_RECIPE = Path(__file__).with_name("demo.yaml")
+
+
+def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
+    """The recipe at `path` (the built-in demo recipe when None) with `section.key=value` overrides."""
+    path = path or str(DEMO_RECIPE)
+    document: Any = {}
+    if path:
+        try:
+            document = yaml.safe_load(Path(path).read_text()) or {}
+        except OSError as exc:
+            raise ConfigError(f"recipe {path}: cannot be read ({exc.strerror})") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"recipe {path}: not valid YAML ({exc})") from None
+    if not isinstance(document, dict):
+        raise ConfigError(f"recipe {path}: expected a mapping with sections {', '.join(SECTIONS)}")
+    for assignment in overrides:
+        _set_override(document, assignment)
+    built = {}
+    for section, values in document.items():
+        if section not in SECTIONS:
+            raise ConfigError(f"{section}: unknown section; expected one of {', '.join(SECTIONS)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{section}: expected a mapping of settings")
+        known = {f.name: f for f in fields(SECTIONS[section])}
+        for key in values:
+            if key not in known:
+                raise ConfigError(f"{section}.{key}: unknown key; expected one of {', '.join(known)}")
+        built[section] = SECTIONS[section](**{k: _coerce(section, known[k], v) for k, v in values.items()})
+    recipe = Recipe(**built)
+    _check(recipe)
+    return recipe
+
+
+def _check(recipe: Recipe) -> None:
+    positive = {"train.steps": recipe.train.steps, "train.micro_batch_size": recipe.train.micro_batch_size,
+                "train.grad_accum": recipe.train.grad_accum, "data.max_length": recipe.data.max_length,
+                "lora.r": recipe.lora.r, "train.log_every": recipe.train.log_every,
+                "train.keep_last": recipe.train.keep_last}
+    for key, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{key}: expected a positive integer, got {value}")
+    if recipe.model.dtype not in ("auto", "bfloat16", "float32"):
+        raise ConfigError(f"model.dtype: expected auto, bfloat16 or float32, got {recipe.model.dtype!r}")
+    if not 0 <= recipe.lora.dropout < 1:
+        raise ConfigError(f"lora.dropout: expected 0 <= dropout < 1, got {recipe.lora.dropout}")
+    if recipe.model.path != "demo" and not (Path(os.path.expanduser(recipe.model.path)) / "config.json").is_file():
+        raise ConfigError(f"model.path: {recipe.model.path} has no config.json (a local Hugging Face model "
+                          f"folder is expected; nothing is downloaded)")
+    if recipe.data.path != "demo" and not Path(os.path.expanduser(recipe.data.path)).is_file():
+        raise ConfigError(f"data.path: {recipe.data.path} is not a file")

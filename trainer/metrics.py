@@ -1,0 +1,71 @@
+"""What the trainer reports: metrics.jsonl on rank 0, a heartbeat per rank, the console line, and faulthandler
+on SIGUSR1 so `nodectl stacks` can ask a hung rank where it is."""
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+# Dense bf16 peak per GPU (vendor datasheets), for MFU. NODECTL_PEAK_TFLOPS overrides.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10G": 125.0, "L4": 121.0}
+
+
+def peak_flops(device_name: str | None) -> float | None:
+    if os.environ.get("NODECTL_PEAK_TFLOPS"):
+        return float(os.environ["NODECTL_PEAK_TFLOPS"]) * 1e12
+    for key, tflops in PEAK_TFLOPS.items():
+        if device_name and key in device_name:
+            return tflops * 1e12
+    return None
+
+
+def flops_per_token(trainable: int, frozen: int, layers: int, hidden: int, seq_len: int,
+                    recompute: bool) -> float:
+    """Model FLOPs per token of one training step (the figure MFU is computed from; see README):
+    forward 2 FLOPs per weight; backward 2 more per weight for input gradients plus 2 per trainable weight for
+    weight gradients; attention scores and values 12·layers·hidden·seq. Recomputation is not counted."""
+    del recompute  # MFU counts useful work only; recomputed forwards are overhead, not model FLOPs
+    return 4 * (trainable + frozen) + 2 * trainable + 12 * layers * hidden * seq_len
+
+
+class Reporter:
+    def __init__(self, out_dir: Path, rank: int) -> None:
+        run_dir = os.environ.get("NODECTL_RUN_DIR")
+        self.rank = rank
+        self.heartbeat_dir = Path(run_dir) / "heartbeat" if run_dir else out_dir / "heartbeat"
+        self.heartbeat_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = open(out_dir / "metrics.jsonl", "a", encoding="utf-8") if rank == 0 else None
+        self.last: dict = {}
+        self._register_stacks()
+
+    def _register_stacks(self) -> None:
+        path = os.environ.get("NODECTL_STACK_FILE")
+        if not path:
+            return
+        self._stack_file = open(path, "a", encoding="utf-8")
+        faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
+        Path(path).with_suffix(".ready").write_text(str(os.getpid()))
+
+    def heartbeat(self, step: int, **extra) -> None:
+        path = self.heartbeat_dir / f"rank{self.rank}.json"
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"step": step, "time": time.time(), **self.last, **extra}))
+        os.replace(tmp, path)
+
+    def log(self, record: dict) -> None:
+        self.last = {"loss": record.get("loss")}
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+            mfu = f" mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
+            memory = f" mem {record['max_memory_gb']:.1f}GB" if record.get("max_memory_gb") else ""
+            print(f"step {record['step']:>5} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                  f"gnorm {record['grad_norm']:.3f} tok/s/gpu {record['tokens_per_s_per_gpu']:.0f}{mfu}{memory}",
+                  flush=True)
+
+    def close(self) -> None:
+        if self.metrics:
+            self.metrics.close()
