@@ -11,15 +11,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import pathspec
-
 from nodectl import agent
 from nodectl.errors import UsageError
 from nodectl.resources import resource_dir
 from nodectl.transport import Transport
 
 DEFAULT_SYNC_LIMIT = 512 * 2**20
-ALWAYS_EXCLUDED = (".git/", "runs/", "__pycache__/", "*.pyc", ".nodectl/")
 
 
 @dataclass(frozen=True)
@@ -53,18 +50,29 @@ def _git_files(root: Path) -> list[str] | None:
     return [p for p in proc.stdout.decode().split("\0") if p]
 
 
+def _always_excluded(name: str) -> bool:
+    parts = name.split("/")
+    return parts[0] == "runs" or name.endswith(".pyc") or any(p in (".git", "__pycache__", ".nodectl")
+                                                               for p in parts[:-1])
+
+
 def _walk_files(root: Path) -> list[str]:
-    patterns = list(ALWAYS_EXCLUDED)
+    """Outside git: every file, minus what the root .gitignore excludes (matched as git would)."""
     ignore = root / ".gitignore"
+    spec = None
     if ignore.is_file():
-        patterns += ignore.read_text(encoding="utf-8", errors="replace").splitlines()
-    spec = pathspec.PathSpec.from_lines("gitwildmatch", patterns)
+        import pathspec
+
+        spec = pathspec.PathSpec.from_lines("gitwildmatch", ignore.read_text(encoding="utf-8", errors="replace")
+                                            .splitlines())
     files = []
     for folder, dirs, names in os.walk(root):
         rel_folder = os.path.relpath(folder, root)
-        dirs[:] = [d for d in dirs if not spec.match_file(os.path.normpath(os.path.join(rel_folder, d)) + "/")]
+        rel = [os.path.normpath(os.path.join(rel_folder, d)) for d in dirs]
+        dirs[:] = [d for d, r in zip(dirs, rel) if not _always_excluded(r + "/x")
+                   and not (spec and spec.match_file(r + "/"))]
         files += [os.path.normpath(os.path.join(rel_folder, n)) for n in names]
-    return [f for f in files if not spec.match_file(f)]
+    return [f for f in files if not _always_excluded(f) and not (spec and spec.match_file(f))]
 
 
 def project_files(root: str | Path, limit: int = DEFAULT_SYNC_LIMIT) -> list[SyncFile]:
@@ -74,11 +82,10 @@ def project_files(root: str | Path, limit: int = DEFAULT_SYNC_LIMIT) -> list[Syn
     names = _git_files(root)
     if names is None:
         names = _walk_files(root)
-    excluded = pathspec.PathSpec.from_lines("gitwildmatch", ALWAYS_EXCLUDED)
     files, total = [], 0
     for name in sorted(set(names)):
         source = root / name
-        if excluded.match_file(name) or not source.is_file() or source.is_symlink():
+        if _always_excluded(name) or not source.is_file() or source.is_symlink():
             continue
         size = source.stat().st_size
         total += size

@@ -157,8 +157,8 @@ class SSHTransport(Transport):
         if known_hosts.exists():
             client.load_host_keys(str(known_hosts))
         client.set_missing_host_key_policy(
-            _AcceptNew(known_hosts, self._known_hosts_lock) if self.options.accept_new_host_keys
-            else _RefuseUnknown())
+            _accept_new(known_hosts, self._known_hosts_lock) if self.options.accept_new_host_keys
+            else _refuse_unknown())
         target = f"{conn.user}@{conn.host}:{conn.port}"
         try:
             conn.open()
@@ -253,36 +253,36 @@ def _fingerprint(key) -> str:
     return f"{key.get_name()} {key.fingerprint}" if hasattr(key, "fingerprint") else key.get_name()
 
 
-def _policy_base():
-    import paramiko
-
-    return paramiko.MissingHostKeyPolicy
-
-
 class _UnknownHostKey(Exception):
     def __init__(self, hostname: str, key) -> None:
         super().__init__(hostname)
         self.hostname, self.fingerprint = hostname, _fingerprint(key)
 
 
-class _RefuseUnknown(_policy_base()):
-    def missing_host_key(self, client, hostname, key):
-        raise _UnknownHostKey(hostname, key)
+def _refuse_unknown():
+    import paramiko
+
+    class RefuseUnknown(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client, hostname, key):
+            raise _UnknownHostKey(hostname, key)
+
+    return RefuseUnknown()
 
 
-class _AcceptNew(_policy_base()):
+def _accept_new(known_hosts: Path, lock: threading.Lock):
     """ssh's StrictHostKeyChecking=accept-new: record an unknown key; a changed key still fails in paramiko."""
+    import paramiko
 
-    def __init__(self, known_hosts: Path, lock: threading.Lock) -> None:
-        self.known_hosts, self.lock = known_hosts, lock
+    class AcceptNew(paramiko.MissingHostKeyPolicy):
+        def missing_host_key(self, client, hostname, key):
+            client.get_host_keys().add(hostname, key.get_name(), key)
+            with lock:
+                known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                with open(known_hosts, "a", encoding="ascii") as handle:
+                    handle.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+                os.chmod(known_hosts, 0o600)
 
-    def missing_host_key(self, client, hostname, key):
-        client.get_host_keys().add(hostname, key.get_name(), key)
-        with self.lock:
-            self.known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            with open(self.known_hosts, "a", encoding="ascii") as handle:
-                handle.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
-            os.chmod(self.known_hosts, 0o600)
+    return AcceptNew()
 
 
 def make_transport(node: Node, options: TransportOptions) -> Transport:

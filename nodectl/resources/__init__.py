@@ -11,4 +11,7 @@ from pathlib import Path
 
 def resource_dir(name: str) -> Path:
     """The folder of a shipped resource package ("launchers", "templates" or "trainer")."""
-    return Path(str(resources.files(f"nodectl.resources.{name}")))
+    try:
+        return Path(str(resources.files(f"nodectl.resources.{name}")))
+    except ModuleNotFoundError:  # a checkout on PYTHONPATH, not installed: the folders sit at the repo root
+        return Path(__file__).resolve().parents[2] / name

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Set up this checkout from nothing: openssh-server (for the test cluster), a venv, torch, nodectl[train,test].
+# NODECTL_TORCH pins torch; the default is the CPU build this project's CI machine has on disk. On a GPU
+# machine set it to the CUDA build you use (e.g. NODECTL_TORCH="torch==2.6.0").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive
+if [ "${NODECTL_SKIP_APT:-0}" != 1 ] && ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && apt-get install -y -qq openssh-server openssh-client >/dev/null
+  else
+    echo "note: openssh-server is missing; the SSH integration tests will be skipped" >&2
+  fi
+fi
+VENV=${NODECTL_VENV:-.venv}
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
+"$VENV/bin/python" -m pip install -q "${NODECTL_TORCH:-torch==2.13.0}"
+"$VENV/bin/python" -m pip install -q -e ".[train,test]"
+echo "set up: $VENV/bin/nodectl"
