@@ -15,16 +15,17 @@ work=$(mktemp -d); cd "$work"
 echo "== demo, 2 local nodes x 1 GPU, NCCL"
 $NODECTL launch --nodes 2 --gpus 1 --skip-preflight 2>&1 | tail -25 | tee "$OUT/demo.log"
 $NODECTL collect >/dev/null 2>&1; cp runs/*/nodes/local0/output/metrics.jsonl "$OUT/demo-metrics.jsonl" 2>/dev/null
+grep -hE "Error|error:" runs/*/nodes/*/logs/rank*.log | grep -v "^\[rank.\]: #" | head -20 | tee -a "$OUT/demo.log"
 
 echo "== 1B Llama (hidden 2048, 16 layers, 32/8 heads, ffn 8192, vocab 128256), seq 2048"
-python3 "$REPO/bench/make_llama.py" "$work/llama1b" --examples 256 --chars 2100 | tee -a "$OUT/llama1b.log"
+mkdir -p "$work/models" "$work/proj1b"; cd "$work/proj1b"
+python3 "$REPO/bench/make_llama.py" "$work/models/llama1b" --examples 256 --chars 2100 | tee -a "$OUT/llama1b.log"
 cat > recipe1b.yaml <<YAML
-model: {path: $work/llama1b, activation_checkpointing: ${AC:-false}}
+model: {path: $work/models/llama1b, activation_checkpointing: ${AC:-false}}
 lora: {r: 16, alpha: 32}
-data: {path: $work/llama1b/train.jsonl, max_length: 2048}
+data: {path: $work/models/llama1b/train.jsonl, max_length: 2048}
 train: {steps: ${STEPS:-30}, micro_batch_size: ${MBS:-4}, lr: 0.0002, warmup_steps: 3, log_every: 5}
 YAML
-rm -rf runs
 $NODECTL launch --nodes 2 --gpus 1 --skip-preflight --config recipe1b.yaml 2>&1 | tail -20 | tee -a "$OUT/llama1b.log"
 $NODECTL collect >/dev/null 2>&1; cp runs/*/nodes/local0/output/metrics.jsonl "$OUT/llama1b-metrics.jsonl" 2>/dev/null
-$NODECTL tail all -n 3 2>&1 | tail -8 | tee -a "$OUT/llama1b.log"
+grep -hE "Error|error:" runs/*/nodes/*/logs/rank*.log | grep -v "^\[rank.\]: #" | head -20 | tee -a "$OUT/llama1b.log"

@@ -1,5 +1,21 @@
 """Secret redaction (SPEC: never print or store a secret). The rules live in launchers/probe.py, which runs on
-nodes and may import nothing from nodectl; the controller uses the very same functions."""
-from nodectl.resources.launchers.probe import REDACTED, is_secret_name, redact_env, redact_value
+nodes and may import nothing from nodectl; the controller loads that very file so there is one set of rules."""
+from __future__ import annotations
+
+import importlib.util
+
+from nodectl.resources import resource_dir
+
+
+def _load_probe():
+    spec = importlib.util.spec_from_file_location("nodectl_probe_rules", resource_dir("launchers") / "probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_probe = _load_probe()
+REDACTED, is_secret_name, redact_env, redact_value = (_probe.REDACTED, _probe.is_secret_name, _probe.redact_env,
+                                                      _probe.redact_value)
 
 __all__ = ["REDACTED", "is_secret_name", "redact_env", "redact_value"]

@@ -84,7 +84,7 @@ def train(recipe: Recipe) -> dict:
 
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     torch.manual_seed(recipe.train.seed)
-    model = parallelize(model, recipe, mesh, ctx.on_gpu)
+    model = parallelize(model, recipe, mesh, dtype == torch.bfloat16)
     materialise(model, model_path, ctx.device, ctx.rank, recipe.train.seed)
     out_dir = recipe.output_dir()
     out_dir.mkdir(parents=True, exist_ok=True)

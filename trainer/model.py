@@ -43,7 +43,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     raise ConfigError("model: no decoder layers found (a Hugging Face causal LM with *DecoderLayer blocks)")
 
 
-def parallelize(model: nn.Module, recipe: Recipe, mesh, on_gpu: bool) -> nn.Module:
+def _adapter_linears(module: nn.Module) -> list[nn.Module]:
+    """The LoRA Linear layers themselves (lora_A.default, ...): peft calls these, never their ModuleDicts, so
+    FSDP's forward hooks must sit on them."""
+    return [m for name, m in module.named_modules()
+            if isinstance(m, nn.Linear) and name.rsplit(".", 2)[-2:-1] in (["lora_A"], ["lora_B"])]
+
+
+def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module:
     """The wrapping order, in one place: LoRA (already applied), activation checkpointing, compile, FSDP2.
 
     Activation checkpointing is non-reentrant: the reentrant kind re-runs forward hooks and is what makes DDP
@@ -53,19 +60,18 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, on_gpu: bool) -> nn.Modu
 
     if recipe.model.activation_checkpointing:
         model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_gpu \
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
         if recipe.model.compile:
             layer.compile()
         dtypes = {p.dtype for p in layer.parameters()}
         if len(dtypes) > 1:
-            adapters = [m for name, m in layer.named_modules() if name.endswith(("lora_A", "lora_B"))]
-            fully_shard(adapters, mesh=mesh, mp_policy=policy)
+            fully_shard(_adapter_linears(layer), mesh=mesh, mp_policy=policy)
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
     if len({p.dtype for p in model.parameters()}) > 1:
-        rest = [m for name, m in model.named_modules() if name.endswith(("lora_A", "lora_B"))
-                and not any(m is x for layer in decoder_layers(model) for x in layer.modules())]
+        inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
+        rest = [m for m in _adapter_linears(model) if id(m) not in inside]
         if rest:
             fully_shard(rest, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
