@@ -101,10 +101,22 @@ def probe_packages() -> dict:
     return dict(sorted(packages.items()))
 
 
+def probe_torch_metadata() -> dict:
+    """torch's version without importing it (about 1.5 s of CPU): enough where there is no GPU to ask about."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return {"error": "ModuleNotFoundError: torch is not installed for this python"}
+    return {"version": version, "imported": False, "cuda_available": False, "device_count": 0, "cuda": None,
+            "cudnn": None, "nccl": None}
+
+
 def probe_torch() -> dict:
     import torch
 
-    info = {"version": torch.__version__, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
+    info = {"version": torch.__version__, "imported": True, "cuda": torch.version.cuda, "hip": getattr(torch.version, "hip", None),
             "cuda_available": torch.cuda.is_available(), "device_count": 0, "cudnn": None, "nccl": None,
             "distributed": torch.distributed.is_available()}
     if torch.distributed.is_available():
@@ -258,10 +270,19 @@ def probe_disk(workdir: str) -> dict:
             "shm_bytes": shm.f_blocks * shm.f_frsize if shm else None}
 
 
-def probe(workdir: str = "~") -> dict:
+def _has_gpu_device() -> bool:
+    return any(os.path.exists(p) for p in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/kfd"))
+
+
+def probe(workdir: str = "~", import_torch: bool | None = None) -> dict:
+    """import_torch: True always imports torch (preflight proves it imports), False never, None where a GPU
+    device node exists (CUDA, cuDNN and NCCL versions need the import; on a CPU node metadata suffices)."""
     started = time.time()
     report: dict = {"probe_version": 1}
-    torch_thread = threading.Thread(target=_section, args=(report, "torch", probe_torch), daemon=True)
+    if import_torch is None:
+        import_torch = _has_gpu_device()
+    torch_probe = probe_torch if import_torch else probe_torch_metadata
+    torch_thread = threading.Thread(target=_section, args=(report, "torch", torch_probe), daemon=True)
     torch_thread.start()  # importing torch is the slow part; everything else runs beside it
     for key, fn in (("os", probe_os), ("cpu", probe_cpu), ("memory", probe_memory), ("python", probe_python),
                     ("packages", probe_packages), ("gpus", probe_gpus), ("nics", probe_nics),
@@ -277,4 +298,6 @@ def probe(workdir: str = "~") -> dict:
 
 
 if __name__ == "__main__":
-    print(json.dumps(probe(sys.argv[1] if len(sys.argv) > 1 else "~"), default=str))
+    flags = set(sys.argv[2:])
+    choice = True if "--import-torch" in flags else False if "--no-import-torch" in flags else None
+    print(json.dumps(probe(sys.argv[1] if len(sys.argv) > 1 else "~", choice), default=str))

@@ -71,6 +71,15 @@ def test_two_ranks_learn_and_the_adapter_reloads_with_peft(tmp_path, demo_cache)
     assert not torch.allclose(before[mask], probe["logits"][mask], atol=1e-2)  # the adapter changed something
 
 
+def test_bf16_base_with_fp32_adapters_in_their_own_fsdp_units(tmp_path, demo_cache):
+    """The GPU layout (frozen bf16 base, fp32 LoRA, bf16 compute) exercised on CPU ranks."""
+    out = tmp_path / "out"
+    proc = torchrun(2, out, demo_cache, "model.dtype=bfloat16", "train.steps=20")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    losses = [m["loss"] for m in metrics(out)]
+    assert losses[-1] < 0.8 * losses[0]
+
+
 def test_accumulation_and_world_size_give_the_same_steps(tmp_path, demo_cache):
     common = ("train.steps=3", "train.log_every=1", "train.micro_batch_size=4", "train.warmup_steps=1")
     one = torchrun(1, tmp_path / "one", demo_cache, *common, "train.grad_accum=2")
