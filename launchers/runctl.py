@@ -88,15 +88,19 @@ def cmd_prepare(args: list, request: dict) -> dict:
 def cmd_port(args: list, request: dict) -> dict:
     """Whether a TCP port is free here, and a free one if not."""
     port = int(args[0])
+    if port == 0:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            return {"port": probe.getsockname()[1], "free": True, "asked": 0}
     with socket.socket() as probe:
         try:
             probe.bind(("", port))
-            return {"port": port, "free": True}
+            return {"port": port, "free": True, "asked": port}
         except OSError:
             pass
     with socket.socket() as probe:
         probe.bind(("", 0))
-        return {"port": probe.getsockname()[1], "free": False}
+        return {"port": probe.getsockname()[1], "free": False, "asked": port}
 
 
 def cmd_start(args: list, request: dict) -> dict:
@@ -313,6 +317,71 @@ def cmd_pack(args: list, request: dict) -> dict:
     return {"archive": target, "entries": count, "bytes": os.path.getsize(target)}
 
 
+def cmd_listen(args: list, request: dict) -> dict:
+    """Listen on a port for a while in a detached process (preflight's reachability test); returns its pid."""
+    port, seconds = int(args[0]), float(args[1])
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "_serve", str(port), str(seconds)],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 5
+    while time.time() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                return {"pid": proc.pid, "port": port}
+        except OSError:
+            if proc.poll() is not None:
+                return {"error": f"cannot listen on port {port}"}
+            time.sleep(0.05)
+    return {"error": f"listener on port {port} did not come up"}
+
+
+def cmd_serve(args: list, request: dict) -> dict:
+    port, deadline = int(args[0]), time.time() + float(args[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("", port))
+        server.listen(128)
+        server.settimeout(0.2)
+        while time.time() < deadline:
+            try:
+                conn, _ = server.accept()
+                conn.close()
+            except OSError:
+                pass
+    return {}
+
+
+def cmd_unlisten(args: list, request: dict) -> dict:
+    pid = int(args[0])
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            if b"_serve" in handle.read():
+                os.kill(pid, signal.SIGTERM)
+    except OSError:
+        pass
+    return {}
+
+
+def cmd_connect(args: list, request: dict) -> dict:
+    host, port = args[0], int(args[1])
+    started = time.time()
+    try:
+        with socket.create_connection((host, port), timeout=float(request.get("timeout", 5))):
+            return {"ok": True, "ms": (time.time() - started) * 1000}
+    except OSError as exc:
+        return {"ok": False, "error": str(exc) or exc.__class__.__name__}
+
+
+def cmd_route(args: list, request: dict) -> dict:
+    """The interface this node sends to ADDR through (ip route get), or null where ip is missing."""
+    try:
+        proc = subprocess.run(["ip", "route", "get", args[0]], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"dev": None}
+    words = proc.stdout.split()
+    return {"dev": words[words.index("dev") + 1] if "dev" in words else None, "raw": proc.stdout.strip()}
+
+
 def cmd_cleanup(args: list, request: dict) -> dict:
     path = os.path.expanduser(args[0])
     if os.path.exists(path):
@@ -321,7 +390,9 @@ def cmd_cleanup(args: list, request: dict) -> dict:
 
 
 COMMANDS = {"have": cmd_have, "prepare": cmd_prepare, "port": cmd_port, "start": cmd_start, "poll": cmd_poll,
-            "tail": cmd_tail, "stop": cmd_stop, "stacks": cmd_stacks, "pack": cmd_pack, "cleanup": cmd_cleanup}
+            "tail": cmd_tail, "stop": cmd_stop, "stacks": cmd_stacks, "pack": cmd_pack, "cleanup": cmd_cleanup,
+            "listen": cmd_listen, "_serve": cmd_serve, "unlisten": cmd_unlisten, "connect": cmd_connect,
+            "route": cmd_route}
 
 
 def main() -> None:

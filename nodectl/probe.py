@@ -20,10 +20,12 @@ def probe_source() -> str:
     return (resource_dir("launchers") / "probe.py").read_text(encoding="utf-8")
 
 
-def run_probe(transport: Transport, source: str | None = None) -> dict:
-    """One node's report. `clock.skew_s` is the node's clock minus the controller's, at the probe's midpoint."""
+def run_probe(transport: Transport, source: str | None = None, import_torch: bool | None = None) -> dict:
+    """One node's report. `clock.skew_s` is the node's clock minus the controller's, at the probe's midpoint.
+    import_torch: True proves torch imports (preflight); None lets the probe import it only where GPUs are."""
     node = transport.node
-    command = f"{quote_path(node.python)} - {quote_path(node.workdir)}"
+    flag = {True: " --import-torch", False: " --no-import-torch", None: ""}[import_torch]
+    command = f"{quote_path(node.python)} - {quote_path(node.workdir)}{flag}"
     before = time.time()
     result = transport.run(command, stdin=source or probe_source(), timeout=PROBE_TIMEOUT)
     after = time.time()
@@ -44,11 +46,12 @@ def run_probe(transport: Transport, source: str | None = None) -> dict:
     return report
 
 
-def probe_nodes(cluster: Cluster, nodes: Iterable[Node] | None = None, on_done=None) -> list[NodeResult[dict]]:
+def probe_nodes(cluster: Cluster, nodes: Iterable[Node] | None = None, on_done=None,
+                import_torch: bool | None = None) -> list[NodeResult[dict]]:
     source = probe_source()
 
     def work(transport: Transport) -> dict:
-        return run_probe(transport, source)
+        return run_probe(transport, source, import_torch)
 
     def guarded(transport: Transport) -> dict:
         try:

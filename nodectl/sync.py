@@ -105,11 +105,12 @@ def _tree(base: Path, prefix: str) -> list[SyncFile]:
     return out
 
 
-def nodectl_files(builtin_trainer: bool, config: str | None) -> list[SyncFile]:
-    """rankexec.py always; the built-in trainer and its recipe when it is what runs."""
+def nodectl_files(builtin_trainer: bool, config: str | None, launchers_needed: tuple[str, ...] = ()) -> list[SyncFile]:
+    """rankexec.py always (plus any other launcher a job runs); the built-in trainer and its recipe when it is
+    what runs."""
     launchers = resource_dir("launchers")
-    files = [SyncFile("lib/rankexec.py", launchers / "rankexec.py", _hash(launchers / "rankexec.py"), 0o644,
-                      (launchers / "rankexec.py").stat().st_size)]
+    files = [SyncFile(f"lib/{name}", launchers / name, _hash(launchers / name), 0o644, (launchers / name).stat().st_size)
+             for name in ("rankexec.py", *launchers_needed)]
     if builtin_trainer:
         files += _tree(resource_dir("trainer"), "lib/trainer")
     if config:

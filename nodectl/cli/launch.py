@@ -1,8 +1,8 @@
 """`nodectl launch`: plan, render, (dry-run stops here), sync, start on every node, then watch or detach."""
 from __future__ import annotations
 
+import json
 import os
-import shlex
 import signal
 import sys
 from pathlib import Path
@@ -84,9 +84,11 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
     files = sync.project_files(sync_dir, sync_limit * 2**20)
     command = _check_command(tuple(command), files, sync_dir)
     config = os.path.abspath(config) if config else None
-    facts = {}
+    facts, preflight = {}, None
     if not skip_preflight and not dry_run:
-        facts = _quick_preflight(app, inventory)
+        from nodectl.preflight.gate import quick_gate
+
+        facts, preflight = quick_gate(app, inventory, gpus)
     plan = build_plan(inventory, gpus=gpus, command=command, sync_dir=sync_dir, config=config,
                       max_restarts=max_restarts, facts=facts)
     files = files + sync.nodectl_files(plan.builtin_trainer, config)
@@ -98,6 +100,12 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
         plan = settle_master_port(plan, cluster)
         rendered = render_plan(plan, template)
         run = _record(plan, rendered, inventory.source, app)
+        if preflight:
+            (run.folder / "preflight.json").write_text(json.dumps(preflight, indent=2, default=str))
+            env_dir = run.folder / "env"
+            env_dir.mkdir()
+            for name, report in facts.items():
+                (env_dir / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
         _start(app, run, plan, rendered, cluster, files, grace)
         if detach:
             run.update(state="running")
@@ -106,14 +114,6 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
             app.out.print(f"stop it:    nodectl stop --run {plan.run_id}")
             return
         _watch(app, run, plan, cluster, follow, grace, stall_after)
-
-
-def _quick_preflight(app: AppContext, inventory) -> dict:
-    try:
-        from nodectl.preflight.gate import quick_gate
-    except ImportError:
-        return {}
-    return quick_gate(app, inventory)
 
 
 def _record(plan: LaunchPlan, rendered, source: str, app: AppContext) -> Run:

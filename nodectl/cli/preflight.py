@@ -1,0 +1,35 @@
+"""`nodectl preflight`: probe every node in parallel and judge what would otherwise cost a day of a stuck run."""
+from __future__ import annotations
+
+import click
+
+from nodectl.cli.context import AppContext
+from nodectl.cli.options import node_selection
+from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
+from nodectl.preflight.render import print_report
+from nodectl.preflight.run import run_preflight, save
+
+
+@click.command("preflight")
+@click.argument("inventory_path", metavar="[INVENTORY]", required=False)
+@node_selection
+@click.option("--gpus", type=click.IntRange(min=1), help="Ranks per node the launch will use.")
+@click.option("--quick", "depth", flag_value="quick", help="Skip the collective test.")
+@click.option("--full", "depth", flag_value="full", help="Collective sizes up to 4 GiB.")
+@click.pass_obj
+def command(app: AppContext, inventory_path, nodes, exclude, gpus, depth) -> None:
+    """Check every node (GPUs, P2P, IB, versions, ports, clocks, shm...) and run a collective test."""
+    inventory = app.inventory(inventory_path).select(nodes, exclude)
+    with app.cluster(inventory) as cluster, app.node_progress("probing nodes", len(inventory.nodes)) as advance:
+        report = run_preflight(inventory, cluster, gpus=gpus, quick=depth == "quick", full=depth == "full",
+                               connect_timeout=app.transport_options.connect_timeout, on_probe=advance)
+    path = save(report, inventory, gpus)
+    if app.json:
+        app.emit_json({**report.to_json(), "saved": str(path)})
+    else:
+        print_report(app.out, report)
+        app.info(f"report saved to {path}")
+    if report.unreachable:
+        raise SystemExit(EXIT_UNREACHABLE)
+    if report.failed:
+        raise SystemExit(EXIT_FAILED)

@@ -1,0 +1,335 @@
+"""Preflight checks: small pure units that judge probe reports. Probing (remote, slow) happens elsewhere; every
+function here reads only the reports it is given, so each is unit-tested on saved or crafted reports."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping
+
+PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
+SHM_MIN = 1 << 30
+DISK_WARN, DISK_FAIL = 20 << 30, 2 << 30
+GPU_BUSY_BYTES = 1 << 30
+SKEW_WARN, SKEW_FAIL = 1.0, 30.0
+VIRTUAL_PREFIXES = ("docker", "veth", "virbr", "br-", "lo", "cni", "flannel", "cali", "tun", "tap")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    check: str
+    node: str           # a node name, or "cluster" for cross-node checks
+    verdict: str
+    detail: str
+    hint: str = ""
+    env: Mapping[str, str] | None = None   # variables this hint recommends for hosts.yaml
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What the launch will ask of the nodes."""
+
+    gpus: int | None          # ranks per node on cuda nodes (None: whatever each node has)
+    master_port: int | None
+    master_addr: str
+
+
+def _get(report: Mapping, *path, default=None) -> Any:
+    value: Any = report
+    for key in path:
+        if not isinstance(value, Mapping) or key not in value:
+            return default
+        value = value[key]
+    return value
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_torch(node: str, report: Mapping, device: str) -> CheckResult:
+    torch = report.get("torch") or {}
+    python = _get(report, "python", "executable", default="python3")
+    if "error" in torch:
+        return CheckResult("torch", node, FAIL, f"torch does not import for {python}: {torch['error']}",
+                           f"install it into that interpreter: {python} -m pip install torch (the CUDA build "
+                           f"your driver supports), or set python: in hosts.yaml to one that has it")
+    if device == "cuda" and torch.get("imported") and not torch.get("cuda_available"):
+        return CheckResult("torch", node, FAIL, f"torch {torch.get('version')} sees no CUDA device",
+                           "install a CUDA build of torch (not +cpu), check the driver with nvidia-smi, or use "
+                           "device: cpu for this node")
+    return CheckResult("torch", node, PASS, f"torch {torch.get('version')} (CUDA {torch.get('cuda') or '-'}, "
+                                            f"NCCL {torch.get('nccl') or '-'})")
+
+
+def check_gpu_count(node: str, report: Mapping, want: int | None) -> CheckResult:
+    count = _get(report, "gpus", "count", default=0)
+    if not _get(report, "gpus", "available", default=False):
+        return CheckResult("gpus", node, FAIL, f"no GPU visible: {_get(report, 'gpus', 'reason', default='?')}",
+                           "install the NVIDIA driver and nvidia-ml-py on the node, or use device: cpu")
+    if want and count < want:
+        return CheckResult("gpus", node, FAIL, f"{count} GPU(s), {want} requested",
+                           f"lower --gpus to {count} or gpus: in hosts.yaml for this node")
+    models = {d["name"] for d in _get(report, "gpus", "devices", default=[])}
+    if len(models) > 1:
+        return CheckResult("gpus", node, FAIL, f"mixed GPU models on one node: {', '.join(sorted(models))}",
+                           "set CUDA_VISIBLE_DEVICES in this node's env: to GPUs of one model")
+    return CheckResult("gpus", node, PASS, f"{count}x {next(iter(models), '?')}")
+
+
+def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = frozenset()) -> CheckResult:
+    busy, notes = [], []
+    for device in _get(report, "gpus", "devices", default=[]):
+        for proc in device.get("compute_processes", []):
+            if proc.get("pid") not in own_pids:
+                busy.append(f"GPU{device['index']}: pid {proc['pid']} ({proc.get('user', '?')})")
+        used = device.get("memory_used_bytes") or 0
+        if used > GPU_BUSY_BYTES:
+            notes.append(f"GPU{device['index']} has {_gib(used)} in use")
+    if busy:
+        return CheckResult("gpu idle", node, FAIL, "; ".join(busy),
+                           "stop those processes (a stray rank of an earlier run? `nodectl stop --run RUN`), "
+                           "or leave those GPUs out with CUDA_VISIBLE_DEVICES")
+    if notes:
+        return CheckResult("gpu idle", node, FAIL, "; ".join(notes),
+                           "memory is held with no compute process listed: another container or a zombie; "
+                           "check nvidia-smi on the node")
+    return CheckResult("gpu idle", node, PASS, "no foreign compute process")
+
+
+def check_ecc(node: str, report: Mapping) -> CheckResult:
+    bad = []
+    for d in _get(report, "gpus", "devices", default=[]):
+        if (d.get("ecc_volatile_uncorrected") or 0) > 0:
+            bad.append(f"GPU{d['index']}: {d['ecc_volatile_uncorrected']} uncorrectable ECC errors")
+        if d.get("retired_pages_pending"):
+            bad.append(f"GPU{d['index']}: retired pages pending")
+        if d.get("remapped_rows_pending") or d.get("remapped_rows_failed"):
+            bad.append(f"GPU{d['index']}: row remapping {'failed' if d.get('remapped_rows_failed') else 'pending'}")
+    if bad:
+        return CheckResult("ecc", node, FAIL, "; ".join(bad),
+                           "reset the GPU when idle (pending retirements/remaps apply at reset) or drain the node")
+    return CheckResult("ecc", node, PASS, "no uncorrectable errors or pending retirements")
+
+
+def check_persistence(node: str, report: Mapping) -> CheckResult:
+    off = [str(d["index"]) for d in _get(report, "gpus", "devices", default=[]) if not d.get("persistence_mode")]
+    if off:
+        return CheckResult("persistence", node, WARN, f"persistence mode off on GPU {','.join(off)}",
+                           "sudo nvidia-smi -pm 1 (or enable nvidia-persistenced) to avoid slow first CUDA calls")
+    return CheckResult("persistence", node, PASS, "on")
+
+
+def check_p2p(node: str, p2p: Mapping | None) -> CheckResult:
+    if not p2p:
+        return CheckResult("p2p", node, SKIP, "fewer than 2 GPUs")
+    if "error" in p2p:
+        return CheckResult("p2p", node, FAIL, f"P2P test failed: {p2p['error']}",
+                           "NCCL_P2P_DISABLE=1 for this node; check ACS/IOMMU settings in BIOS and kernel",
+                           {"NCCL_P2P_DISABLE": "1"})
+    broken = [f"{p['src']}->{p['dst']}: {p.get('error') or 'wrong data'}" for p in p2p.get("pairs", [])
+              if not p.get("ok")]
+    if broken:
+        return CheckResult("p2p", node, FAIL, "; ".join(broken[:4]),
+                           "GPU peer copies fail or corrupt data: set NCCL_P2P_DISABLE=1 for this node; usually "
+                           "PCIe ACS or the IOMMU blocks peer traffic (disable ACS, or iommu=pt)",
+                           {"NCCL_P2P_DISABLE": "1"})
+    pairs = p2p.get("pairs", [])
+    slowest = min((p["gbps"] for p in pairs), default=0)
+    peer = sum(1 for p in pairs if p.get("peer_access"))
+    return CheckResult("p2p", node, PASS, f"{len(pairs)} pairs correct, {peer} with peer access, "
+                                          f"slowest {slowest:.0f} GB/s")
+
+
+def check_nvlink(node: str, report: Mapping) -> CheckResult:
+    devices = _get(report, "gpus", "devices", default=[])
+    if len(devices) < 2:
+        return CheckResult("nvlink", node, SKIP, "fewer than 2 GPUs")
+    active = [d.get("nvlinks_active", 0) for d in devices]
+    if not any(active):
+        return CheckResult("nvlink", node, PASS, "no NVLink (PCIe only)")
+    if not all(active):
+        on_pcie = [str(d["index"]) for d in devices if not d.get("nvlinks_active")]
+        return CheckResult("nvlink", node, WARN, f"GPU {','.join(on_pcie)} without active NVLink while others "
+                                                 f"have it", "a link is down: check nvidia-smi nvlink -s")
+    return CheckResult("nvlink", node, PASS, f"{min(active)}-{max(active)} active links per GPU")
+
+
+def check_infiniband(node: str, report: Mapping) -> CheckResult:
+    devices = report.get("infiniband") or []
+    if not devices:
+        return CheckResult("infiniband", node, SKIP, "no InfiniBand/RoCE device")
+    ports = [(d["name"], p) for d in devices for p in d.get("ports", [])]
+    down = [f"{name}/{p['port']} {p.get('state')} {p.get('phys_state')}" for name, p in ports
+            if "ACTIVE" not in (p.get("state") or "") or "LinkUp" not in (p.get("phys_state") or "")]
+    if down:
+        return CheckResult("infiniband", node, FAIL, "ports not ACTIVE/LinkUp: " + "; ".join(down),
+                           "check cables and the subnet manager (ibstat; systemctl status opensm); list only "
+                           "working HCAs with NCCL_IB_HCA")
+    rates = sorted({p.get("rate") for _, p in ports})
+    layers = sorted({p.get("link_layer") for _, p in ports})
+    return CheckResult("infiniband", node, PASS, f"{len(ports)} port(s) up, {', '.join(map(str, rates))}, "
+                                                 f"{'/'.join(map(str, layers))}")
+
+
+def check_memlock(node: str, report: Mapping) -> CheckResult:
+    soft = _get(report, "limits", "memlock_soft")
+    if not report.get("infiniband"):
+        return CheckResult("memlock", node, SKIP if soft != "unlimited" else PASS,
+                           f"memlock {soft} (only matters with InfiniBand)")
+    if soft != "unlimited":
+        return CheckResult("memlock", node, FAIL, f"memlock is {soft} bytes with InfiniBand present",
+                           "add '* soft memlock unlimited' and '* hard memlock unlimited' to "
+                           "/etc/security/limits.conf (LimitMEMLOCK=infinity for services), then log in again")
+    return CheckResult("memlock", node, PASS, "unlimited")
+
+
+def check_shm(node: str, report: Mapping) -> CheckResult:
+    shm = _get(report, "disk", "shm_bytes")
+    if shm is None:
+        return CheckResult("shm", node, FAIL, "/dev/shm is missing", "mount a tmpfs on /dev/shm")
+    if shm < SHM_MIN:
+        return CheckResult("shm", node, FAIL, f"/dev/shm is {_gib(shm)}",
+                           "at least 1 GiB: in docker use --shm-size=16g or --ipc=host; else "
+                           "mount -o remount,size=16G /dev/shm")
+    return CheckResult("shm", node, PASS, _gib(shm))
+
+
+def check_disk(node: str, report: Mapping) -> CheckResult:
+    free = _get(report, "disk", "free_bytes")
+    where = _get(report, "disk", "workdir", default="workdir")
+    if free is None:
+        return CheckResult("disk", node, WARN, "free space unknown")
+    if free < DISK_FAIL:
+        return CheckResult("disk", node, FAIL, f"{_gib(free)} free in {where}", "free space or move workdir:")
+    if free < DISK_WARN:
+        return CheckResult("disk", node, WARN, f"{_gib(free)} free in {where}", "checkpoints may not fit")
+    return CheckResult("disk", node, PASS, f"{_gib(free)} free")
+
+
+def _version(report: Mapping, what: str) -> str:
+    if what == "python":
+        return ".".join(str(_get(report, "python", "version", default="?")).split(".")[:2])
+    if what == "driver":
+        return str(_get(report, "gpus", "driver", default="-"))
+    return str(_get(report, "torch", what, default="-"))
+
+
+def check_versions(reports: Mapping[str, Mapping]) -> list[CheckResult]:
+    """torch, CUDA, NCCL, driver and Python minor must agree (fail); other packages should (warn)."""
+    results = []
+    for what in ("version", "cuda", "nccl", "driver", "python"):
+        label = {"version": "torch"}.get(what, what)
+        seen: dict[str, list[str]] = {}
+        for node, report in reports.items():
+            seen.setdefault(_version(report, what), []).append(node)
+        if len(seen) > 1:
+            detail = "; ".join(f"{v} on {', '.join(nodes)}" for v, nodes in sorted(seen.items()))
+            results.append(CheckResult(f"same {label}", "cluster", FAIL, detail,
+                                       f"install one {label} version everywhere (nodectl env-dump --diff shows all "
+                                       f"drift)"))
+        else:
+            results.append(CheckResult(f"same {label}", "cluster", PASS, next(iter(seen), "-")))
+    results.append(check_packages(reports))
+    return results
+
+
+IGNORED_PACKAGES = {"pip", "setuptools", "wheel", "nodectl"}
+
+
+def check_packages(reports: Mapping[str, Mapping]) -> CheckResult:
+    packages = {node: r.get("packages") or {} for node, r in reports.items()}
+    names = set().union(*(p.keys() for p in packages.values())) - IGNORED_PACKAGES if packages else set()
+    differing = sorted(n for n in names if len({p.get(n, "-") for p in packages.values()}) > 1)
+    if differing:
+        shown = ", ".join(differing[:12]) + (f" and {len(differing) - 12} more" if len(differing) > 12 else "")
+        return CheckResult("same packages", "cluster", WARN, f"{len(differing)} differ: {shown}",
+                           "nodectl env-dump --diff lists the versions per node")
+    return CheckResult("same packages", "cluster", PASS, f"{len(names)} packages agree")
+
+
+def check_gpu_models(reports: Mapping[str, Mapping]) -> CheckResult:
+    models = {node: sorted({d["name"] for d in _get(r, "gpus", "devices", default=[])}) for node, r in reports.items()}
+    distinct = {tuple(m) for m in models.values() if m}
+    if len(distinct) > 1:
+        return CheckResult("one GPU model", "cluster", FAIL,
+                           "; ".join(f"{node}: {', '.join(m)}" for node, m in models.items()),
+                           "a run is as fast as its slowest GPU; exclude the odd nodes with --exclude")
+    return CheckResult("one GPU model", "cluster", PASS, ", ".join(next(iter(distinct), ("none",))))
+
+
+def check_clock(node: str, report: Mapping) -> CheckResult:
+    skew = _get(report, "clock", "skew_s")
+    if skew is None:
+        return CheckResult("clock", node, SKIP, "no clock reading")
+    slack = (_get(report, "clock", "round_trip_s", default=0) or 0) / 2
+    effective = max(0.0, abs(skew) - slack)
+    hint = "run chrony or systemd-timesyncd on every node; logs and heartbeats are compared by time"
+    if effective > SKEW_FAIL:
+        return CheckResult("clock", node, FAIL, f"{skew:+.1f}s from the controller", hint)
+    if effective > SKEW_WARN:
+        return CheckResult("clock", node, WARN, f"{skew:+.1f}s from the controller", hint)
+    return CheckResult("clock", node, PASS, f"{skew:+.2f}s")
+
+
+def check_master_port(node: str, port_answer: Mapping | None) -> CheckResult:
+    if port_answer is None:
+        return CheckResult("master port", node, SKIP, "not node 0")
+    if port_answer.get("free"):
+        return CheckResult("master port", node, PASS, f"port {port_answer['port']} free")
+    return CheckResult("master port", node, FAIL, f"port {port_answer.get('asked')} is in use on node 0",
+                       "stop what holds it or set another master_port: in hosts.yaml")
+
+
+def check_reach_master(node: str, answer: Mapping | None, target: str) -> CheckResult:
+    if answer is None:
+        return CheckResult("reach master", node, SKIP, "not tested")
+    if answer.get("ok"):
+        return CheckResult("reach master", node, PASS, f"{target} in {answer.get('ms', 0):.0f} ms")
+    return CheckResult("reach master", node, FAIL, f"cannot open {target}: {answer.get('error')}",
+                       "open the master port on node 0's firewall to the other nodes, or set addr: of node 0 to "
+                       "an address they can reach")
+
+
+def check_route(node: str, answer: Mapping | None, master_addr: str) -> CheckResult:
+    """The interface a node uses toward the master address; docker, virtual or lo is usually a wrong pick."""
+    if not answer or not answer.get("dev"):
+        return CheckResult("interface", node, SKIP, "route unknown")
+    dev = answer["dev"]
+    loopback_master = master_addr.startswith("127.") or master_addr in ("localhost", "::1")
+    if dev.startswith(VIRTUAL_PREFIXES) and not loopback_master:
+        return CheckResult("interface", node, WARN, f"{master_addr} is reached through {dev}",
+                           "pin the right NIC for NCCL and gloo", {"NCCL_SOCKET_IFNAME": "<your NIC>",
+                                                                   "GLOO_SOCKET_IFNAME": "<your NIC>"})
+    return CheckResult("interface", node, PASS, f"{dev} toward {master_addr}",
+                       env=None if loopback_master else {"NCCL_SOCKET_IFNAME": dev, "GLOO_SOCKET_IFNAME": dev})
+
+
+CheckFn = Callable[..., CheckResult]
+
+
+def judge_node(node: str, report: Mapping, device: str, expect: Expectation,
+               extras: Mapping[str, Any] | None = None) -> list[CheckResult]:
+    """Every per-node check for one node's report (extras: p2p, port, reach and route answers)."""
+    extras = extras or {}
+    results = [check_torch(node, report, device)]
+    if device == "cuda":
+        results += [check_gpu_count(node, report, expect.gpus), check_gpus_idle(node, report), check_ecc(node, report),
+                    check_persistence(node, report), check_p2p(node, extras.get("p2p")), check_nvlink(node, report),
+                    check_infiniband(node, report), check_memlock(node, report)]
+    results += [check_shm(node, report), check_disk(node, report), check_clock(node, report)]
+    if "port" in extras:
+        results.append(check_master_port(node, extras["port"]))
+    if "reach" in extras:
+        results.append(check_reach_master(node, extras["reach"], f"{expect.master_addr}:{expect.master_port}"))
+    if "route" in extras:
+        results.append(check_route(node, extras["route"], expect.master_addr))
+    return results
+
+
+def judge_cluster(reports: Mapping[str, Mapping], devices: Mapping[str, str]) -> list[CheckResult]:
+    results = check_versions(reports)
+    if any(d == "cuda" for d in devices.values()):
+        results.append(check_gpu_models(reports))
+    return results

@@ -1,0 +1,100 @@
+"""The collective test: a short torchrun job through the launch path, and what its logs say of NCCL's
+transports. Parsing is pure and unit-tested on saved log lines."""
+from __future__ import annotations
+
+import json
+import re
+import tempfile
+from dataclasses import replace
+
+from nodectl import sync
+from nodectl.inventory import Inventory
+from nodectl.launch import settle_master_port, start_run
+from nodectl.plan import build_plan
+from nodectl.preflight.checks import FAIL, PASS, WARN, CheckResult
+from nodectl.render import render_plan
+from nodectl.runs import create_run
+from nodectl.transport import Cluster
+from nodectl.watch import stop_nodes, tail_lines, wait_for_end
+
+TRANSPORT_RE = re.compile(r"via (P2P/[\w/]+|SHM/[\w/]+|NET/IB[\w/]*|NET/Socket[\w/]*|NET/[\w/]+|NVLS[\w/]*|"
+                          r"CollNet[\w/]*)")
+GPU_MAX, GPU_FULL_MAX, CPU_MAX = 1 << 30, 4 << 30, 64 << 20
+
+
+def transports_in(log: str) -> dict[str, int]:
+    """How many NCCL connections used each transport: {"P2P/CUMEM/read": 24, "NET/IB/0/GDRDMA": 8, ...}."""
+    counts: dict[str, int] = {}
+    for match in TRANSPORT_RE.finditer(log):
+        counts[match[1]] = counts.get(match[1], 0) + 1
+    return counts
+
+
+def result_in(log: str) -> dict | None:
+    for line in reversed(log.splitlines()):
+        if line.startswith("NODECTL_COLLECTIVE "):
+            return json.loads(line.split(" ", 1)[1])
+    return None
+
+
+def judge_collective(result: dict | None, transports: dict[str, int], ib_present: bool, nnodes: int,
+                     failure: str | None) -> list[CheckResult]:
+    if failure or result is None:
+        return [CheckResult("collective", "cluster", FAIL, f"the all-reduce job failed: {failure or 'no result'}",
+                            "see the job's logs with nodectl tail all --run RUN; NCCL_DEBUG=INFO is set there")]
+    wrong = [s["bytes"] for s in result["sizes"] if not s["ok"]]
+    out = []
+    if wrong:
+        out.append(CheckResult("collective", "cluster", FAIL, f"all-reduce returned wrong sums at {wrong[:3]} bytes",
+                               "a GPU or link corrupts data: run preflight --full to find the node pair"))
+    else:
+        largest = result["sizes"][-1]
+        out.append(CheckResult("collective", "cluster", PASS,
+                               f"{result['backend']} all-reduce correct on {result['world']} ranks; busbw "
+                               f"{largest['busbw_gbs']:.1f} GB/s at {largest['bytes'] >> 20} MiB"))
+    if transports:
+        used = ", ".join(f"{name} x{count}" for name, count in sorted(transports.items()))
+        socket = any(name.startswith("NET/Socket") for name in transports)
+        if ib_present and socket and nnodes > 1:
+            out.append(CheckResult("nccl transport", "cluster", FAIL, f"InfiniBand is present but NCCL used {used}",
+                                   "NCCL fell back to TCP sockets: make sure NCCL_IB_DISABLE is unset or 0, name "
+                                   "the HCAs with NCCL_IB_HCA, load nvidia-peermem for GPUDirect RDMA",
+                                   {"NCCL_IB_DISABLE": "0"}))
+        elif socket and nnodes > 1:
+            out.append(CheckResult("nccl transport", "cluster", WARN, used, "inter-node traffic on TCP sockets"))
+        else:
+            out.append(CheckResult("nccl transport", "cluster", PASS, used))
+    return out
+
+
+def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, full: bool,
+                   connect_timeout: float, grace: float = 5.0) -> tuple[dict | None, dict[str, int], str | None, str]:
+    """(result, transports, failure, run id) of the all-reduce job on every selected node and rank."""
+    gpu_run = inventory.nodes[0].device == "cuda"
+    max_bytes = (GPU_FULL_MAX if full else GPU_MAX) if gpu_run else CPU_MAX
+    if gpu_run:  # NCCL says which transport each connection took
+        inventory = replace(inventory, nodes=tuple(replace(n, env={"NCCL_DEBUG": "INFO", **n.env})
+                                                   for n in inventory.nodes))
+    empty = tempfile.mkdtemp(prefix="nodectl-preflight-")
+    plan = build_plan(inventory, gpus=gpus, command=("../lib/collective.py", "--max-bytes", str(max_bytes)),
+                      sync_dir=empty)
+    files = sync.nodectl_files(False, None, ("collective.py",))
+    plan = settle_master_port(plan, cluster)
+    rendered = render_plan(plan)
+    run = create_run(plan.to_json(), argv=["nodectl", "preflight", "(collective test)"],
+                     config_fingerprint=plan.fingerprint(), inventory_source=inventory.source, git=None)
+    results = start_run(plan, rendered, cluster, files)
+    problems = [r for r in results if not r.ok or isinstance(r.value, Exception)]
+    run_nodes = run.nodes()
+    if problems:
+        stop_nodes(cluster, run_nodes, grace)
+        run.update(state="failed-to-start")
+        return None, {}, "; ".join(f"{r.node.name}: {r.error or r.value}" for r in problems), plan.run_id
+    outcome, failure = wait_for_end(cluster, run_nodes, None, lost_after=connect_timeout + 5)
+    if outcome != "succeeded":
+        stop_nodes(cluster, run_nodes, grace)
+    run.update(state=outcome)
+    logs = ""
+    for run_node in run_nodes:
+        logs += tail_lines(cluster, run_node, [run_node.ranks[0]], 5000).get(run_node.ranks[0], {}).get("text", "")
+    return result_in(logs), transports_in(logs), failure.describe() if failure else None, plan.run_id

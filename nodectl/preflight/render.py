@@ -1,0 +1,55 @@
+"""Preflight output for people: a nodes x checks table, each failure with its hint, and an env: block."""
+from __future__ import annotations
+
+import yaml
+from rich.markup import escape
+from rich.table import Table
+
+from nodectl.preflight.checks import FAIL, PASS, SKIP, WARN
+from nodectl.preflight.run import PreflightReport
+
+STYLE = {PASS: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
+
+
+def print_report(console, report: PreflightReport) -> None:
+    per_node = [r for r in report.results if r.node != "cluster"]
+    checks = list(dict.fromkeys(r.check for r in per_node))
+    table = Table(title="preflight", title_justify="left")
+    table.add_column("node")
+    for check in checks:
+        table.add_column(check, overflow="fold")
+    for node in report.nodes:
+        cells = {r.check: r for r in per_node if r.node == node}
+        table.add_row(node, *(f"[{STYLE[cells[c].verdict]}]{cells[c].verdict}[/]" if c in cells else "-"
+                              for c in checks))
+    console.print(table)
+    cluster = [r for r in report.results if r.node == "cluster"]
+    if cluster:
+        summary = Table(title="across nodes", title_justify="left")
+        for column in ("check", "verdict", "detail"):
+            summary.add_column(column, overflow="fold")
+        for r in cluster:
+            summary.add_row(r.check, f"[{STYLE[r.verdict]}]{r.verdict}[/]", escape(r.detail))
+        console.print(summary)
+    if report.collective and report.collective.get("sizes"):
+        bandwidth = Table(title=f"all-reduce ({report.collective['backend']}, {report.collective['world']} ranks)",
+                          title_justify="left")
+        for column in ("size", "time", "algbw GB/s", "busbw GB/s", "correct"):
+            bandwidth.add_column(column, justify="right")
+        for s in report.collective["sizes"]:
+            bandwidth.add_row(f"{s['bytes'] >> 20} MiB", f"{s['time_us']:.0f} us", f"{s['algbw_gbs']:.2f}",
+                              f"{s['busbw_gbs']:.2f}", "yes" if s["ok"] else "[red]NO[/]")
+        console.print(bandwidth)
+    for r in report.results:
+        if r.verdict in (FAIL, WARN):
+            colour = STYLE[r.verdict]
+            console.print(f"[{colour}]{r.verdict.upper()}[/] {escape(r.node)} {escape(r.check)}: {escape(r.detail)}")
+            if r.hint:
+                console.print(f"      fix: {escape(r.hint)}")
+    env = report.recommended_env()
+    if env:
+        console.print("recommended env: for hosts.yaml (per node):")
+        console.print(escape(yaml.safe_dump({"nodes": [{"name": n, "env": e} for n, e in env.items()]},
+                                            sort_keys=False)).rstrip(), highlight=False)
+    verdict = "FAILED" if report.failed or report.unreachable else "passed"
+    console.print(f"preflight {verdict}: {len(report.failed)} failure(s), {len(report.warned)} warning(s)")

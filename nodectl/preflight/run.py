@@ -1,0 +1,154 @@
+"""Running a preflight: probe, P2P, port and route facts from every node in parallel, then judge them."""
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nodectl import agent
+from nodectl.inventory import Inventory
+from nodectl.preflight.checks import FAIL, WARN, CheckResult, Expectation, judge_cluster, judge_node
+from nodectl.preflight.collective import judge_collective, run_collective
+from nodectl.probe import probe_nodes
+from nodectl.resources import resource_dir
+from nodectl.runs import runs_root
+from nodectl.transport import Cluster, NodeResult, Transport, quote_path
+
+REUSE_SECONDS = 600
+
+
+@dataclass
+class PreflightReport:
+    nodes: list[str]
+    results: list[CheckResult]
+    reports: dict[str, dict] = field(default_factory=dict)
+    unreachable: dict[str, str] = field(default_factory=dict)
+    collective: dict | None = None
+    collective_run: str | None = None
+    quick: bool = True
+    created: float = field(default_factory=time.time)
+
+    @property
+    def failed(self) -> list[CheckResult]:
+        return [r for r in self.results if r.verdict == FAIL]
+
+    @property
+    def warned(self) -> list[CheckResult]:
+        return [r for r in self.results if r.verdict == WARN]
+
+    def recommended_env(self) -> dict[str, dict[str, str]]:
+        """Per node: the variables hints recommend, for that node's env: in hosts.yaml."""
+        env: dict[str, dict[str, str]] = {}
+        for result in self.results:
+            if result.env and result.verdict in (FAIL, WARN) or (result.env and result.check == "interface"):
+                env.setdefault(result.node, {}).update(result.env)
+        return env
+
+    def to_json(self) -> dict:
+        return {"nodes": self.nodes, "created": self.created, "quick": self.quick,
+                "passed": not self.failed and not self.unreachable, "unreachable": self.unreachable,
+                "results": [r.to_json() for r in self.results], "collective": self.collective,
+                "collective_run": self.collective_run, "recommended_env": self.recommended_env(),
+                "reports": self.reports}
+
+
+def selection_key(inventory: Inventory, gpus: int | None) -> str:
+    identity = [(n.name, n.host, n.port, n.user, n.python, n.workdir, n.device) for n in inventory.nodes]
+    return hashlib.sha256(json.dumps([identity, gpus]).encode()).hexdigest()[:16]
+
+
+def cached_path(inventory: Inventory, gpus: int | None) -> Path:
+    return runs_root() / ".preflight" / f"{selection_key(inventory, gpus)}.json"
+
+
+def _p2p(transport: Transport) -> dict:
+    node = transport.node
+    source = (resource_dir("launchers") / "p2p.py").read_text()
+    result = transport.run(f"{quote_path(node.python)} -", stdin=source, timeout=300)
+    try:
+        return json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"error": f"exit {result.exit_code}: {result.tail(3)}"}
+
+
+def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], port: int | None) -> dict[str, dict]:
+    """P2P on GPU nodes, node 0's master port, every node's connection to it and route toward it."""
+    master = inventory.nodes[0]
+    reachable = [n for n in inventory.nodes if n.name in reports]
+    extras: dict[str, dict] = {n.name: {} for n in reachable}
+    gpu_nodes = [n for n in reachable if n.device == "cuda"
+                 and (reports[n.name].get("gpus") or {}).get("count", 0) >= 2]
+    for r in cluster.fan_out(_p2p, gpu_nodes):
+        extras[r.node.name]["p2p"] = r.value if r.ok else {"error": r.error}
+    if master.name not in reports:
+        return extras
+    port_answer = cluster.fan_out(lambda t: agent.call(t, "port", str(port or 0)), [master])[0]
+    if not port_answer.ok:
+        return extras
+    extras[master.name]["port"] = port_answer.value
+    chosen = port_answer.value["port"] if port_answer.value["free"] else None
+    if chosen is None:
+        return extras
+    listener = cluster.fan_out(lambda t: agent.call(t, "listen", str(chosen), "30"), [master])[0]
+    try:
+        reach = cluster.fan_out(lambda t: agent.call(t, "connect", master.addr, str(chosen)), reachable)
+        route = cluster.fan_out(lambda t: agent.call(t, "route", master.addr), reachable)
+    finally:
+        if listener.ok:
+            cluster.fan_out(lambda t: agent.call(t, "unlisten", str(listener.value["pid"])), [master])
+    for r in reach:
+        extras[r.node.name]["reach"] = r.value if r.ok else {"ok": False, "error": r.error}
+    for r in route:
+        extras[r.node.name]["route"] = r.value if r.ok else None
+    extras["_port"] = {"port": chosen}
+    return extras
+
+
+def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, quick: bool, full: bool,
+                  connect_timeout: float, on_probe=None) -> PreflightReport:
+    probed: list[NodeResult[dict]] = probe_nodes(cluster, on_done=on_probe, import_torch=True)
+    reports = {r.node.name: r.value for r in probed if r.ok and "error" not in r.value}
+    unreachable = {r.node.name: r.error for r in probed if r.unreachable}
+    results = [CheckResult("reachable", r.node.name, FAIL, r.error or r.value.get("error", "probe failed"),
+                           "check SSH: ssh to it by hand, the inventory's user/port/identity_file, known_hosts")
+               for r in probed if r.node.name not in reports]
+    extras = _facts(cluster, inventory, reports, inventory.master_port)
+    port = (extras.pop("_port", None) or {}).get("port")
+    expect = Expectation(gpus=gpus, master_port=port, master_addr=inventory.nodes[0].addr)
+    devices = {n.name: n.device for n in inventory.nodes}
+    for node in inventory.nodes:
+        if node.name in reports:
+            results += judge_node(node.name, reports[node.name], node.device, expect, extras.get(node.name))
+    if len(reports) > 1:
+        results += judge_cluster(reports, {k: v for k, v in devices.items() if k in reports})
+    report = PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick)
+    if not quick and not unreachable and not report.failed:
+        ib = any(r.get("infiniband") for r in reports.values())
+        result, transports, failure, run_id = run_collective(inventory, cluster, gpus=gpus, full=full,
+                                                             connect_timeout=connect_timeout)
+        report.results += judge_collective(result, transports, ib, len(inventory.nodes), failure)
+        report.collective, report.collective_run = result, run_id
+        if transports:
+            report.collective = {**(result or {}), "transports": transports}
+    return report
+
+
+def save(report: PreflightReport, inventory: Inventory, gpus: int | None) -> Path:
+    path = cached_path(inventory, gpus)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report.to_json(), indent=2, default=str))
+    return path
+
+
+def reusable(inventory: Inventory, gpus: int | None) -> dict | None:
+    """A passing report for the same nodes and GPU count, under 10 minutes old."""
+    path = cached_path(inventory, gpus)
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if document.get("passed") and time.time() - document.get("created", 0) < REUSE_SECONDS:
+        return document
+    return None

@@ -1,0 +1,149 @@
+"""Every preflight check judged on crafted probe reports, including hardware this machine lacks."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from nodectl.preflight import checks
+from nodectl.preflight.checks import FAIL, PASS, SKIP, WARN, Expectation
+from nodectl.preflight.collective import judge_collective, transports_in
+
+EXPECT = Expectation(gpus=8, master_port=29500, master_addr="10.0.1.11")
+
+
+def gpu(index, **over):
+    device = {"index": index, "name": "NVIDIA H100 80GB HBM3", "memory_used_bytes": 500 << 20,
+              "persistence_mode": True, "ecc_volatile_uncorrected": 0, "retired_pages_pending": False,
+              "remapped_rows_pending": False, "remapped_rows_failed": False, "nvlinks_active": 18,
+              "compute_processes": []}
+    device.update(over)
+    return device
+
+
+def healthy_report():
+    return {
+        "torch": {"version": "2.6.0+cu124", "imported": True, "cuda": "12.4", "nccl": "2.21.5", "cuda_available": True},
+        "python": {"version": "3.11.9", "executable": "/opt/venv/bin/python3"},
+        "gpus": {"available": True, "count": 8, "driver": "550.54.15", "devices": [gpu(i) for i in range(8)]},
+        "infiniband": [{"name": f"mlx5_{i}", "ports": [{"port": 1, "state": "4: ACTIVE", "phys_state": "5: LinkUp",
+                                                       "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}]}
+                       for i in range(8)],
+        "limits": {"memlock_soft": "unlimited"},
+        "disk": {"shm_bytes": 64 << 30, "free_bytes": 500 << 30, "workdir": "/home/u/nodectl"},
+        "clock": {"skew_s": 0.02, "round_trip_s": 0.3},
+        "packages": {"torch": "2.6.0", "peft": "0.13.0"},
+    }
+
+
+def verdicts(report, extras=None, device="cuda"):
+    return {r.check: r for r in checks.judge_node("n0", report, device, EXPECT, extras)}
+
+
+def test_healthy_8_gpu_ib_node_passes():
+    p2p = {"gpus": 8, "pairs": [{"src": s, "dst": d, "ok": True, "peer_access": True, "gbps": 380.0}
+                                for s in range(8) for d in range(8) if s != d]}
+    results = verdicts(healthy_report(), {"p2p": p2p, "port": {"port": 29500, "free": True, "asked": 29500},
+                                          "reach": {"ok": True, "ms": 1.0}, "route": {"dev": "ens1"}})
+    assert {r.verdict for r in results.values()} == {PASS}, {k: r.detail for k, r in results.items()
+                                                              if r.verdict != PASS}
+    assert results["interface"].env == {"NCCL_SOCKET_IFNAME": "ens1", "GLOO_SOCKET_IFNAME": "ens1"}
+
+
+def test_p2p_that_returns_wrong_data_fails_with_the_env_fix():
+    p2p = {"gpus": 2, "pairs": [{"src": 0, "dst": 1, "ok": False, "peer_access": True, "gbps": 20.0},
+                                {"src": 1, "dst": 0, "ok": True, "peer_access": True, "gbps": 20.0}]}
+    result = verdicts(healthy_report(), {"p2p": p2p})["p2p"]
+    assert result.verdict == FAIL and "0->1: wrong data" in result.detail
+    assert result.env == {"NCCL_P2P_DISABLE": "1"} and "ACS" in result.hint
+    error = verdicts(healthy_report(), {"p2p": {"error": "RuntimeError: CUDA error: invalid argument"}})["p2p"]
+    assert error.verdict == FAIL and "invalid argument" in error.detail
+
+
+def test_ib_port_down_and_low_memlock_fail():
+    report = healthy_report()
+    report["infiniband"][3]["ports"][0].update(state="1: DOWN", phys_state="3: Disabled")
+    report["limits"]["memlock_soft"] = 65536
+    results = verdicts(report)
+    assert results["infiniband"].verdict == FAIL and "mlx5_3/1 1: DOWN" in results["infiniband"].detail
+    assert results["memlock"].verdict == FAIL and "limits.conf" in results["memlock"].hint
+
+
+def test_foreign_process_ecc_and_persistence():
+    report = healthy_report()
+    report["gpus"]["devices"][2] = gpu(2, compute_processes=[{"pid": 4242, "user": "bob"}], memory_used_bytes=70 << 30)
+    report["gpus"]["devices"][5] = gpu(5, ecc_volatile_uncorrected=3, persistence_mode=False)
+    results = verdicts(report)
+    assert results["gpu idle"].verdict == FAIL and "pid 4242 (bob)" in results["gpu idle"].detail
+    assert results["ecc"].verdict == FAIL and "GPU5: 3 uncorrectable" in results["ecc"].detail
+    assert results["persistence"].verdict == WARN and "nvidia-smi -pm 1" in results["persistence"].hint
+
+
+def test_too_few_gpus_mixed_models_nvlink_gap():
+    report = healthy_report()
+    report["gpus"]["count"] = 4
+    report["gpus"]["devices"] = [gpu(i) for i in range(3)] + [gpu(3, name="NVIDIA A100", nvlinks_active=0)]
+    results = verdicts(report)
+    assert results["gpus"].verdict == FAIL and "4 GPU(s), 8 requested" in results["gpus"].detail
+    assert results["nvlink"].verdict == WARN
+
+
+def test_small_shm_disk_and_clock_skew():
+    report = healthy_report()
+    report["disk"].update(shm_bytes=64 << 20, free_bytes=1 << 30)
+    report["clock"] = {"skew_s": 45.0, "round_trip_s": 0.2}
+    results = verdicts(report)
+    assert results["shm"].verdict == FAIL and "--shm-size" in results["shm"].hint
+    assert results["disk"].verdict == FAIL
+    assert results["clock"].verdict == FAIL
+    report["clock"] = {"skew_s": 2.0, "round_trip_s": 0.2}
+    assert verdicts(report)["clock"].verdict == WARN
+
+
+def test_missing_torch_and_cpu_nodes_skip_gpu_checks():
+    report = healthy_report()
+    report["torch"] = {"error": "ModuleNotFoundError: No module named 'torch'"}
+    results = verdicts(report, device="cpu")
+    assert results["torch"].verdict == FAIL and "-m pip install torch" in results["torch"].hint
+    assert "gpus" not in results and "p2p" not in results
+
+
+def test_cross_node_versions_fail_and_packages_warn():
+    a, b = healthy_report(), healthy_report()
+    b["torch"]["nccl"] = "2.20.3"
+    b["packages"]["peft"] = "0.11.0"
+    results = {r.check: r for r in checks.judge_cluster({"n0": a, "n1": b}, {"n0": "cuda", "n1": "cuda"})}
+    assert results["same nccl"].verdict == FAIL and "2.20.3 on n1" in results["same nccl"].detail
+    assert results["same torch"].verdict == PASS
+    assert results["same packages"].verdict == WARN and "peft" in results["same packages"].detail
+
+
+def test_route_through_docker_bridge_recommends_ifname():
+    result = checks.check_route("n1", {"dev": "docker0"}, "10.0.1.11")
+    assert result.verdict == WARN and "NCCL_SOCKET_IFNAME" in result.env
+    assert checks.check_route("n1", {"dev": "lo"}, "127.0.0.2").verdict == PASS
+    assert checks.check_reach_master("n1", {"ok": False, "error": "Connection refused"}, "x:1").verdict == FAIL
+
+
+LOG = """\
+node0:1:1 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+node0:1:1 [0] NCCL INFO Channel 01/0 : 0[0] -> 1[1] via P2P/CUMEM/read
+node0:1:1 [0] NCCL INFO Channel 00/0 : 7[7] -> 8[0] [send] via NET/Socket/0
+node0:1:1 [0] NCCL INFO Channel 00/0 : 8[0] -> 7[7] [receive] via NET/Socket/1
+"""
+
+
+def test_transport_parse_and_ib_socket_fallback_fails():
+    transports = transports_in(LOG)
+    assert transports == {"P2P/CUMEM/read": 2, "NET/Socket/0": 1, "NET/Socket/1": 1}
+    result = {"world": 16, "backend": "nccl", "sizes": [{"bytes": 1 << 30, "ok": True, "busbw_gbs": 3.1}]}
+    verdict = {r.check: r for r in judge_collective(result, transports, ib_present=True, nnodes=2, failure=None)}
+    assert verdict["nccl transport"].verdict == FAIL and "NCCL_IB_DISABLE" in verdict["nccl transport"].env
+    ib = transports_in("... via NET/IB/0/GDRDMA\n... via NET/IB/1/GDRDMA\n")
+    verdict = {r.check: r for r in judge_collective(result, ib, ib_present=True, nnodes=2, failure=None)}
+    assert verdict["nccl transport"].verdict == PASS and verdict["collective"].verdict == PASS
+
+
+def test_wrong_sums_fail():
+    result = {"world": 4, "backend": "gloo", "sizes": [{"bytes": 1 << 20, "ok": False, "busbw_gbs": 1.0}]}
+    assert judge_collective(result, {}, False, 2, None)[0].verdict == FAIL

@@ -1,0 +1,93 @@
+"""preflight against real sshd nodes (device: cpu), with the gloo collective test through the launch path."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_nodectl
+from launch_helpers import make_project
+
+pytestmark = pytest.mark.slow
+
+FAKE_TORCH = '''\
+__version__ = "2.99.0"
+class version:
+    cuda = None
+    hip = None
+class cuda:
+    @staticmethod
+    def is_available():
+        return False
+class distributed:
+    @staticmethod
+    def is_available():
+        return False
+'''
+
+
+def python_with(tmp_path, name: str, extra_path=None, bare: bool = False) -> str:
+    """A node interpreter that differs: a venv without torch (bare) or one that sees a fake torch."""
+    if bare:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / name)], check=True)
+        return str(tmp_path / name / "bin" / "python")
+    wrapper = tmp_path / f"{name}.sh"
+    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={extra_path} exec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    return str(wrapper)
+
+
+def test_healthy_cluster_passes_with_a_correct_gloo_all_reduce(ssh_cluster, tmp_path):
+    inventory = ssh_cluster.inventory(count=2, gpus=2)
+    result = run_nodectl(["-i", str(inventory), "--json", "preflight"], env=ssh_cluster.env(), cwd=tmp_path)
+    assert result.exit_code == 0, result.output[-3000:]
+    document = result.json()
+    assert document["passed"]
+    collective = document["collective"]
+    assert collective["world"] == 4 and collective["backend"] == "gloo"
+    assert all(size["ok"] for size in collective["sizes"]) and collective["sizes"][-1]["busbw_gbs"] > 0
+    checks = {(r["node"], r["check"]): r["verdict"] for r in document["results"]}
+    assert checks[("node0", "master port")] == "pass" and checks[("node1", "reach master")] == "pass"
+    assert checks[("cluster", "same torch")] == "pass"
+
+    human = run_nodectl(["-i", str(inventory), "preflight", "--quick"], env=ssh_cluster.env(), cwd=tmp_path)
+    assert human.exit_code == 0 and "preflight passed" in human.stdout and "all-reduce" not in human.stdout
+
+
+def test_node_without_torch_fails_with_hint_and_launch_refuses(ssh_cluster, tmp_path):
+    bare = python_with(tmp_path, "bare", bare=True)
+    inventory = ssh_cluster.inventory(count=2, node_overrides={1: {"python": bare}})
+    result = run_nodectl(["-i", str(inventory), "preflight", "--quick"], env=ssh_cluster.env(), cwd=tmp_path)
+    assert result.exit_code == 1
+    assert "FAIL node1 torch" in result.stdout and "-m pip install torch" in result.stdout
+
+    project = make_project(tmp_path / "project")
+    launch = run_nodectl(["-i", str(inventory), "launch", "--", "train.py"], env=ssh_cluster.env(), cwd=project)
+    assert launch.exit_code == 1 and "preflight failed, nothing was started" in launch.stderr
+    assert not (project / "runs").exists() or not [p for p in (project / "runs").iterdir() if p.name[0].isdigit()]
+
+
+def test_torch_version_mismatch_between_nodes_fails(ssh_cluster, tmp_path):
+    fake = tmp_path / "fake"
+    (fake / "torch").mkdir(parents=True)
+    (fake / "torch" / "__init__.py").write_text(FAKE_TORCH)
+    other = python_with(tmp_path, "other", extra_path=fake)
+    inventory = ssh_cluster.inventory(count=2, node_overrides={1: {"python": other}})
+    result = run_nodectl(["-i", str(inventory), "--json", "preflight", "--quick"], env=ssh_cluster.env(),
+                         cwd=tmp_path)
+    assert result.exit_code == 1
+    failed = {r["check"]: r["detail"] for r in result.json()["results"] if r["verdict"] == "fail"}
+    assert "2.99.0 on node1" in failed["same torch"]
+
+
+def test_unreachable_node_exits_3_and_the_others_are_checked(ssh_cluster, tmp_path):
+    inventory = ssh_cluster.inventory(count=2, extra_nodes=[{"host": "127.0.0.99", "name": "ghost",
+                                                             "workdir": "/tmp/ghost"}])
+    result = run_nodectl(["-i", str(inventory), "--connect-timeout", "2", "--json", "preflight", "--quick"],
+                         env=ssh_cluster.env(), cwd=tmp_path)
+    assert result.exit_code == 3
+    document = result.json()
+    assert "ghost" in document["unreachable"]
+    checked = {r["node"] for r in document["results"] if r["check"] == "torch"}
+    assert checked == {"node0", "node1"}
