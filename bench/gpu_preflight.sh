@@ -20,6 +20,7 @@ echo "== nccl-tests all_reduce_perf, 2 GPUs, float sum, 1 MiB .. 4 GiB"
 work=$(mktemp -d); cd "$work"
 echo "== nodectl preflight --full: 1 node x 2 GPUs"
 python3 -m nodectl --json preflight --full > "$OUT/preflight-1x2.json" 2> "$OUT/preflight-1x2.err"; echo "exit $?"
+python3 -m nodectl tail rank0 -n 400 2>&1 | grep -E "Error|error|NCCL INFO Channel" | head -12
 echo "== nodectl preflight --full: 2 local nodes x 1 GPU"
 python3 -m nodectl --json preflight --full --nodes 2 --gpus 1 > "$OUT/preflight-2x1.json" 2> "$OUT/preflight-2x1.err"; echo "exit $?"
 python3 - "$OUT" <<'PY'

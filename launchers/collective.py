@@ -34,9 +34,9 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=1.0, help="rough time per size")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available() and os.environ.get("NODECTL_DEVICE") != "cpu"
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
     if on_gpu:
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    device = torch.device("cuda") if on_gpu else torch.device("cpu")
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
     rank, world = dist.get_rank(), dist.get_world_size()
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
