@@ -20,7 +20,7 @@ import sys
 import tarfile
 import time
 
-STATE_DIRS = ("code", "lib", "logs", "state", "heartbeat", "stacks", "output", "flight")
+STATE_DIRS = ("code", "lib", "logs", "state", "heartbeat", "stacks", "output", "flight", "timing")
 READ_LIMIT = 256 * 1024
 
 
@@ -71,6 +71,8 @@ def cmd_prepare(args: list, request: dict) -> dict:
         _unpack_objects(store, os.path.expanduser(request["upload"]))
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     os.chmod(run_dir, 0o700)
+    if request.get("new_attempt"):
+        _archive_attempt(run_dir)
     for name in STATE_DIRS:
         os.makedirs(os.path.join(run_dir, name), exist_ok=True)
     for entry in request["files"]:
@@ -83,6 +85,24 @@ def cmd_prepare(args: list, request: dict) -> dict:
     for name, spec in request["rendered"].items():
         _write(os.path.join(run_dir, name), spec["text"], spec["mode"])
     return {"run_dir": run_dir, "files": len(request["files"])}
+
+
+ATTEMPT_DIRS = ("logs", "state", "heartbeat", "stacks", "flight", "timing")
+
+
+def _archive_attempt(run_dir: str) -> None:
+    """A resumed run keeps its folder (and output/ with the checkpoints); the last attempt's logs and state move
+    to attempts/<n>/. Refused while any process of the run still lives."""
+    if run_processes(run_dir):
+        raise RuntimeError("the run is still running here; `nodectl stop --run RUN` first")
+    if not os.path.exists(os.path.join(run_dir, "state", "pgid")):
+        return
+    number = len(os.listdir(os.path.join(run_dir, "attempts"))) if os.path.isdir(os.path.join(run_dir, "attempts")) else 0
+    target = os.path.join(run_dir, "attempts", str(number))
+    os.makedirs(target)
+    for name in ATTEMPT_DIRS:
+        if os.path.exists(os.path.join(run_dir, name)):
+            os.replace(os.path.join(run_dir, name), os.path.join(target, name))
 
 
 def cmd_port(args: list, request: dict) -> dict:

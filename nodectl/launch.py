@@ -45,6 +45,7 @@ def start_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, rend
     upload, sent = sync.upload_missing(transport, files)
     request = {
         "workdir": node_plan.node.workdir, "run_dir": node_plan.run_dir, "upload": upload,
+        "new_attempt": plan.attempt > 0,
         "files": [f.entry() for f in files],
         "rendered": {"launch.sh": {"text": rendered.launch, "mode": 0o700},
                      "env.sh": {"text": rendered.env, "mode": 0o600},

@@ -38,6 +38,9 @@ class DataConfig:
     max_length: int = 128
     packing: bool = False
     seed: int = 0
+    eval_path: str = ""                # held-out JSONL; or hold out eval_holdout examples of path
+    eval_holdout: int = 0
+    eval_samples: int = 64             # the deterministic subset evaluated each time
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,13 @@ class TrainConfig:
     output_dir: str = ""               # default: $NODECTL_RUN_DIR/output, else ./output
     collective_timeout_s: float = 600.0
     save_probe_logits: bool = False    # rank 0 writes probe.pt: one batch's logits, to verify an exported adapter
+    eval_every: int = 0                # 0: no evaluation
+    eval_at_start: bool = False
+    checkpoint_every: int = 0          # full checkpoints for exact resume; 0: none
+    keep_checkpoints: int = 2
+    resume: str = "auto"               # auto: the latest complete checkpoint in the output folder; none; or a path
+    early_stop_patience: int = 0       # stop after this many evaluations without improvement; 0: never
+    early_stop_min_delta: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -157,6 +167,10 @@ def _check(recipe: Recipe) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}: expected a positive integer, got {value}")
+    if (recipe.train.early_stop_patience or recipe.train.eval_at_start) and not (recipe.train.eval_every and
+                                                                              (recipe.data.eval_path or recipe.data.eval_holdout)):
+        raise ConfigError("train.early_stop_patience / eval_at_start: need train.eval_every and data.eval_holdout "
+                          "or data.eval_path")
     if recipe.model.dtype not in ("auto", "bfloat16", "float32"):
         raise ConfigError(f"model.dtype: expected auto, bfloat16 or float32, got {recipe.model.dtype!r}")
     if not 0 <= recipe.lora.dropout < 1:

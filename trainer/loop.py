@@ -14,10 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from . import checkpoint, demo
+from . import checkpoint, demo, evaluate, resume
 from .config import ConfigError, Recipe
 from .data import IGNORE, StepBatches, load_examples
 from .metrics import Reporter, flops_per_token, peak_flops
+from .telemetry import Telemetry
 from .model import build_skeleton, materialise, parallelize, parameter_counts
 
 
@@ -91,68 +92,149 @@ def train(recipe: Recipe) -> dict:
     return _loop(recipe, ctx, model, examples, tokenizer, out_dir)
 
 
+class EarlyStop:
+    """Plateau detection on eval loss. Every rank sees the same all-reduced loss, so all stop at the same step."""
+
+    def __init__(self, patience: int, min_delta: float) -> None:
+        self.patience, self.min_delta = patience, min_delta
+        self.best, self.best_step, self.bad = math.inf, 0, 0
+
+    def update(self, step: int, loss: float) -> str | None:
+        if loss < self.best - self.min_delta:
+            self.best, self.best_step, self.bad = loss, step, 0
+            return None
+        self.bad += 1
+        if self.patience and self.bad >= self.patience:
+            return (f"plateau: eval loss did not improve by {self.min_delta} for {self.bad} evaluation(s) "
+                    f"(best {self.best:.4f} at step {self.best_step})")
+        return None
+
+
+def _eval_set(recipe: Recipe, examples, tokenizer):
+    train_examples, held = evaluate.split(examples, recipe.data.eval_holdout, recipe.data.seed)
+    if recipe.data.eval_path:
+        held = load_examples(os.path.expanduser(recipe.data.eval_path), tokenizer, recipe.data.max_length, False)
+    return train_examples, evaluate.eval_subset(held, recipe.data.eval_samples, recipe.data.seed) if held else []
+
+
 def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Path) -> dict:
+    examples, eval_set = _eval_set(recipe, examples, tokenizer)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay,
                                   betas=(0.9, 0.95), fused=ctx.on_gpu or None)
     batches = StepBatches(examples, micro_batch_size=recipe.train.micro_batch_size,
                           grad_accum=recipe.train.grad_accum, world_size=ctx.world, rank=ctx.rank,
                           seed=recipe.data.seed, pad_id=tokenizer.pad_token_id or 0)
+    start_step = _resume(recipe, ctx, model, optimizer, out_dir)
     reporter = Reporter(out_dir, ctx.rank)
+    telemetry = Telemetry(Path(os.environ.get("NODECTL_RUN_DIR", out_dir))).start()
     config = model.base_model.model.config
     trainable, frozen = parameter_counts(model)
     peak = peak_flops(torch.cuda.get_device_name(ctx.device) if ctx.on_gpu else None)
-    window_loss = torch.zeros((), device=ctx.device)
-    window_tokens = torch.zeros((), device=ctx.device)
-    window_real = torch.zeros((), device=ctx.device)
+    window = torch.zeros(3, device=ctx.device)  # loss sum, target tokens, real tokens
     window_start, window_steps, seq_seen = time.perf_counter(), 0, 0
-    summary: dict = {"trainable_params": trainable, "frozen_params": frozen}
+    stopper = EarlyStop(recipe.train.early_stop_patience, recipe.train.early_stop_min_delta)
+    summary: dict = {"trainable_params": trainable, "frozen_params": frozen, "resumed_from": start_step or None,
+                     "end_reason": f"completed {recipe.train.steps} steps"}
     if ctx.rank == 0:
-        print(f"training {trainable:,} LoRA parameters over a frozen base of {frozen:,} on {ctx.world} rank(s)",
-              flush=True)
-    for step in range(recipe.train.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, recipe)
-        micro_batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()}
-                         for mb in batches.micro_batches(step)]
-        local_targets = sum((mb["labels"][:, 1:] != IGNORE).sum() for mb in micro_batches)
-        global_targets = local_targets.clone().float()
-        dist.all_reduce(global_targets)  # the loss is normalised by every target token of the global batch
-        for index, mb in enumerate(micro_batches):
-            model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-            loss_sum = chunked_loss_sum(logits, mb["labels"])
-            (loss_sum * ctx.world / global_targets).backward()  # FSDP averages gradients over ranks
-            window_loss += loss_sum.detach()
-            window_real += mb["attention_mask"].sum()
-            seq_seen = max(seq_seen, mb["input_ids"].size(1))
-        window_tokens += local_targets
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, recipe.train.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        print(f"training {trainable:,} LoRA parameters over a frozen base of {frozen:,} on {ctx.world} rank(s)"
+              + (f", resuming at step {start_step}" if start_step else ""), flush=True)
+    run_eval = _evaluator(recipe, ctx, model, eval_set, tokenizer, reporter, summary)
+    if recipe.train.eval_at_start and start_step == 0:
+        run_eval(0)
+    step = start_step
+    for step in range(start_step, recipe.train.steps):
+        seq_seen = max(seq_seen, _train_step(recipe, ctx, model, optimizer, params, batches, step, window))
         window_steps += 1
         reporter.heartbeat(step + 1)
         last = step + 1 == recipe.train.steps
         if (step + 1) % recipe.train.log_every == 0 or last:
-            record = _reduce_window(ctx, step, window_loss, window_tokens, window_real, window_start, window_steps,
-                                    grad_norm, optimizer, seq_seen, config, trainable, frozen, peak,
-                                    recipe.model.activation_checkpointing)
+            elapsed = time.perf_counter() - window_start
+            record = _reduce_window(ctx, step, window, elapsed, window_steps, optimizer, seq_seen, config,
+                                    trainable, frozen, peak)
             reporter.log(record)
-            summary.update(last_loss=record["loss"], first_loss=summary.get("first_loss", record["loss"]))
-            window_loss.zero_(), window_tokens.zero_(), window_real.zero_()
+            reporter.timing(step + 1, elapsed / window_steps)
+            summary.update(last_loss=record["loss"], first_loss=summary.get("first_loss", record["loss"]),
+                           tokens_per_s_per_gpu=record["tokens_per_s_per_gpu"], mfu=record["mfu"])
+            window.zero_()
             window_start, window_steps = time.perf_counter(), 0
+        reason = None
+        if recipe.train.eval_every and (step + 1) % recipe.train.eval_every == 0:
+            reason = stopper.update(step + 1, run_eval(step + 1))
+        if recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0 and not last:
+            resume.save(model, optimizer, step + 1, out_dir / "checkpoints", ctx.device, recipe.train.keep_checkpoints)
         if recipe.train.save_every and (step + 1) % recipe.train.save_every == 0 and not last:
             checkpoint.save_adapter(model, out_dir, step + 1, recipe.train.keep_last)
+        if reason:
+            summary["end_reason"] = reason
+            reporter.event({"step": step + 1, "stop": reason})
+            step += 1
+            break
+    else:
+        step = recipe.train.steps
+    telemetry.stop()
     if recipe.train.save_probe_logits:
         _save_probe(model, batches.micro_batches(0)[0], ctx, out_dir)
-    saved = checkpoint.save_adapter(model, out_dir, recipe.train.steps, recipe.train.keep_last)
-    summary["adapter"] = saved
+    saved = checkpoint.save_adapter(model, out_dir, step, recipe.train.keep_last)
+    summary.update(adapter=saved, steps=step, best_eval_loss=None if stopper.best == math.inf else stopper.best)
     if ctx.rank == 0:
         print(f"adapter saved to {out_dir / 'adapter'} ({saved['gathered_bytes'] / 2**20:.2f} MiB gathered in "
-              f"{saved['seconds']:.2f}s)", flush=True)
+              f"{saved['seconds']:.2f}s); {summary['end_reason']}", flush=True)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     reporter.close()
     return summary
+
+
+def _resume(recipe: Recipe, ctx: Context, model, optimizer, out_dir: Path) -> int:
+    choice = recipe.train.resume
+    if choice == "none":
+        return 0
+    found = resume.agreed_latest(out_dir / "checkpoints", ctx.device) if choice == "auto" \
+        else Path(os.path.expanduser(choice))
+    if found is None:
+        return 0
+    if not (found / resume.COMPLETE).exists():
+        raise ConfigError(f"train.resume: {found} is not a complete checkpoint")
+    try:
+        return resume.load(model, optimizer, found, ctx.device)
+    except resume.ResumeError as exc:
+        raise ConfigError(f"train.resume: {exc}") from None
+
+
+def _evaluator(recipe, ctx, model, eval_set, tokenizer, reporter, summary):
+    def run(step: int) -> float:
+        loss = evaluate.evaluate(model, eval_set, rank=ctx.rank, world=ctx.world,
+                                 batch_size=recipe.train.micro_batch_size, pad_id=tokenizer.pad_token_id or 0,
+                                 device=ctx.device, loss_sum_fn=chunked_loss_sum)
+        reporter.event({"step": step, "eval_loss": loss, "eval_samples": len(eval_set), "time": time.time()})
+        summary.setdefault("eval", []).append({"step": step, "loss": loss})
+        return loss
+    return run
+
+
+def _train_step(recipe, ctx, model, optimizer, params, batches, step: int, window: torch.Tensor) -> int:
+    """One optimizer step over this rank's micro-batches; accumulates (loss sum, targets, real tokens) on device."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr_at(step, recipe)
+    micro_batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()}
+                     for mb in batches.micro_batches(step)]
+    local_targets = sum((mb["labels"][:, 1:] != IGNORE).sum() for mb in micro_batches)
+    global_targets = local_targets.clone().float()
+    dist.all_reduce(global_targets)  # the loss is normalised by every target token of the global batch
+    seq = 0
+    for index, mb in enumerate(micro_batches):
+        model.set_requires_gradient_sync(index == len(micro_batches) - 1)
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+        loss_sum = chunked_loss_sum(logits, mb["labels"])
+        (loss_sum * ctx.world / global_targets).backward()  # FSDP averages gradients over ranks
+        window[0] += loss_sum.detach()
+        window[2] += mb["attention_mask"].sum()
+        seq = max(seq, mb["input_ids"].size(1))
+    window[1] += local_targets
+    window.grad_norm = torch.nn.utils.clip_grad_norm_(params, recipe.train.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return seq
 
 
 @torch.no_grad()
@@ -161,21 +243,22 @@ def _save_probe(model, batch: dict, ctx: Context, out_dir: Path) -> None:
     model.eval()
     inputs = {k: v.to(ctx.device) for k, v in batch.items() if k != "labels"}
     logits = model(**inputs).logits.float().cpu()
+    if hasattr(model, "reshard"):
+        model.reshard()
     model.train()
     if ctx.rank == 0:
         torch.save({**{k: v.cpu() for k, v in inputs.items()}, "logits": logits}, out_dir / "probe.pt")
 
 
-def _reduce_window(ctx, step, loss, tokens, real, started, steps, grad_norm, optimizer, seq_len, config,
-                   trainable, frozen, peak, recompute) -> dict:
+def _reduce_window(ctx, step, window, elapsed, steps, optimizer, seq_len, config, trainable, frozen, peak) -> dict:
     """The only host synchronisation of the loop: one all-reduce of (loss sum, target tokens, real tokens)."""
-    totals = torch.stack([loss, tokens.float(), real.float()])
+    totals = window.clone()
     dist.all_reduce(totals)
     loss_sum, target_tokens, real_tokens = totals.tolist()
-    elapsed = time.perf_counter() - started
     per_gpu = real_tokens / elapsed / ctx.world
-    flops = flops_per_token(trainable, frozen, config.num_hidden_layers, config.hidden_size, seq_len, recompute)
-    norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    flops = flops_per_token(trainable, frozen, config.num_hidden_layers, config.hidden_size, seq_len, False)
+    norm = window.grad_norm
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     return {
         "step": step + 1, "loss": loss_sum / max(target_tokens, 1.0), "lr": optimizer.param_groups[0]["lr"],
         "grad_norm": float(norm), "tokens_per_s_per_gpu": per_gpu, "step_time_s": elapsed / steps,

@@ -37,6 +37,7 @@ class Reporter:
         self.rank = rank
         self.heartbeat_dir = Path(run_dir) / "heartbeat" if run_dir else out_dir / "heartbeat"
         self.heartbeat_dir.mkdir(parents=True, exist_ok=True)
+        (self.heartbeat_dir.parent / "timing").mkdir(parents=True, exist_ok=True)
         self.metrics = open(out_dir / "metrics.jsonl", "a", encoding="utf-8") if rank == 0 else None
         self.last: dict = {}
         self._register_stacks()
@@ -54,6 +55,18 @@ class Reporter:
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"step": step, "time": time.time(), **self.last, **extra}))
         os.replace(tmp, path)
+
+    def timing(self, step: int, step_time: float) -> None:
+        """This rank's own step time over the last logging window (host clock), to spot a straggler."""
+        with open(self.heartbeat_dir.parent / "timing" / f"rank{self.rank}.jsonl", "a", encoding="utf-8") as out:
+            out.write(json.dumps({"step": step, "step_time_s": step_time, "time": time.time()}) + "\n")
+
+    def event(self, record: dict) -> None:
+        if self.metrics:
+            self.metrics.write(json.dumps(record) + "\n")
+            self.metrics.flush()
+            print(" ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in record.items()),
+                  flush=True)
 
     def log(self, record: dict) -> None:
         self.last = {"loss": record.get("loss")}

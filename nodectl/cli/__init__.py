@@ -31,9 +31,9 @@ def main(ctx: click.Context, inventory, verbose, quiet, as_json, accept_new_host
 
 
 def _register() -> None:
-    from nodectl.cli import collect, env_dump, launch, preflight, runs, stacks, status, stop, tail
+    from nodectl.cli import collect, env_dump, launch, preflight, report, runs, stacks, status, stop, tail
 
-    for module in (preflight, env_dump, launch, tail, status, stacks, stop, collect, runs):
+    for module in (preflight, env_dump, launch, tail, status, stacks, stop, collect, runs, report):
         main.add_command(module.command)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 import signal
 import sys
 from pathlib import Path
@@ -18,7 +19,7 @@ from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, Usag
 from nodectl.launch import settle_master_port, start_run
 from nodectl.plan import LaunchPlan, build_plan
 from nodectl.render import render_plan
-from nodectl.runs import Run, create_run, git_revision
+from nodectl.runs import Run, create_run, git_revision, open_run
 from nodectl.watch import LogStream, stop_nodes, tail_lines, wait_for_end
 
 
@@ -75,14 +76,20 @@ def _print_dry_run(app: AppContext, plan: LaunchPlan, rendered) -> None:
               help="torchrun's --max-restarts.")
 @click.option("--stall-after", type=click.FloatRange(min=1), default=None,
               help="Stop the run when a live rank's heartbeat is older than this many seconds.")
+@click.option("--resume", "resume_run", metavar="RUN",
+              help="Relaunch RUN's plan as its next attempt (the built-in trainer continues from its checkpoint).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit, template, dry_run, skip_preflight,
-            detach, follow, grace, max_restarts, stall_after, command) -> None:
+            detach, follow, grace, max_restarts, stall_after, resume_run, command) -> None:
     """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
-    inventory = app.inventory().select(nodes, exclude)
+    previous = None
+    if resume_run:
+        previous, inventory, gpus, command, config, sync_dir = _resume_args(app, resume_run, command, config)
+    else:
+        inventory = app.inventory().select(nodes, exclude)
     files = sync.project_files(sync_dir, sync_limit * 2**20)
-    command = _check_command(tuple(command), files, sync_dir)
+    command = tuple(command) if previous else _check_command(tuple(command), files, sync_dir)
     config = os.path.abspath(config) if config else None
     facts, preflight = {}, None
     if not skip_preflight and not dry_run:
@@ -90,7 +97,11 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
 
         facts, preflight = quick_gate(app, inventory, gpus)
     plan = build_plan(inventory, gpus=gpus, command=command, sync_dir=sync_dir, config=config,
-                      max_restarts=max_restarts, facts=facts)
+                      max_restarts=max_restarts, facts=facts,
+                      run_id=previous.run_id if previous else None)
+    if previous:
+        plan = replace(plan, attempt=previous.manifest().get("attempt", 0) + 1,
+                       builtin_trainer=previous.manifest()["plan"]["builtin_trainer"])
     files = files + sync.nodectl_files(plan.builtin_trainer, config)
     rendered = render_plan(plan, template)
     if dry_run:
@@ -99,7 +110,8 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
     with app.cluster(inventory) as cluster:
         plan = settle_master_port(plan, cluster)
         rendered = render_plan(plan, template)
-        run = _record(plan, rendered, inventory.source, app)
+        run = _record_attempt(previous, plan, rendered, app) if previous else \
+            _record(plan, rendered, inventory.source, app)
         if preflight:
             (run.folder / "preflight.json").write_text(json.dumps(preflight, indent=2, default=str))
             env_dir = run.folder / "env"
@@ -114,6 +126,40 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
             app.out.print(f"stop it:    nodectl stop --run {plan.run_id}")
             return
         _watch(app, run, plan, cluster, follow, grace, stall_after)
+
+
+def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | None):
+    """What --resume relaunches: the recorded nodes (with today's inventory settings), ranks, command, config."""
+    previous = open_run(run_id)
+    manifest = previous.manifest()
+    plan = manifest["plan"]
+    if command:
+        raise UsageError("--resume relaunches the recorded command; give no SCRIPT")
+    names = [entry["node"]["name"] for entry in plan["nodes"]]
+    current = app.inventory()
+    if current.builtin:
+        current = current.select(len(names))
+    nodes = tuple(replace(current.node(name), index=i) for i, name in enumerate(names))
+    inventory = replace(current, nodes=nodes)
+    gpus = plan["nodes"][0]["nproc"]
+    recorded = tuple(plan["command"])
+    if plan["builtin_trainer"]:
+        recorded = ()
+        config = config or plan.get("config")
+    return previous, inventory, gpus, recorded, config, plan["sync_dir"]
+
+
+def _record_attempt(previous: Run, plan: LaunchPlan, rendered, app: AppContext) -> Run:
+    manifest = previous.manifest()
+    history = manifest.get("attempts", []) + [{"attempt": manifest.get("attempt", 0), "state": manifest.get("state"),
+                                                "started": manifest.get("started"), "ended": manifest.get("ended")}]
+    previous.update(attempt=plan.attempt, state="starting", attempts=history, ended=None,
+                    started=__import__("time").time(), plan=plan.to_json(), failure=None)
+    for r in rendered:
+        (previous.folder / "scripts" / f"{r.node}.sh").write_text(r.launch)
+        (previous.folder / "scripts" / f"{r.node}.env").write_text(r.env_redacted)
+    app.info(f"run {plan.run_id}: attempt {plan.attempt} on {plan.nnodes} node(s)")
+    return previous
 
 
 def _record(plan: LaunchPlan, rendered, source: str, app: AppContext) -> Run:

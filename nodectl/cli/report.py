@@ -1,0 +1,33 @@
+"""`nodectl report [RUN]`: plots under runs/<run_id>/report/ and a short summary, after `collect`."""
+from __future__ import annotations
+
+import json
+
+import click
+
+from nodectl.cli.context import AppContext
+from nodectl.report import load_collected, render, summarise
+from nodectl.runs import open_run
+
+
+@click.command("report")
+@click.argument("run_id", metavar="[RUN]", required=False)
+@click.pass_obj
+def command(app: AppContext, run_id: str | None) -> None:
+    """Plot loss, eval loss, tokens/s, MFU, memory, GPU utilisation and step time per rank of a collected run."""
+    run = open_run(run_id)
+    data = load_collected(run.folder)
+    plots = render(data, run.folder / "report")
+    summary = summarise(data)
+    (run.folder / "report" / "summary.json").write_text(json.dumps(summary, indent=2))
+    if app.json:
+        app.emit_json({"run_id": run.run_id, "summary": summary, "plots": [str(p) for p in plots]})
+        return
+    def fmt(value, spec):
+        return "-" if value is None else format(value, spec)
+    app.out.print(f"run {run.run_id}: {summary['steps']} steps, loss {fmt(summary['first_loss'], '.4f')} -> "
+                  f"{fmt(summary['last_loss'], '.4f')}, best eval loss {fmt(summary['best_eval_loss'], '.4f')}")
+    app.out.print(f"throughput: {fmt(summary['tokens_per_s_per_gpu'], ',.0f')} tokens/s per GPU (median)")
+    app.out.print(f"ended: {summary['end_reason']}")
+    app.out.print(f"adapter: {summary['adapter'] or '-'}")
+    app.out.print(f"plots: {', '.join(p.name for p in plots)} in {run.folder / 'report'}/")

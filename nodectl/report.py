@@ -1,0 +1,109 @@
+"""`nodectl report`: PNG plots and a short summary from a collected run folder (runs/<id>/nodes/<node>/)."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from nodectl.errors import UsageError
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            continue  # a line cut by a crash
+    return rows
+
+
+def load_collected(run_folder: Path) -> dict:
+    nodes = run_folder / "nodes"
+    if not nodes.is_dir():
+        raise UsageError(f"run {run_folder.name} has not been collected: run `nodectl collect --run {run_folder.name}`")
+    data = {"metrics": [], "summary": None, "telemetry": {}, "timing": {}, "adapter": None}
+    for node in sorted(p for p in nodes.iterdir() if p.is_dir()):
+        metrics = _jsonl(node / "output" / "metrics.jsonl")
+        if metrics:
+            data["metrics"], data["metrics_node"] = metrics, node.name
+            if (node / "output" / "summary.json").is_file():
+                data["summary"] = json.loads((node / "output" / "summary.json").read_text())
+            if (node / "output" / "adapter").exists():
+                data["adapter"] = str((node / "output" / "adapter").resolve())
+        if (node / "telemetry.jsonl").is_file():
+            data["telemetry"][node.name] = _jsonl(node / "telemetry.jsonl")
+        for timing in sorted((node / "timing").glob("rank*.jsonl")) if (node / "timing").is_dir() else []:
+            data["timing"][int(timing.stem[4:])] = _jsonl(timing)
+    if not data["metrics"]:
+        raise UsageError(f"run {run_folder.name}: no metrics.jsonl was collected (not a built-in trainer run?)")
+    return data
+
+
+def _last_per_step(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """A resumed run logs some steps twice: the later value wins."""
+    by_step = {r["step"]: r[key] for r in rows if r.get(key) is not None}
+    steps = sorted(by_step)
+    return steps, [by_step[s] for s in steps]
+
+
+def render(data: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def figure(name: str, title: str, ylabel: str, series: list[tuple[str, list, list]]) -> None:
+        series = [s for s in series if s[1]]
+        if not series:
+            return
+        fig, axis = plt.subplots(figsize=(8, 4.5), dpi=100)
+        for label, xs, ys in series:
+            axis.plot(xs, ys, label=label, marker="." if len(xs) < 60 else None)
+        axis.set_title(title)
+        axis.set_xlabel("step" if name != "gpu_utilisation" else "seconds since start")
+        axis.set_ylabel(ylabel)
+        axis.grid(alpha=0.3)
+        if len(series) > 1:
+            axis.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png")
+        plt.close(fig)
+        written.append(out / f"{name}.png")
+
+    metrics = data["metrics"]
+    figure("loss", "loss", "loss", [("train", *_last_per_step(metrics, "loss")),
+                                    ("eval", *_last_per_step(metrics, "eval_loss"))])
+    figure("tokens_per_s", "tokens/s per GPU", "tokens/s", [("tokens/s/GPU", *_last_per_step(metrics,
+                                                                                           "tokens_per_s_per_gpu"))])
+    figure("mfu", "model FLOPs utilisation", "MFU", [("MFU", *_last_per_step(metrics, "mfu"))])
+    figure("memory", "peak GPU memory", "GB", [("max allocated", *_last_per_step(metrics, "max_memory_gb"))])
+    figure("step_time", "step time per rank (straggler check)", "seconds",
+           [(f"rank {rank}", *_last_per_step(rows, "step_time_s")) for rank, rows in sorted(data["timing"].items())])
+    util = []
+    for node, rows in data["telemetry"].items():
+        if rows:
+            start = rows[0]["time"]
+            for gpu in range(len(rows[0]["gpus"])):
+                util.append((f"{node} GPU{gpu}", [r["time"] - start for r in rows], [r["gpus"][gpu]["util"] for r in rows]))
+    figure("gpu_utilisation", "GPU utilisation", "%", util)
+    return written
+
+
+def summarise(data: dict) -> dict:
+    metrics, summary = data["metrics"], data["summary"] or {}
+    steps, _ = _last_per_step(metrics, "loss")
+    _, evals = _last_per_step(metrics, "eval_loss")
+    _, speed = _last_per_step(metrics, "tokens_per_s_per_gpu")
+    stop = [r["stop"] for r in metrics if r.get("stop")]
+    return {"steps": steps[-1] if steps else 0, "first_loss": _last_per_step(metrics, "loss")[1][0] if steps else None,
+            "last_loss": _last_per_step(metrics, "loss")[1][-1] if steps else None,
+            "best_eval_loss": min(evals) if evals else None,
+            "tokens_per_s_per_gpu": statistics.median(speed[1:] or speed) if speed else None,
+            "adapter": data["adapter"], "end_reason": summary.get("end_reason") or (stop[-1] if stop else "unknown"),
+            "resumed_from": summary.get("resumed_from")}

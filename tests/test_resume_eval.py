@@ -1,0 +1,147 @@
+"""Exact resume, checkpoint crash safety, deterministic eval, plateau early stop, and the report."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import psutil
+import pytest
+import torch
+
+from conftest import run_nodectl
+from launch_helpers import kill_leftovers, wait_for
+from test_trainer_runs import demo_cache, metrics, torchrun  # noqa: F401  (fixture re-used)
+from trainer_import import trainer_module
+
+pytestmark = pytest.mark.slow
+RECIPE = """\
+data: {path: demo, max_length: 64}
+lora: {dropout: 0.1, target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head]}
+train: {steps: 40, log_every: 1, checkpoint_every: 5, collective_timeout_s: 60}
+"""
+
+
+def losses(path):
+    by_step = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            by_step[record["step"]] = record["loss"]  # a resumed run logs some steps twice: the last counts
+    return by_step
+
+
+def trainer_pid(run_id: str, rank: int):
+    for proc in psutil.process_iter():
+        try:
+            env, argv = proc.environ(), proc.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if env.get("NODECTL_RUN_ID") == run_id and env.get("RANK") == str(rank) and "trainer" in argv \
+                and not any("rankexec" in a for a in argv):
+            return proc
+    return None
+
+
+def test_kill9_a_rank_then_resume_logs_the_same_losses_and_report(ssh_cluster, tmp_path, demo_cache):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "recipe.yaml").write_text(RECIPE)
+    env = ssh_cluster.env()
+    inventory = ssh_cluster.inventory(count=2, env={"NODECTL_DEMO_CACHE": str(demo_cache)})
+    base = ["-i", str(inventory), "launch", "--skip-preflight", "--config", "recipe.yaml"]
+
+    straight = run_nodectl(base, env=env, cwd=project, timeout=300)
+    assert straight.exit_code == 0, straight.output[-2000:]
+    run_a = sorted(p.name for p in (project / "runs").iterdir() if p.name[0].isdigit())[-1]
+
+    detached = run_nodectl(base + ["--detach"], env=env, cwd=project)
+    assert detached.exit_code == 0, detached.output
+    run_b = sorted(p.name for p in (project / "runs").iterdir() if p.name[0].isdigit())[-1]
+    heartbeat = ssh_cluster.nodes[1].workdir / "runs" / run_b / "heartbeat" / "rank1.json"
+    try:
+        wait_for(lambda: heartbeat.exists() and json.loads(heartbeat.read_text())["step"] >= 12, timeout=120,
+                 interval=0.05)
+        victim = trainer_pid(run_b, 1)
+        victim.send_signal(signal.SIGKILL)
+        assert run_nodectl(["stop", "--run", run_b, "--grace", "2"], env=env, cwd=project).exit_code == 0
+        resumed = run_nodectl(["-i", str(inventory), "launch", "--skip-preflight", "--resume", run_b], env=env,
+                              cwd=project, timeout=300)
+        assert resumed.exit_code == 0, resumed.output[-2000:]
+        assert "resuming at step" in resumed.stdout
+    finally:
+        kill_leftovers(run_b)
+    node_dir = ssh_cluster.nodes[0].workdir / "runs" / run_b
+    assert (node_dir / "attempts" / "0" / "logs" / "rank0.log").is_file()
+    a = losses(ssh_cluster.nodes[0].workdir / "runs" / run_a / "output" / "metrics.jsonl")
+    b = losses(node_dir / "output" / "metrics.jsonl")
+    assert sorted(a) == sorted(b) == list(range(1, 41))
+    assert [a[s] for s in range(1, 41)] == [b[s] for s in range(1, 41)]  # bit for bit, resume point included
+    manifest = json.loads((project / "runs" / run_b / "manifest.json").read_text())
+    assert manifest["attempt"] == 1 and manifest["state"] == "succeeded"
+
+    assert run_nodectl(["collect", "--run", run_b], env=env, cwd=project).exit_code == 0
+    report = run_nodectl(["--json", "report", run_b], env=env, cwd=project)
+    assert report.exit_code == 0, report.output
+    document = report.json()
+    assert document["summary"]["steps"] == 40 and document["summary"]["end_reason"] == "completed 40 steps"
+    import matplotlib.image
+
+    image = matplotlib.image.imread(project / "runs" / run_b / "report" / "loss.png")
+    assert image.shape[:2] == (450, 800) and image.std() > 0.01
+    assert (project / "runs" / run_b / "report" / "step_time.png").is_file()
+    assert not list((project / "runs" / run_b / "nodes").glob("*/telemetry.jsonl"))  # no NVML on CPU: no file
+
+
+def test_kill_during_checkpoint_write_resumes_the_previous_one(tmp_path, demo_cache, monkeypatch):
+    common = ("train.steps=20", "train.log_every=1", "train.checkpoint_every=5", "lora.dropout=0.1")
+    straight = torchrun(2, tmp_path / "a", demo_cache, *common)
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    monkeypatch.setenv("NODECTL_TEST_CRASH_IN_CHECKPOINT", "15")
+    crashed = torchrun(2, tmp_path / "b", demo_cache, *common)
+    assert crashed.returncode != 0
+    assert (tmp_path / "b" / "checkpoints" / ".ckpt-0000015.tmp").is_dir()
+    monkeypatch.delenv("NODECTL_TEST_CRASH_IN_CHECKPOINT")
+    resumed = torchrun(2, tmp_path / "b", demo_cache, *common)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming at step 10" in resumed.stdout
+    a, b = losses(tmp_path / "a" / "metrics.jsonl"), losses(tmp_path / "b" / "metrics.jsonl")
+    assert [a[s] for s in range(11, 21)] == [b[s] for s in range(11, 21)]
+
+
+def test_eval_subset_is_fixed_and_eval_loss_matches_one_process(tmp_path, demo_cache):
+    sets = ("train.steps=1", "train.eval_every=1", "train.eval_at_start=true", "data.eval_holdout=200",
+            "data.eval_samples=24", "train.micro_batch_size=5")
+    proc = torchrun(2, tmp_path / "out", demo_cache, *sets)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    logged = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    at_start = next(r["eval_loss"] for r in logged if r.get("eval_loss") is not None and r["step"] == 0)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data, evaluate, loop = trainer_module("data"), trainer_module("evaluate"), trainer_module("loop")
+    model_dir = demo_cache / "demo-v1" / "model"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    examples = data.load_examples(demo_cache / "demo-v1" / "train.jsonl", tokenizer, 64, False)
+    _, held = evaluate.split(examples, 200, 0)
+    subset = evaluate.eval_subset(held, 24, 0)
+    assert subset == evaluate.eval_subset(held, 24, 0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    batch = data.collate(subset, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    expected = loop.chunked_loss_sum(logits, batch["labels"]) / (batch["labels"][:, 1:] != -100).sum()
+    assert at_start == pytest.approx(expected.item(), rel=1e-5)  # LoRA B starts at zero: the base's loss
+
+
+def test_plateau_early_stop_fires_at_the_same_step_on_every_rank(tmp_path, demo_cache):
+    sets = ("train.steps=50", "train.eval_every=2", "data.eval_holdout=100", "data.eval_samples=16",
+            "train.early_stop_patience=1", "train.early_stop_min_delta=100")
+    proc = torchrun(2, tmp_path / "out", demo_cache, *sets)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["end_reason"].startswith("plateau")
+    beats = [json.loads((tmp_path / "out" / "heartbeat" / f"rank{r}.json").read_text())["step"] for r in (0, 1)]
+    assert beats == [4, 4]
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()

@@ -1,0 +1,129 @@
+"""Full training checkpoints for exact resume.
+
+Each rank writes its own part: the local shards of the trainable (LoRA) parameters, its optimizer state, and its
+RNG states; rank 0 adds the step and the layout. The frozen base is never stored: it is reloaded from its own
+files. A checkpoint is written into a `.tmp` folder and renamed only after every rank has finished and rank 0
+has written COMPLETE, so a half-written checkpoint is never picked. Files live in each node's own output folder
+and need no shared file system (torch.distributed.checkpoint's single metadata file, written by one rank, would).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+COMPLETE = "COMPLETE"
+
+
+class ResumeError(Exception):
+    pass
+
+
+def _to_local(value):
+    if hasattr(value, "to_local"):
+        return value.to_local().detach().cpu().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().clone()
+    if isinstance(value, dict):
+        return {k: _to_local(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_local(v) for v in value]
+    return value
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.device, keep_last: int,
+         extra: dict | None = None) -> Path:
+    """Every rank calls this at the same step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if hasattr(model, "reshard"):
+        model.reshard()  # store shards, never a parameter left unsharded by an eval forward
+    final, tmp = folder / f"ckpt-{step:07d}", folder / f".ckpt-{step:07d}.tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    # Ranks of other nodes see their own file system: each node's first rank prepares its own folder.
+    if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+        tmp.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    tmp.mkdir(parents=True, exist_ok=True)
+    params = {name: _to_local(p) for name, p in model.named_parameters() if p.requires_grad}
+    torch.save({"params": params, "optimizer": _to_local(optimizer.state_dict()), "rng": _rng_state(device)},
+               tmp / f"rank{rank}.pt")
+    crash = os.environ.get("NODECTL_TEST_CRASH_IN_CHECKPOINT")
+    if crash and int(crash) == step and rank == 0:
+        os._exit(9)  # tests: die with shards written and no COMPLETE marker
+    dist.barrier()
+    if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+        (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": world, **(extra or {})}))
+        os.replace(tmp, final)
+        for old in sorted(folder.glob("ckpt-*"))[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def latest(folder: Path) -> Path | None:
+    complete = [p for p in sorted(folder.glob("ckpt-*")) if (p / COMPLETE).exists()]
+    return complete[-1] if complete else None
+
+
+def agreed_latest(folder: Path, device: torch.device) -> Path | None:
+    """The newest checkpoint every node has complete (nodes keep their own copies)."""
+    found = latest(folder)
+    step = torch.tensor([int(found.name.split("-")[1]) if found else -1], device=device)
+    lowest = step.clone()
+    dist.all_reduce(lowest, op=dist.ReduceOp.MIN)
+    if lowest.item() < 0:
+        return None
+    chosen = folder / f"ckpt-{int(lowest.item()):07d}"
+    return chosen if (chosen / COMPLETE).exists() else None
+
+
+def load(model: nn.Module, optimizer, checkpoint: Path, device: torch.device) -> int:
+    """Restore this rank's shards, optimizer state and RNG; returns the step to continue from."""
+    meta = json.loads((checkpoint / COMPLETE).read_text())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if meta["world_size"] != world:
+        raise ResumeError(f"{checkpoint} was written by {meta['world_size']} ranks; this run has {world}. Resume "
+                          f"with the same nodes and --gpus, or start a new run")
+    saved = torch.load(checkpoint / f"rank{rank}.pt", map_location="cpu", weights_only=False)
+    by_name = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, local in saved["params"].items():
+            param = by_name[name]
+            target = param.to_local() if hasattr(param, "to_local") else param
+            target.copy_(local.to(target.device))
+    state = saved["optimizer"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, per_param in state["state"].items():
+        param = params[int(index)]
+        for key, value in list(per_param.items()):
+            if isinstance(value, torch.Tensor) and value.dim() > 0 and hasattr(param, "device_mesh"):
+                from torch.distributed.tensor import DTensor
+
+                per_param[key] = DTensor.from_local(value.to(device), param.device_mesh, param.placements,
+                                                    shape=param.shape, stride=param.stride())
+            elif isinstance(value, torch.Tensor):
+                per_param[key] = value.to(device) if value.dim() > 0 else value
+    optimizer.load_state_dict(state)
+    _set_rng_state(saved["rng"], device)
+    return meta["step"]
