@@ -29,3 +29,16 @@ YAML
 $NODECTL launch --nodes 2 --gpus 1 --skip-preflight --config recipe1b.yaml 2>&1 | tail -20 | tee -a "$OUT/llama1b.log"
 $NODECTL collect >/dev/null 2>&1; cp runs/*/nodes/local0/output/metrics.jsonl "$OUT/llama1b-metrics.jsonl" 2>/dev/null
 grep -hE "Error|error:" runs/*/nodes/*/logs/rank*.log | grep -v "^\[rank.\]: #" | head -20 | tee -a "$OUT/llama1b.log"
+
+echo "== 1B: checkpoints, eval, crash inside the step-20 checkpoint, then nodectl launch --resume"
+cat > recipe1b-resume.yaml <<YAML
+model: {path: $work/models/llama1b, activation_checkpointing: false}
+lora: {r: 16, alpha: 32}
+data: {path: $work/models/llama1b/train.jsonl, max_length: 2048, eval_holdout: 32, eval_samples: 16}
+train: {steps: 30, micro_batch_size: 4, lr: 0.0002, warmup_steps: 3, log_every: 5, checkpoint_every: 10, eval_every: 10}
+YAML
+NODECTL_TEST_CRASH_IN_CHECKPOINT=20 $NODECTL launch --nodes 2 --gpus 1 --skip-preflight --config recipe1b-resume.yaml 2>&1 | grep -E "checkpoint|failed|eval" | head -6 | tee -a "$OUT/resume.log"
+run=$(ls runs | grep -v '^\.' | tail -1)
+$NODECTL launch --resume "$run" --skip-preflight 2>&1 | grep -E "resuming|eval|checkpoint|adapter|succeeded|failed|Error" | tee -a "$OUT/resume.log"
+$NODECTL collect --run "$run" >/dev/null 2>&1; $NODECTL report "$run" 2>&1 | tee -a "$OUT/resume.log"
+cp runs/"$run"/report/gpu_utilisation.png "$OUT/" 2>/dev/null; cp runs/"$run"/report/loss.png "$OUT/resume-loss.png" 2>/dev/null

@@ -72,7 +72,7 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster,
         except agent.AgentError as exc:
             raise _StartFailed(str(exc)) from None
 
-    results = cluster.fan_out(_catching(guarded), on_done=on_done)
+    results = cluster.fan_out(_catching(guarded), [np.node for np in plan.nodes], on_done=on_done)
     return results
 
 

@@ -104,3 +104,19 @@ def test_changed_host_key_always_refused(fresh_cluster):
         assert result.exit_code == 3
         assert "HOST KEY CHANGED" in result.stderr and "ssh-keygen -R" in result.stderr
     assert known_hosts.read_text() == before
+
+
+def test_ssh_config_alias_is_honoured(ssh_cluster, tmp_path):
+    config = ssh_cluster.home / ".ssh" / "config"
+    node = ssh_cluster.nodes[0]
+    config.write_text(f"Host first-node\n  HostName {node.address}\n  Port {node.port}\n  User root\n"
+                      f"  IdentityFile {ssh_cluster.identity}\n")
+    try:
+        inventory = tmp_path / "alias.yaml"
+        inventory.write_text(f"nodes:\n  - host: first-node\n    device: cpu\n    workdir: {node.workdir}\n"
+                             f"    python: {__import__('sys').executable}\n")
+        result = run_nodectl(["-i", str(inventory), "--json", "env-dump"], env=ssh_cluster.env())
+        assert result.exit_code == 0, result.output
+        assert result.json()["nodes"]["first-node"]["disk"]["workdir"] == str(node.workdir)
+    finally:
+        config.unlink()

@@ -121,6 +121,8 @@ def test_two_runs_at_once_stop_one_leaves_the_other(ssh_cluster, project):
     second = run_nodectl(base, env=env, cwd=project)
     assert first.exit_code == 0 and second.exit_code == 0, first.output + second.output
     run_a, run_b = sorted(p.name for p in (project / "runs").iterdir())[-2:]
+    second_states = json.loads((project / "runs" / run_b / "manifest.json").read_text())["node_states"]
+    assert {state["bytes_sent"] for state in second_states.values()} == {0}  # unchanged files are not re-sent
     try:
         wait_for(lambda: len(run_processes(run_a)) >= 4 and len(run_processes(run_b)) >= 4)
         assert run_nodectl(["stop", "--run", run_a, "--grace", "2"], env=env, cwd=project).exit_code == 0

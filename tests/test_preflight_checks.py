@@ -147,3 +147,14 @@ def test_transport_parse_and_ib_socket_fallback_fails():
 def test_wrong_sums_fail():
     result = {"world": 4, "backend": "gloo", "sizes": [{"bytes": 1 << 20, "ok": False, "busbw_gbs": 1.0}]}
     assert judge_collective(result, {}, False, 2, None)[0].verdict == FAIL
+
+
+def test_pair_tests_point_at_the_common_slow_node():
+    from nodectl.preflight.collective import judge_pairs
+
+    pairs = [{"nodes": ["a", "b"], "busbw_gbs": 40.0}, {"nodes": ["b", "c"], "busbw_gbs": 11.0},
+             {"nodes": ["c", "d"], "busbw_gbs": 12.0}, {"nodes": ["d", "a"], "busbw_gbs": 41.0}]
+    (result,) = judge_pairs(pairs)
+    assert result.verdict == WARN and "common node: c" in result.detail
+    healthy = [{"nodes": ["a", "b"], "busbw_gbs": 40.0}, {"nodes": ["b", "a"], "busbw_gbs": 39.0}]
+    assert judge_pairs(healthy)[0].verdict == PASS

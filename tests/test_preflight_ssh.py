@@ -55,6 +55,16 @@ def test_healthy_cluster_passes_with_a_correct_gloo_all_reduce(ssh_cluster, tmp_
     assert human.exit_code == 0 and "preflight passed" in human.stdout and "all-reduce" not in human.stdout
 
 
+def test_full_runs_a_collective_on_each_node_pair(ssh_cluster, tmp_path):
+    inventory = ssh_cluster.inventory(count=3, gpus=1)
+    result = run_nodectl(["-i", str(inventory), "--json", "preflight", "--full"], env=ssh_cluster.env(),
+                         cwd=tmp_path, timeout=300)
+    assert result.exit_code == 0, result.output[-3000:]
+    pairs = result.json()["collective"]["pairs"]
+    assert [p["nodes"] for p in pairs] == [["node0", "node1"], ["node1", "node2"], ["node2", "node0"]]
+    assert all(p["busbw_gbs"] > 0 for p in pairs)
+
+
 def test_node_without_torch_fails_with_hint_and_launch_refuses(ssh_cluster, tmp_path):
     bare = python_with(tmp_path, "bare", bare=True)
     inventory = ssh_cluster.inventory(count=2, node_overrides={1: {"python": bare}})

@@ -162,7 +162,12 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
         if recipe.train.eval_every and (step + 1) % recipe.train.eval_every == 0:
             reason = stopper.update(step + 1, run_eval(step + 1))
         if recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0 and not last:
-            resume.save(model, optimizer, step + 1, out_dir / "checkpoints", ctx.device, recipe.train.keep_checkpoints)
+            started = time.perf_counter()
+            saved_to = resume.save(model, optimizer, step + 1, out_dir / "checkpoints", ctx.device,
+                                   recipe.train.keep_checkpoints)
+            size = sum(f.stat().st_size for f in saved_to.glob("rank*.pt"))
+            reporter.event({"step": step + 1, "checkpoint_s": round(time.perf_counter() - started, 3),
+                            "checkpoint_bytes_node": size})
         if recipe.train.save_every and (step + 1) % recipe.train.save_every == 0 and not last:
             checkpoint.save_adapter(model, out_dir, step + 1, recipe.train.keep_last)
         if reason:

@@ -67,11 +67,54 @@ def judge_collective(result: dict | None, transports: dict[str, int], ib_present
     return out
 
 
+PAIR_GPU_MAX, PAIR_CPU_MAX = 256 << 20, 16 << 20
+SLOW_PAIR = 0.7
+
+
+def judge_pairs(pairs: list[dict]) -> list[CheckResult]:
+    """Pairs well under the median busbw point at a slow node: the one that is in every slow pair."""
+    measured = [p for p in pairs if p.get("busbw_gbs")]
+    failed = [p for p in pairs if not p.get("busbw_gbs")]
+    out = [CheckResult("node pair", "cluster", FAIL, f"{'+'.join(p['nodes'])}: {p.get('error')}",
+                       "run a two-node launch on that pair to see its logs") for p in failed]
+    if len(measured) < 2:
+        return out
+    median = sorted(p["busbw_gbs"] for p in measured)[len(measured) // 2]
+    slow = [p for p in measured if p["busbw_gbs"] < SLOW_PAIR * median]
+    detail = "; ".join(f"{'+'.join(p['nodes'])} {p['busbw_gbs']:.1f} GB/s" for p in measured)
+    if not slow:
+        return out + [CheckResult("node pairs", "cluster", PASS, detail)]
+    suspects = set(slow[0]["nodes"]).intersection(*(set(p["nodes"]) for p in slow))
+    culprit = ", ".join(sorted(suspects)) or "no single node"
+    return out + [CheckResult("node pairs", "cluster", WARN, f"slow pairs (under {SLOW_PAIR:.0%} of the median "
+                                                             f"{median:.1f} GB/s): {detail}; common node: {culprit}",
+                              f"check {culprit}'s NIC, cabling and PCIe; or leave it out with --exclude")]
+
+
+def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, connect_timeout: float) -> list[dict]:
+    """The collective on each ring neighbour pair (node i with node i+1), one pair at a time."""
+    nodes, pairs = inventory.nodes, []
+    for i in range(len(nodes)):
+        pair = (nodes[i], nodes[(i + 1) % len(nodes)])
+        sub = replace(inventory, nodes=tuple(replace(n, index=k) for k, n in enumerate(pair)))
+        limit = PAIR_GPU_MAX if pair[0].device == "cuda" else PAIR_CPU_MAX
+        result, _, failure, run_id = run_collective(sub, cluster, gpus=gpus, full=False,
+                                                    connect_timeout=connect_timeout, max_bytes=limit)
+        entry = {"nodes": [n.name for n in pair], "run": run_id}
+        if result and all(s["ok"] for s in result["sizes"]):
+            entry["busbw_gbs"] = result["sizes"][-1]["busbw_gbs"]
+        else:
+            entry["error"] = failure or "wrong sums"
+        pairs.append(entry)
+    return pairs
+
+
 def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, full: bool,
-                   connect_timeout: float, grace: float = 5.0) -> tuple[dict | None, dict[str, int], str | None, str]:
+                   connect_timeout: float, grace: float = 5.0,
+                   max_bytes: int | None = None) -> tuple[dict | None, dict[str, int], str | None, str]:
     """(result, transports, failure, run id) of the all-reduce job on every selected node and rank."""
     gpu_run = inventory.nodes[0].device == "cuda"
-    max_bytes = (GPU_FULL_MAX if full else GPU_MAX) if gpu_run else CPU_MAX
+    max_bytes = max_bytes or ((GPU_FULL_MAX if full else GPU_MAX) if gpu_run else CPU_MAX)
     if gpu_run:  # NCCL says which transport each connection took
         inventory = replace(inventory, nodes=tuple(replace(n, env={"NCCL_DEBUG": "INFO", **n.env})
                                                    for n in inventory.nodes))

@@ -10,7 +10,7 @@ from pathlib import Path
 from nodectl import agent
 from nodectl.inventory import Inventory
 from nodectl.preflight.checks import FAIL, WARN, CheckResult, Expectation, judge_cluster, judge_node
-from nodectl.preflight.collective import judge_collective, run_collective
+from nodectl.preflight.collective import judge_collective, judge_pairs, run_collective, run_pairs
 from nodectl.probe import probe_nodes
 from nodectl.resources import resource_dir
 from nodectl.runs import runs_root
@@ -132,6 +132,10 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
         report.collective, report.collective_run = result, run_id
         if transports:
             report.collective = {**(result or {}), "transports": transports}
+        if full and len(inventory.nodes) > 2:
+            pairs = run_pairs(inventory, cluster, gpus=gpus, connect_timeout=connect_timeout)
+            report.results += judge_pairs(pairs)
+            report.collective = {**(report.collective or {}), "pairs": pairs}
     return report
 
 
