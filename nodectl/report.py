@@ -90,7 +90,8 @@ def render(data: dict, out: Path) -> list[Path]:
         if rows:
             start = rows[0]["time"]
             for gpu in range(len(rows[0]["gpus"])):
-                util.append((f"{node} GPU{gpu}", [r["time"] - start for r in rows], [r["gpus"][gpu]["util"] for r in rows]))
+                label = f"{node} GPU{rows[0]['gpus'][gpu].get('gpu', gpu)}"
+                util.append((label, [r["time"] - start for r in rows], [r["gpus"][gpu]["util"] for r in rows]))
     figure("gpu_utilisation", "GPU utilisation", "%", util)
     return written
 

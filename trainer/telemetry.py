@@ -28,9 +28,16 @@ class Telemetry:
             self._thread.start()
         return self
 
+    def _devices(self) -> list[int]:
+        """This node's GPUs: NVML numbers every GPU of the machine and ignores CUDA_VISIBLE_DEVICES."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        if visible and all(part.strip().isdigit() for part in visible.split(",")):
+            return [int(part) for part in visible.split(",")]
+        return list(range(self._nvml.nvmlDeviceGetCount()))
+
     def _sample(self) -> list[dict]:
         nvml, rows = self._nvml, []
-        for index in range(nvml.nvmlDeviceGetCount()):
+        for index in self._devices():
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
             util = nvml.nvmlDeviceGetUtilizationRates(handle)
             memory = nvml.nvmlDeviceGetMemoryInfo(handle)
@@ -43,12 +50,14 @@ class Telemetry:
     def _run(self) -> None:
         node = os.environ.get("NODECTL_NODE_RANK", "0")
         with open(self.path, "a", encoding="utf-8") as handle:
-            while not self._stop.wait(self.interval):
+            while True:
                 try:
                     handle.write(json.dumps({"time": time.time(), "node": node, "gpus": self._sample()}) + "\n")
                     handle.flush()
                 except Exception:  # a sampling error must never disturb training
                     pass
+                if self._stop.wait(self.interval):
+                    break
 
     def stop(self) -> None:
         self._stop.set()

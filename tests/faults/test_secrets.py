@@ -1,0 +1,64 @@
+"""A canary secret in the inventory reaches the ranks and nothing else: no dump, report, manifest, script, log
+nodectl writes, or command line that ps shows."""
+from __future__ import annotations
+
+import hashlib
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import run_nodectl
+from launch_helpers import kill_leftovers, latest_run_id, wait_for
+
+pytestmark = pytest.mark.slow
+CANARY = "hf_canary_5e1f0c0ffee"
+SCRIPT = f'''\
+import hashlib, os, time
+print("token digest", hashlib.sha256(os.environ["HF_TOKEN"].encode()).hexdigest(), flush=True)
+print("url", os.environ["PIP_INDEX_URL"].split("@")[-1], flush=True)
+time.sleep(60)
+'''
+
+
+def files_under(root: Path):
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def test_canary_secret_is_nowhere_but_the_ranks(ssh_cluster, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "show.py").write_text(SCRIPT)
+    env_block = {"HF_TOKEN": CANARY, "PIP_INDEX_URL": f"https://user:{CANARY}@pypi.example/simple"}
+    inventory = str(ssh_cluster.inventory(count=2, env=env_block))
+    env = ssh_cluster.env()
+    outputs = []
+    outputs.append(run_nodectl(["-i", inventory, "launch", "--dry-run", "--", "show.py"], env=env, cwd=project))
+    outputs.append(run_nodectl(["-i", inventory, "--json", "env-dump"], env=env, cwd=project))
+    launched = run_nodectl(["-i", inventory, "launch", "--detach", "--", "show.py"], env=env, cwd=project)
+    assert launched.exit_code == 0, launched.output
+    outputs.append(launched)
+    run_id = latest_run_id(project)
+    try:
+        log = ssh_cluster.nodes[1].workdir / "runs" / run_id / "logs" / "rank1.log"
+        wait_for(lambda: log.exists() and "token digest" in log.read_text())
+        assert hashlib.sha256(CANARY.encode()).hexdigest() in log.read_text()  # the rank got the real value
+        ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+        outputs += [run_nodectl(["--json", "status"], env=env, cwd=project),
+                    run_nodectl(["tail", "all"], env=env, cwd=project)]
+        assert CANARY not in ps
+        for result in outputs:
+            assert CANARY not in result.output
+        for path in files_under(project / "runs"):
+            assert CANARY not in path.read_text(errors="replace"), path
+        for node in ssh_cluster.nodes[:2]:
+            run_dir = node.workdir / "runs" / run_id
+            assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+            assert stat.S_IMODE((run_dir / "env.sh").stat().st_mode) == 0o600
+            for path in files_under(run_dir):
+                if path.name != "env.sh":
+                    assert CANARY not in path.read_text(errors="replace"), path
+    finally:
+        run_nodectl(["stop", "--grace", "1"], env=env, cwd=project)
+        kill_leftovers(run_id)
