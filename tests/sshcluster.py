@@ -48,6 +48,7 @@ class SSHNode:
     workdir: Path
     host_key: Path
     process: subprocess.Popen | None = None
+    netns: str | None = None
 
 
 @dataclass
@@ -57,6 +58,8 @@ class SSHCluster:
     port: int = PORT
     first_octet: int = 2
     nodes: list[SSHNode] = field(default_factory=list)
+    addresses: list[str] | None = None     # default: 127.0.0.<first_octet + i>
+    namespaces: list[str] | None = None    # run node i's sshd inside this network namespace
 
     @property
     def home(self) -> Path:
@@ -74,12 +77,13 @@ class SSHCluster:
         authorized = self.root / "authorized_keys"
         shutil.copy(f"{self.identity}.pub", authorized)
         for i in range(self.count):
-            address = f"127.0.0.{self.first_octet + i}"
+            address = self.addresses[i] if self.addresses else f"127.0.0.{self.first_octet + i}"
             node_dir = self.root / f"node{i}"
             node_dir.mkdir()
             host_key = node_dir / "ssh_host_ed25519_key"
             _keygen(host_key, f"host-node{i}")
-            node = SSHNode(f"node{i}", address, self.port, node_dir / "work", host_key)
+            node = SSHNode(f"node{i}", address, self.port, node_dir / "work", host_key,
+                           netns=self.namespaces[i] if self.namespaces else None)
             node.process = self._sshd(node, authorized)
             self.nodes.append(node)
         for node in self.nodes:
@@ -93,7 +97,7 @@ class SSHCluster:
             "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no", "PermitRootLogin": "yes",
             "Subsystem": "sftp internal-sftp", "MaxStartups": "500", "MaxSessions": "500", "LogLevel": "ERROR",
         }
-        argv = [SSHD, "-D", "-e", "-f", "/dev/null"]
+        argv = (["ip", "netns", "exec", node.netns] if node.netns else []) + [SSHD, "-D", "-e", "-f", "/dev/null"]
         for key, value in options.items():
             argv += ["-o", f"{key}={value}"]
         log = open(node.host_key.parent / "sshd.log", "ab")

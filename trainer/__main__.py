@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     from .config import ConfigError, load_recipe
     from .data import DataError
+    from .resume import CheckpointError
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -27,6 +28,10 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:  # every rank reached the same verdict before any collective; one of them says it
             print(f"recipe error: {exc}", file=sys.stderr, flush=True)
         return 2
+    except CheckpointError as exc:
+        if rank == 0 or f"rank {rank}:" in str(exc):
+            print(f"checkpoint error: {exc}", file=sys.stderr, flush=True)
+        return 1
     finally:
         import torch.distributed as dist
 

@@ -25,6 +25,10 @@ class ResumeError(Exception):
     pass
 
 
+class CheckpointError(Exception):
+    """A checkpoint could not be written (a full disk, say); the previous complete one is untouched."""
+
+
 def _to_local(value):
     if hasattr(value, "to_local"):
         return value.to_local().detach().cpu().clone()
@@ -64,14 +68,24 @@ def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.dev
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:
         tmp.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    tmp.mkdir(parents=True, exist_ok=True)
     params = {name: _to_local(p) for name, p in model.named_parameters() if p.requires_grad}
-    torch.save({"params": params, "optimizer": _to_local(optimizer.state_dict()), "rng": _rng_state(device)},
-               tmp / f"rank{rank}.pt")
+    error = None
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        torch.save({"params": params, "optimizer": _to_local(optimizer.state_dict()), "rng": _rng_state(device)},
+                   tmp / f"rank{rank}.pt")
+    except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError or OSError
+        error = f"rank {rank}: {exc}".splitlines()[0]
     crash = os.environ.get("NODECTL_TEST_CRASH_IN_CHECKPOINT")
     if crash and int(crash) == step and rank == 0:
         os._exit(9)  # tests: die with shards written and no COMPLETE marker
-    dist.barrier()
+    written = torch.tensor([0.0 if error else 1.0], device=device)
+    dist.all_reduce(written, op=dist.ReduceOp.MIN)  # every rank learns whether every part was written
+    if written.item() < 1:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"checkpoint at step {step} could not be written to {folder}"
+                              + (f" ({error})" if error else " (another rank failed)")
+                              + "; the previous complete checkpoint is intact: free space, then resume")
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:
         (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": world, **(extra or {})}))
         os.replace(tmp, final)
