@@ -15,14 +15,15 @@ export LD_LIBRARY_PATH=$NH/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   || ( cd "$REPO/.nccl-tests" && make -j16 MPI=0 CUDA_HOME=/usr/local/cuda NCCL_HOME="$NH" \
     NVLDFLAGS="-L/tmp/nccl-lib -L/usr/local/cuda/lib64 -lcudart -lnccl" NVCC_GENCODE="-gencode=arch=compute_90,code=sm_90" 2>&1 | tail -15 )
 PERF=$(find "$REPO/.nccl-tests/build" -name all_reduce_perf -type f | head -1)
-echo "== nccl-tests all_reduce_perf, 2 GPUs, float sum, 1 MiB .. 4 GiB"
-"$PERF" -b 1M -e 4G -f 2 -g 2 -n 20 -w 5 2>&1 | tee "$OUT/all_reduce_perf.txt" | grep -E "^ +[0-9]|Avg bus" | tail -14
+G=${GPUS:-2}; H=$((G / 2))
+echo "== nccl-tests all_reduce_perf, $G GPUs, float sum, 1 MiB .. 4 GiB"
+"$PERF" -b 1M -e 4G -f 2 -g "$G" -n 20 -w 5 2>&1 | tee "$OUT/all_reduce_perf.txt" | grep -E "^ +[0-9]|Avg bus" | tail -14
 work=$(mktemp -d); cd "$work"
-echo "== nodectl preflight --full: 1 node x 2 GPUs"
+echo "== nodectl preflight --full: 1 node x $G GPUs"
 python3 -m nodectl --json preflight --full > "$OUT/preflight-1x2.json" 2> "$OUT/preflight-1x2.err"; echo "exit $?"
 python3 -m nodectl tail rank0 -n 400 2>&1 | grep -E "Error|error|NCCL INFO Channel" | head -12
-echo "== nodectl preflight --full: 2 local nodes x 1 GPU"
-python3 -m nodectl --json preflight --full --nodes 2 --gpus 1 > "$OUT/preflight-2x1.json" 2> "$OUT/preflight-2x1.err"; echo "exit $?"
+echo "== nodectl preflight --full: 2 local nodes x $H GPU(s)"
+python3 -m nodectl --json preflight --full --nodes 2 --gpus "$H" > "$OUT/preflight-2x1.json" 2> "$OUT/preflight-2x1.err"; echo "exit $?"
 python3 - "$OUT" <<'PY'
 import json, re, sys
 out = sys.argv[1]
