@@ -19,10 +19,12 @@ while True:
 PY
 python3 -m nodectl launch --nodes 2 --gpus 2 --skip-preflight --grace 10 -- ring.py > launch.out 2> launch.err &
 ctl=$!
-for i in $(seq 1 120); do grep -q "step 100" runs/*/nodes/x 2>/dev/null; ls ~/.nodectl/local/runs/*/local1/logs/rank3.log >/dev/null 2>&1 && grep -q "step 100" ~/.nodectl/local/runs/*/local1/logs/rank3.log && break; sleep 0.5; done
-victim=$(cat ~/.nodectl/local/runs/*/local1/state/rank3.pid)
+sleep 2; run=$(ls -t runs | grep -v '^\.' | head -1); node1=~/.nodectl/local/runs/$run/local1
+for i in $(seq 1 120); do grep -qs "step 100" "$node1/logs/rank3.log" && break; sleep 0.5; done
+victim=$(cat "$node1/state/rank3.pid")
 t0=$(date +%s.%N); kill -9 "$victim"
 wait $ctl; code=$?
+python3 -m nodectl stop --run "$run" --grace 1 >/dev/null 2>&1
 t1=$(date +%s.%N)
 left=$(python3 - <<'PY'
 import os
