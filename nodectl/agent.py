@@ -36,8 +36,8 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
     invocation = " ".join([quote_path(node.python), quote_path(path), shlex.quote(command),
                            *(quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args)])
     source = _runctl()[0]
-    # One round trip: install if missing (source through a heredoc-free `cat` of a second stdin part is not
-    # possible), so the install step reads the source from stdin only when the file is absent.
+    # Usually one round trip. Only when this version of runctl is not on the node yet (the `test -f` fails with
+    # no output) does a second command install it from stdin, and a third repeat the call.
     result = transport.run(f"test -f {quote_path(path)} && {invocation}", stdin=body, timeout=timeout)
     if result.exit_code == 1 and not result.stdout.strip():
         install = (f"mkdir -p {quote_path(path.rsplit('/', 1)[0])} && cat > {quote_path(path)}.tmp && "

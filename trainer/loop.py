@@ -261,7 +261,7 @@ def _reduce_window(ctx, step, window, elapsed, steps, optimizer, seq_len, config
     dist.all_reduce(totals)
     loss_sum, target_tokens, real_tokens = totals.tolist()
     per_gpu = real_tokens / elapsed / ctx.world
-    flops = flops_per_token(trainable, frozen, config.num_hidden_layers, config.hidden_size, seq_len, False)
+    flops = flops_per_token(trainable, frozen, config.num_hidden_layers, config.hidden_size, seq_len)
     norm = window.grad_norm
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     return {

@@ -22,12 +22,11 @@ def peak_flops(device_name: str | None) -> float | None:
     return None
 
 
-def flops_per_token(trainable: int, frozen: int, layers: int, hidden: int, seq_len: int,
-                    recompute: bool) -> float:
+def flops_per_token(trainable: int, frozen: int, layers: int, hidden: int, seq_len: int) -> float:
     """Model FLOPs per token of one training step (the figure MFU is computed from; see README):
     forward 2 FLOPs per weight; backward 2 more per weight for input gradients plus 2 per trainable weight for
-    weight gradients; attention scores and values 12·layers·hidden·seq. Recomputation is not counted."""
-    del recompute  # MFU counts useful work only; recomputed forwards are overhead, not model FLOPs
+    weight gradients; attention scores and values 12·layers·hidden·seq. Recomputed forwards (activation
+    checkpointing) are overhead, not model FLOPs, and are not counted."""
     return 4 * (trainable + frozen) + 2 * trainable + 12 * layers * hidden * seq_len
 
 

@@ -100,8 +100,7 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
                       max_restarts=max_restarts, facts=facts,
                       run_id=previous.run_id if previous else None)
     if previous:
-        plan = replace(plan, attempt=previous.manifest().get("attempt", 0) + 1,
-                       builtin_trainer=previous.manifest()["plan"]["builtin_trainer"])
+        plan = replace(plan, attempt=previous.manifest().get("attempt", 0) + 1)
     files = files + sync.nodectl_files(plan.builtin_trainer, config)
     rendered = render_plan(plan, template)
     if dry_run:
