@@ -118,12 +118,19 @@ def _run_dir(node: Node, run_id: str, shared: bool) -> str:
     return f"{base}/{node.name}" if shared else base
 
 
-def _cuda_devices(plan_nodes: list[tuple[Node, int]]) -> dict[str, str]:
-    """Several local 'nodes' on one machine each get their own GPUs, in node order."""
+def _cuda_devices(plan_nodes: list[tuple[Node, int]], visible: str | None) -> dict[str, str]:
+    """Several local 'nodes' on one machine each get their own GPUs, in node order, drawn from the GPUs this
+    process may use (CUDA_VISIBLE_DEVICES when set, else 0, 1, ...)."""
+    pool = [d.strip() for d in visible.split(",") if d.strip()] if visible else None
     assignment, next_gpu = {}, 0
     for node, nproc in plan_nodes:
         if node.is_local and node.device == "cuda" and "CUDA_VISIBLE_DEVICES" not in node.env:
-            assignment[node.name] = ",".join(str(g) for g in range(next_gpu, next_gpu + nproc))
+            wanted = range(next_gpu, next_gpu + nproc)
+            ids = pool[wanted.start:wanted.stop] if pool is not None else [str(g) for g in wanted]
+            if len(ids) < nproc:
+                raise UsageError(f"local nodes need {next_gpu + nproc} GPUs; CUDA_VISIBLE_DEVICES={visible} offers "
+                                 f"{len(pool)}")
+            assignment[node.name] = ",".join(ids)
             next_gpu += nproc
     return assignment if len(assignment) > 1 else {}
 
@@ -131,8 +138,9 @@ def _cuda_devices(plan_nodes: list[tuple[Node, int]]) -> dict[str, str]:
 def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ...], sync_dir: str,
                config: str | None = None, run_id: str | None = None, max_restarts: int = 0,
                facts: Mapping[str, dict] | None = None) -> LaunchPlan:
-    """Decide ranks, addresses, ports, folders and environments. Pure: reads no node; `facts` are probe
-    reports from the preflight that just ran, when there was one (CPU count, torch version)."""
+    """Decide ranks, addresses, ports, folders and environments. Reads no node (only this process's
+    CUDA_VISIBLE_DEVICES, for local nodes); `facts` are probe reports from the preflight that just ran, when
+    there was one (CPU count, torch version)."""
     facts = facts or {}
     nodes = inventory.nodes
     devices = {n.device for n in nodes}
@@ -145,7 +153,7 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
     per_node = [(n, gpus or n.gpus or 1) for n in nodes]
     homes = [(n.host, n.port, n.user, n.workdir) for n in nodes]
     port, chosen = _pick_port(inventory)
-    gpu_sets = _cuda_devices(per_node)
+    gpu_sets = _cuda_devices(per_node, os.environ.get("CUDA_VISIBLE_DEVICES"))
     node_plans = []
     for node_rank, (node, nproc) in enumerate(per_node):
         run_dir = _run_dir(node, run_id, homes.count((node.host, node.port, node.user, node.workdir)) > 1)

@@ -4,6 +4,7 @@ has is never sent again."""
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import subprocess
 import tarfile
@@ -119,6 +120,18 @@ def nodectl_files(builtin_trainer: bool, config: str | None, launchers_needed: t
     return files
 
 
+def _add_unchanged(tar: tarfile.TarFile, file: SyncFile) -> None:
+    """Add the bytes that were hashed, or refuse: a file written to while nodectl sends it (a log inside the
+    project folder) would otherwise reach the node with content other than its name says."""
+    data = file.source.read_bytes()
+    if hashlib.sha256(data).hexdigest() != file.sha256:
+        raise UsageError(f"--sync: {file.source} changed while it was being sent (a log or output written inside "
+                         f"the project folder?); exclude it in .gitignore or write it elsewhere")
+    info = tarfile.TarInfo(file.sha256)
+    info.size, info.mode = len(data), 0o644
+    tar.addfile(info, io.BytesIO(data))
+
+
 def upload_missing(transport: Transport, files: list[SyncFile]) -> tuple[str | None, int]:
     """Send the objects the node lacks as one tar; returns (remote tar path or None, bytes sent)."""
     node = transport.node
@@ -127,10 +140,14 @@ def upload_missing(transport: Transport, files: list[SyncFile]) -> tuple[str | N
     if not missing:
         return None, 0
     with tempfile.NamedTemporaryFile(suffix=".tar", delete=False) as handle:
-        with tarfile.open(fileobj=handle, mode="w") as tar:
-            for sha in missing:
-                tar.add(str(unique[sha].source), arcname=sha, recursive=False)
         local_tar = handle.name
+        try:
+            with tarfile.open(fileobj=handle, mode="w") as tar:
+                for sha in missing:
+                    _add_unchanged(tar, unique[sha])
+        except BaseException:
+            os.unlink(local_tar)
+            raise
     try:
         remote = f"{node.workdir.rstrip('/')}/.nodectl/upload-{os.getpid()}-{node.name}.tar"
         transport.put(local_tar, remote)

@@ -69,3 +69,18 @@ def test_user_template_with_undefined_variable_fails_with_its_name(tmp_path):
         render_plan(plan(), str(template))
     template.write_text("#!/bin/bash\necho {{ np.node.name | q }}\n")
     assert render_plan(plan(), str(template))[1].launch == "#!/bin/bash\necho node1\n"
+
+
+def test_local_nodes_share_out_the_gpus_this_process_may_use(monkeypatch):
+    from nodectl.inventory import builtin_inventory
+
+    inventory = builtin_inventory(2)
+    inventory = replace(inventory, nodes=tuple(replace(n, device="cuda", gpus=1) for n in inventory.nodes))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    envs = [n.env["CUDA_VISIBLE_DEVICES"] for n in build_plan(inventory, gpus=2, command=("t.py",), sync_dir=".").nodes]
+    assert envs == ["0,1", "2,3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3,5")
+    envs = [n.env["CUDA_VISIBLE_DEVICES"] for n in build_plan(inventory, gpus=1, command=("t.py",), sync_dir=".").nodes]
+    assert envs == ["2", "3"]
+    with pytest.raises(UsageError, match="local nodes need 4 GPUs; CUDA_VISIBLE_DEVICES=2,3,5 offers 3"):
+        build_plan(inventory, gpus=2, command=("t.py",), sync_dir=".")

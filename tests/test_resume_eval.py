@@ -120,7 +120,7 @@ def test_eval_subset_is_fixed_and_eval_loss_matches_one_process(tmp_path, demo_c
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    data, evaluate, loop = trainer_module("data"), trainer_module("evaluate"), trainer_module("loop")
+    data, evaluate = trainer_module("data"), trainer_module("evaluate")
     model_dir = demo_cache / "demo-v1" / "model"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     examples = data.load_examples(demo_cache / "demo-v1" / "train.jsonl", tokenizer, 64, False)
@@ -129,9 +129,9 @@ def test_eval_subset_is_fixed_and_eval_loss_matches_one_process(tmp_path, demo_c
     assert subset == evaluate.eval_subset(held, 24, 0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     batch = data.collate(subset, tokenizer.pad_token_id)
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    expected = loop.chunked_loss_sum(logits, batch["labels"]) / (batch["labels"][:, 1:] != -100).sum()
+    with torch.no_grad():  # Hugging Face's own mean next-token loss over the same rows
+        expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                         labels=batch["labels"]).loss
     assert at_start == pytest.approx(expected.item(), rel=1e-5)  # LoRA B starts at zero: the base's loss
 
 

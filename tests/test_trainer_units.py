@@ -56,3 +56,49 @@ def test_recipe_errors_name_the_key(tmp_path):
         config.load_recipe(None, ["model.path=/nope"])
     recipe = config.load_recipe(None, ["train.steps=3", "lora.target_modules=q_proj,v_proj"])
     assert recipe.train.steps == 3 and recipe.lora.target_modules == ("q_proj", "v_proj")
+
+
+def test_activation_checkpointing_takes_a_switch_or_a_share_of_layers():
+    model_cfg = trainer_module("config").load_recipe
+    assert model_cfg(None, ["model.activation_checkpointing=false"]).model.activation_checkpointing is False
+    assert model_cfg(None, ["model.activation_checkpointing=0.25"]).model.activation_checkpointing == 0.25
+    with pytest.raises(config.ConfigError, match="model.activation_checkpointing: expected true, false or a share"):
+        model_cfg(None, ["model.activation_checkpointing=1.5"])
+    layers = trainer_module("model").checkpointed_layers
+    assert layers(32, True) == list(range(32)) and layers(32, False) == []
+    assert layers(32, 0.25) == [0, 4, 8, 12, 16, 20, 24, 28]
+    assert len(layers(5, 0.5)) == 2
+
+
+@pytest.mark.parametrize("head_kind", ["frozen", "lora"])
+def test_chunked_head_loss_matches_the_full_logits_loss_and_gradients(head_kind, monkeypatch):
+    """The loss paths that never hold the batch's full-vocabulary logits give Hugging Face's loss and the same
+    gradients, across chunk boundaries, with ignored targets."""
+    import torch
+    import torch.nn.functional as F
+
+    loss = trainer_module("loss")
+    monkeypatch.setattr(loss, "CHUNK_ROWS", 7)
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).requires_grad_(False)
+    if head_kind == "lora":
+        import peft
+
+        head = peft.get_peft_model(torch.nn.Sequential(head), peft.LoraConfig(r=4, target_modules=["0"]))
+        torch.nn.init.normal_(head.base_model.model[0].lora_B.default.weight)
+    hidden = torch.randn(3, 9, 16, dtype=torch.float64, requires_grad=True)
+    head = head.double()
+    labels = torch.randint(0, 50, (3, 9))
+    labels[0, :4] = -100
+    labels[2, -2:] = -100
+
+    got = loss.head_loss_sum(hidden, head, labels)
+    (got_grad,) = torch.autograd.grad(got * 0.5, hidden)
+    logits = head(hidden)
+    want = F.cross_entropy(logits[:, :-1].reshape(-1, 50), labels[:, 1:].reshape(-1), reduction="sum")
+    (want_grad,) = torch.autograd.grad(want * 0.5, hidden)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_grad, want_grad)
+    assert got_grad[0, :3].abs().sum() == 0  # positions whose next token is ignored get no gradient
+    with torch.no_grad():
+        torch.testing.assert_close(loss.head_loss_sum(hidden, head, labels), want.float().detach())

@@ -35,7 +35,8 @@ def save_adapter(model: nn.Module, out_dir: Path, step: int, keep_last: int) -> 
 
     started = time.perf_counter()
     state, gathered = gather_adapter(model)
-    info = {"step": step, "gathered_bytes": gathered, "tensors": len(state)}
+    info = {"step": step, "gathered_bytes": gathered, "tensors": len(state),
+            "gather_seconds": round(time.perf_counter() - started, 3)}
     if dist.get_rank() == 0:
         peft_state = get_peft_model_state_dict(model, state_dict=state)
         final = out_dir / f"adapter-{step:07d}"

@@ -24,7 +24,7 @@ def split(examples: list[Example], holdout: int, seed: int) -> tuple[list[Exampl
 
 @torch.no_grad()
 def evaluate(model, subset: list[Example], *, rank: int, world: int, batch_size: int, pad_id: int,
-             device: torch.device, loss_sum_fn) -> float:
+             device: torch.device) -> float:
     """Mean token loss over the subset. Every rank runs the same number of forwards (FSDP needs all of them);
     a rank without rows left runs a padded copy whose loss it discards."""
     model.eval()
@@ -35,9 +35,9 @@ def evaluate(model, subset: list[Example], *, rank: int, world: int, batch_size:
         rows = mine[step * batch_size:(step + 1) * batch_size]
         batch = collate(rows or subset[:1], pad_id)
         batch = {k: v.to(device) for k, v in batch.items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        loss_sum = model.loss_sum(batch["input_ids"], batch["attention_mask"], batch["labels"])
         if rows:
-            totals[0] += loss_sum_fn(logits, batch["labels"]).double()
+            totals[0] += loss_sum.double()
             totals[1] += (batch["labels"][:, 1:] != -100).sum()
     dist.all_reduce(totals)
     if hasattr(model, "reshard"):

@@ -2,6 +2,7 @@
 across ranks only at the logging interval, so steps in between never wait on the host."""
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -12,7 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from . import checkpoint, demo, evaluate, resume
 from .config import ConfigError, Recipe
@@ -38,6 +38,10 @@ def distributed_context() -> Context:
     device = torch.device("cuda", local_rank) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torchrun sets 1 only where a node runs several ranks; a node's only rank would start a thread per core
+        # for each host-side tensor operation (checkpoints copy a few thousand of them).
+        torch.set_num_threads(max(1, min(8, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))))
     return Context(rank, world, local_rank, device, on_gpu)
 
 
@@ -48,17 +52,6 @@ def resolve_paths(recipe: Recipe) -> tuple[Path, Path]:
         demo_model, demo_data = demo.ensure_demo()
         model_path, data_path = model_path or demo_model, data_path or demo_data
     return model_path, data_path
-
-
-def chunked_loss_sum(logits: torch.Tensor, labels: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
-    """Summed next-token cross-entropy, upcasting to fp32 one chunk of rows at a time, not the whole batch."""
-    logits = logits[:, :-1].reshape(-1, logits.size(-1))
-    targets = labels[:, 1:].reshape(-1)
-    total = logits.new_zeros((), dtype=torch.float32)
-    for start in range(0, targets.numel(), chunk_rows):
-        total = total + F.cross_entropy(logits[start:start + chunk_rows].float(), targets[start:start + chunk_rows],
-                                        ignore_index=IGNORE, reduction="sum")
-    return total
 
 
 def lr_at(step: int, recipe: Recipe) -> float:
@@ -130,6 +123,9 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
     telemetry = Telemetry(Path(os.environ.get("NODECTL_RUN_DIR", out_dir))).start()
     config = model.base_model.model.config
     trainable, frozen = parameter_counts(model)
+    matmul_params = trainable + frozen - model.get_input_embeddings().weight.numel()
+    flops = functools.partial(flops_per_token, trainable, matmul_params, config.num_hidden_layers,
+                              config.hidden_size)
     peak = peak_flops(torch.cuda.get_device_name(ctx.device) if ctx.on_gpu else None)
     window = torch.zeros(3, device=ctx.device)  # loss sum, target tokens, real tokens
     window_start, window_steps, seq_seen = time.perf_counter(), 0, 0
@@ -143,22 +139,27 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
     if recipe.train.eval_at_start and start_step == 0:
         run_eval(0)
     step = start_step
+    profiler = None
     for step in range(start_step, recipe.train.steps):
+        last = step + 1 == recipe.train.steps
+        if recipe.train.profile_at == step + 1:
+            profiler = _start_profile(ctx)
         seq_seen = max(seq_seen, _train_step(recipe, ctx, model, optimizer, params, batches, step, window))
+        if profiler is not None and (step + 1 == recipe.train.profile_at + 1 or last):
+            _finish_profile(profiler, ctx, out_dir)
+            profiler = None
         window_steps += 1
         reporter.heartbeat(step + 1)
-        last = step + 1 == recipe.train.steps
         if (step + 1) % recipe.train.log_every == 0 or last:
             elapsed = time.perf_counter() - window_start
-            record = _reduce_window(ctx, step, window, elapsed, window_steps, optimizer, seq_seen, config,
-                                    trainable, frozen, peak)
+            record = _reduce_window(ctx, step, window, elapsed, window_steps, optimizer, seq_seen, flops, peak)
             reporter.log(record)
             reporter.timing(step + 1, elapsed / window_steps)
             summary.update(last_loss=record["loss"], first_loss=summary.get("first_loss", record["loss"]),
                            tokens_per_s_per_gpu=record["tokens_per_s_per_gpu"], mfu=record["mfu"])
             window.zero_()
             window_start, window_steps = time.perf_counter(), 0
-        reason = None
+        reason, aside = None, time.perf_counter()  # evaluation and saving are not training time
         if recipe.train.eval_every and (step + 1) % recipe.train.eval_every == 0:
             reason = stopper.update(step + 1, run_eval(step + 1))
         if recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0 and not last:
@@ -170,6 +171,7 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
                             "checkpoint_bytes_node": size})
         if recipe.train.save_every and (step + 1) % recipe.train.save_every == 0 and not last:
             checkpoint.save_adapter(model, out_dir, step + 1, recipe.train.keep_last)
+        window_start += time.perf_counter() - aside
         if reason:
             summary["end_reason"] = reason
             reporter.event({"step": step + 1, "stop": reason})
@@ -210,36 +212,62 @@ def _evaluator(recipe, ctx, model, eval_set, tokenizer, reporter, summary):
     def run(step: int) -> float:
         loss = evaluate.evaluate(model, eval_set, rank=ctx.rank, world=ctx.world,
                                  batch_size=recipe.train.micro_batch_size, pad_id=tokenizer.pad_token_id or 0,
-                                 device=ctx.device, loss_sum_fn=chunked_loss_sum)
+                                 device=ctx.device)
         reporter.event({"step": step, "eval_loss": loss, "eval_samples": len(eval_set), "time": time.time()})
         summary.setdefault("eval", []).append({"step": step, "loss": loss})
         return loss
     return run
 
 
+def _start_profile(ctx: Context):
+    from torch.profiler import ProfilerActivity, profile
+
+    profiler = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if ctx.on_gpu else []))
+    profiler.__enter__()
+    return profiler
+
+
+def _finish_profile(profiler, ctx: Context, out_dir: Path) -> None:
+    """Rank 0 writes the profiled steps' operations by GPU time (CPU time on CPU ranks) to profile.txt."""
+    profiler.__exit__(None, None, None)
+    if ctx.rank == 0:
+        key = "self_device_time_total" if ctx.on_gpu else "self_cpu_time_total"
+        table = profiler.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70)
+        (out_dir / "profile.txt").write_text(table)
+
+
+def _to_device(batch: dict[str, torch.Tensor], ctx: Context) -> dict[str, torch.Tensor | None]:
+    """Pinned, asynchronous copies; no attention mask when nothing is padded (checked on the host), so the
+    model takes the causal kernel without looking at a mask (which would cost a device-to-host sync)."""
+    unpadded = bool(batch["attention_mask"].all())
+    out = {k: (v.pin_memory() if ctx.on_gpu else v).to(ctx.device, non_blocking=True) for k, v in batch.items()
+           if not (k == "attention_mask" and unpadded)}
+    out.setdefault("attention_mask", None)
+    return out
+
+
 def _train_step(recipe, ctx, model, optimizer, params, batches, step: int, window: torch.Tensor) -> int:
-    """One optimizer step over this rank's micro-batches; accumulates (loss sum, targets, real tokens) on device."""
+    """One optimizer step over this rank's micro-batches; accumulates (loss sum, targets, real tokens) on device.
+    Nothing here waits for the GPU: the host prepares the next step while this one runs."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, recipe)
-    micro_batches = [{k: v.to(ctx.device, non_blocking=True) for k, v in mb.items()}
-                     for mb in batches.micro_batches(step)]
+    host_batches = batches.micro_batches(step)
+    real_tokens = sum(int(mb["attention_mask"].sum()) for mb in host_batches)
+    micro_batches = [_to_device(mb, ctx) for mb in host_batches]
     local_targets = sum((mb["labels"][:, 1:] != IGNORE).sum() for mb in micro_batches)
     global_targets = local_targets.clone().float()
     dist.all_reduce(global_targets)  # the loss is normalised by every target token of the global batch
-    seq = 0
     for index, mb in enumerate(micro_batches):
         model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        loss_sum = chunked_loss_sum(logits, mb["labels"])
+        loss_sum = model.loss_sum(mb["input_ids"], mb["attention_mask"], mb["labels"])
         (loss_sum * ctx.world / global_targets).backward()  # FSDP averages gradients over ranks
         window[0] += loss_sum.detach()
-        window[2] += mb["attention_mask"].sum()
-        seq = max(seq, mb["input_ids"].size(1))
     window[1] += local_targets
+    window[2] += real_tokens
     window.grad_norm = torch.nn.utils.clip_grad_norm_(params, recipe.train.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return seq
+    return max(mb["input_ids"].size(1) for mb in host_batches)
 
 
 @torch.no_grad()
@@ -255,19 +283,18 @@ def _save_probe(model, batch: dict, ctx: Context, out_dir: Path) -> None:
         torch.save({**{k: v.cpu() for k, v in inputs.items()}, "logits": logits}, out_dir / "probe.pt")
 
 
-def _reduce_window(ctx, step, window, elapsed, steps, optimizer, seq_len, config, trainable, frozen, peak) -> dict:
+def _reduce_window(ctx, step, window, elapsed, steps, optimizer, seq_len, flops, peak) -> dict:
     """The only host synchronisation of the loop: one all-reduce of (loss sum, target tokens, real tokens)."""
     totals = window.clone()
     dist.all_reduce(totals)
     loss_sum, target_tokens, real_tokens = totals.tolist()
     per_gpu = real_tokens / elapsed / ctx.world
-    flops = flops_per_token(trainable, frozen, config.num_hidden_layers, config.hidden_size, seq_len)
     norm = window.grad_norm
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     return {
         "step": step + 1, "loss": loss_sum / max(target_tokens, 1.0), "lr": optimizer.param_groups[0]["lr"],
         "grad_norm": float(norm), "tokens_per_s_per_gpu": per_gpu, "step_time_s": elapsed / steps,
-        "mfu": per_gpu * flops / peak if peak else None,
+        "mfu": per_gpu * flops(seq_len) / peak if peak else None,
         "max_memory_gb": torch.cuda.max_memory_allocated(ctx.device) / 1e9 if ctx.on_gpu else None,
         "time": time.time(),
     }

@@ -22,12 +22,13 @@ def peak_flops(device_name: str | None) -> float | None:
     return None
 
 
-def flops_per_token(trainable: int, frozen: int, layers: int, hidden: int, seq_len: int) -> float:
-    """Model FLOPs per token of one training step (the figure MFU is computed from; see README):
-    forward 2 FLOPs per weight; backward 2 more per weight for input gradients plus 2 per trainable weight for
-    weight gradients; attention scores and values 12·layers·hidden·seq. Recomputed forwards (activation
-    checkpointing) are overhead, not model FLOPs, and are not counted."""
-    return 4 * (trainable + frozen) + 2 * trainable + 12 * layers * hidden * seq_len
+def flops_per_token(trainable: int, matmul_params: int, layers: int, hidden: int, seq_len: int) -> float:
+    """Model FLOPs per token of one training step (the figure MFU is computed from; see README).
+    `matmul_params`: every weight a token is multiplied by (all parameters but the input embedding, which is a
+    lookup). Forward 2 FLOPs per such weight; backward 2 more for input gradients plus 2 per trainable weight
+    for weight gradients (the frozen base gets none); attention scores and values 12·layers·hidden·seq.
+    Recomputed forwards (activation checkpointing) are overhead, not model FLOPs, and are not counted."""
+    return 4 * matmul_params + 2 * trainable + 12 * layers * hidden * seq_len
 
 
 class Reporter:

@@ -50,31 +50,78 @@ def _adapter_linears(module: nn.Module) -> list[nn.Module]:
             if isinstance(m, nn.Linear) and name.rsplit(".", 2)[-2:-1] in (["lora_A"], ["lora_B"])]
 
 
+def checkpointed_layers(count: int, setting: bool | float) -> list[int]:
+    """Which decoder layers recompute their activations in backward: all (true), none (false), or a fraction
+    of them spread evenly over the depth (the memory a run needs, and no more recomputation than that)."""
+    share = float(setting)
+    chosen = round(share * count)
+    return [int(i * count / chosen) for i in range(chosen)] if chosen else []
+
+
+def _checkpoint_forward(layer: nn.Module) -> None:
+    """Non-reentrant activation checkpointing around the layer's own forward, inside its FSDP hooks (the
+    reentrant kind re-runs forward hooks and is what makes DDP report "marked ready twice"). Parameter names do
+    not change, so checkpoints and adapters keep the model's names."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = layer.forward
+
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    layer.forward = checkpointed
+
+
+def _fsdp_takes_mixed_frozen_dtypes() -> bool:
+    """FSDP2 requires one original dtype per unit; from torch 2.8 only among trainable parameters (pytorch
+    #154103), so a frozen bf16 block and its fp32 adapters can share a unit. Earlier, adapters need their own."""
+    from torch.torch_version import TorchVersion
+
+    return TorchVersion(torch.__version__.split("+")[0]) >= "2.8"
+
+
+def _set_compile_numerics(mode: str) -> None:
+    """Fused kernels keep fp32 between operations that eager PyTorch rounds to bf16 one by one. That is more
+    precise, but early LoRA updates (far below the bf16 resolution of the frozen layer's output, which eager
+    rounds them into) then move the loss sooner than eager does: measured on the 8B bench, up to 2% lower loss
+    in steps 2-10, the same curve after. "eager" makes Inductor round where eager does, for the same curve."""
+    import torch._inductor.config as inductor
+
+    if hasattr(inductor, "emulate_precision_casts"):
+        inductor.emulate_precision_casts = mode == "eager"
+
+
 def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module:
     """The wrapping order, in one place: LoRA (already applied), activation checkpointing, compile, FSDP2.
 
-    Activation checkpointing is non-reentrant: the reentrant kind re-runs forward hooks and is what makes DDP
-    report "marked ready twice". Where a block mixes the frozen bf16 base with fp32 adapters, the adapters of the
-    block get their own FSDP unit (FSDP2 all-gathers one dtype per unit)."""
+    Compilation covers each decoder layer's forward and nothing else: FSDP's hooks stay outside the compiled
+    code and parameter names stay as they are. One FSDP unit per decoder layer, then the root; with torch < 2.8
+    the fp32 adapters of a layer get a unit of their own beside the bf16 base."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if recipe.model.activation_checkpointing:
-        model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
-    for layer in decoder_layers(model):
+    layers = decoder_layers(model)
+    for index in checkpointed_layers(len(layers), recipe.model.activation_checkpointing):
+        _checkpoint_forward(layers[index])
+    separate_adapters = len({p.dtype for p in model.parameters()}) > 1 and not _fsdp_takes_mixed_frozen_dtypes()
+    if recipe.model.compile:
+        _set_compile_numerics(recipe.model.compile_numerics)
+    for layer in layers:
         if recipe.model.compile:
-            layer.compile()
-        dtypes = {p.dtype for p in layer.parameters()}
-        if len(dtypes) > 1:
+            layer.forward = torch.compile(layer.forward)
+        if separate_adapters:
             fully_shard(_adapter_linears(layer), mesh=mesh, mp_policy=policy)
         fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
-    if len({p.dtype for p in model.parameters()}) > 1:
-        inside = {id(m) for layer in decoder_layers(model) for m in layer.modules()}
+    if separate_adapters:
+        inside = {id(m) for layer in layers for m in layer.modules()}
         rest = [m for m in _adapter_linears(model) if id(m) not in inside]
         if rest:
             fully_shard(rest, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    from . import loss
+
+    loss.attach(model)
     return model
 
 
