@@ -109,6 +109,9 @@ def main() -> None:
             out.write(json.dumps(record) + "\n")
             out.flush()
             print(f"step {step + 1} loss {value:.4f} {record['tokens_per_s_per_gpu']:.0f} tok/s/gpu", flush=True)
+    if rank == 0:
+        out.close()
+    dist.barrier()  # no rank tears down its process group while another still uses it (gloo aborts then)
     dist.destroy_process_group()
 
 
