@@ -28,6 +28,9 @@ def write_atomic(path: str, text: str) -> None:
 def main() -> int:
     run_dir, rank = os.environ["NODECTL_RUN_DIR"], os.environ["RANK"]
     env = dict(os.environ, NODECTL_STACK_FILE=f"{run_dir}/stacks/rank{rank}.txt")
+    exit_file = f"{run_dir}/state/rank{rank}.exit"
+    if os.path.exists(exit_file):  # torchrun restarted this rank (--max-restarts): keep the earlier exit aside
+        os.replace(exit_file, f"{exit_file}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', 'prev')}")
     with open(f"{run_dir}/logs/rank{rank}.log", "ab", buffering=0) as log:
         child = subprocess.Popen([sys.executable, "-u", *sys.argv[1:]], stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=env)
@@ -35,7 +38,7 @@ def main() -> int:
         signal.signal(signum, lambda sig, _frame: child.send_signal(sig))
     write_atomic(f"{run_dir}/state/rank{rank}.pid", str(child.pid))
     code = child.wait()
-    write_atomic(f"{run_dir}/state/rank{rank}.exit", json.dumps({"code": code, "time": time.time()}))
+    write_atomic(exit_file, json.dumps({"code": code, "time": time.time()}))
     if code < 0:  # died of a signal: die of the same one, so torchrun sees what happened
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)

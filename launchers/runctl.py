@@ -3,9 +3,10 @@
 
 nodectl installs this file once per version under <workdir>/.nodectl/ and calls it over SSH with argv and a
 JSON document on stdin; it answers with one JSON document on stdout. Standard library only; imports nothing
-from nodectl. A run's processes are found two ways, so `stop` gets all of them and nothing else: the process
-group recorded at start, and every process whose environment carries this run's NODECTL_RUN_ID and node rank
-(torchrun starts each rank in a session of its own, so one process group is not enough).
+from nodectl. A run's processes are the ones whose environment carries this run's NODECTL_RUN_ID and node rank:
+torchrun starts each rank in a session of its own, so one process group is not enough, and a recorded pid or
+group number is never trusted alone (after a reboot it may name another process). Signals go through a pidfd
+after that proof, so `stop` gets all of the run's processes and nothing else.
 """
 from __future__ import annotations
 
@@ -75,9 +76,10 @@ def cmd_prepare(args: list, request: dict) -> dict:
         _archive_attempt(run_dir)
     for name in STATE_DIRS:
         os.makedirs(os.path.join(run_dir, name), exist_ok=True)
+    real_run_dir = os.path.realpath(run_dir)  # the workdir may be reached through a symlink
     for entry in request["files"]:
         target = os.path.join(run_dir, entry["path"])
-        if os.path.commonpath([run_dir, os.path.realpath(target)]) != os.path.realpath(run_dir):
+        if os.path.commonpath([real_run_dir, os.path.realpath(target)]) != real_run_dir:
             raise ValueError(f"path {entry['path']!r} leaves the run folder")
         os.makedirs(os.path.dirname(target), exist_ok=True)
         shutil.copyfile(os.path.join(store, entry["sha256"]), target)
@@ -113,6 +115,9 @@ def cmd_port(args: list, request: dict) -> dict:
             probe.bind(("", 0))
             return {"port": probe.getsockname()[1], "free": True, "asked": 0}
     with socket.socket() as probe:
+        # torch's TCPStore binds with SO_REUSEADDR, so sockets in TIME_WAIT from a run or a reachability test that
+        # just ended do not stop it; judge the port the same way.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("", port))
             return {"port": port, "free": True, "asked": port}
@@ -147,38 +152,46 @@ def _proc_environ(pid: int) -> bytes:
         return b""
 
 
-def _pgid(pid: int):
-    try:
-        return os.getpgid(pid)
-    except OSError:
-        return None
+def _markers(run_dir: str) -> tuple:
+    node = _read_json(os.path.join(run_dir, "node.json"), {})
+    return (f"NODECTL_RUN_ID={node.get('run_id')}".encode(), f"NODECTL_NODE_RANK={node.get('node_rank')}".encode())
+
+
+def belongs(pid: int, markers: tuple) -> bool:
+    """Proof that a pid is a process of this run on this node: its environment carries the run id and node rank
+    (runctl starts launch.sh with them and every process of the run inherits them). A recorded pid or process
+    group alone proves nothing: after a reboot or a wrap-around the number may name someone else's process."""
+    environ = _proc_environ(pid).split(b"\0")
+    return all(marker in environ for marker in markers)
 
 
 def run_processes(run_dir: str) -> list:
     """Live pids of this node's share of the run (never this helper itself)."""
-    node = _read_json(os.path.join(run_dir, "node.json"), {})
-    marker_id = f"NODECTL_RUN_ID={node.get('run_id')}".encode()
-    marker_rank = f"NODECTL_NODE_RANK={node.get('node_rank')}".encode()
-    group = None
-    if not os.path.exists(os.path.join(run_dir, "state", "launcher.exit")):
-        # Trust the recorded group only while its leader (launch.sh) may live: afterwards the number can be reused.
-        try:
-            with open(os.path.join(run_dir, "state", "pgid"), encoding="utf-8") as handle:
-                group = int(handle.read().strip())
-        except (OSError, ValueError):
-            group = None
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        pid = int(entry)
-        if group is not None and _pgid(pid) == group:
-            pids.append(pid)
-            continue
-        environ = _proc_environ(pid).split(b"\0")
-        if marker_id in environ and marker_rank in environ:
-            pids.append(pid)
-    return [pid for pid in pids if not _is_zombie(pid)]
+    markers = _markers(run_dir)
+    pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != os.getpid()]
+    return [pid for pid in pids if belongs(pid, markers) and not _is_zombie(pid)]
+
+
+def signal_run_process(pid: int, signum: int, markers: tuple) -> bool:
+    """Send a signal only to a pid proven to be the run's, through a pidfd where the kernel has them, so the
+    pid cannot be reused between the proof and the signal."""
+    try:
+        fd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        fd = None
+    try:
+        if not belongs(pid, markers):
+            return False
+        if fd is not None:
+            signal.pidfd_send_signal(fd, signum)
+        else:
+            os.kill(pid, signum)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _is_zombie(pid: int) -> bool:
@@ -189,12 +202,12 @@ def _is_zombie(pid: int) -> bool:
         return True
 
 
-def _rank_state(run_dir: str, rank: int, now: float) -> dict:
+def _rank_state(run_dir: str, rank: int, now: float, markers: tuple) -> dict:
     state = {"rank": rank, "exit": _read_json(os.path.join(run_dir, "state", f"rank{rank}.exit"))}
     try:
         with open(os.path.join(run_dir, "state", f"rank{rank}.pid"), encoding="utf-8") as handle:
             pid = int(handle.read())
-        state["pid"], state["alive"] = pid, os.path.exists(f"/proc/{pid}") and not _is_zombie(pid)
+        state["pid"], state["alive"] = pid, belongs(pid, markers) and not _is_zombie(pid)
     except (OSError, ValueError):
         state["pid"], state["alive"] = None, False
     heartbeat = _read_json(os.path.join(run_dir, "heartbeat", f"rank{rank}.json"))
@@ -227,7 +240,8 @@ def cmd_poll(args: list, request: dict) -> dict:
     answer = {"now": now, "node_rank": node["node_rank"], "alive": len(pids),
               "launcher_exit": _read_json(os.path.join(run_dir, "state", "launcher.exit")),
               "started": os.path.exists(os.path.join(run_dir, "state", "pgid")),
-              "ranks": [_rank_state(run_dir, rank, now) for rank in node["ranks"]], "logs": {}}
+              "stopped": os.path.exists(os.path.join(run_dir, "state", "stopped")),
+              "ranks": [_rank_state(run_dir, rank, now, _markers(run_dir)) for rank in node["ranks"]], "logs": {}}
     for rank, offset in (request.get("offsets") or {}).items():
         new_offset, text = _read_from(os.path.join(run_dir, "logs", f"rank{rank}.log"), int(offset))
         answer["logs"][rank] = {"offset": new_offset, "text": text}
@@ -257,9 +271,10 @@ def cmd_stop(args: list, request: dict) -> dict:
     run_dir, grace = os.path.expanduser(args[0]), float(request.get("grace", 10))
     if not os.path.exists(os.path.join(run_dir, "node.json")):
         return {"error": f"no run at {run_dir}"}
+    markers = _markers(run_dir)
     targets = run_processes(run_dir)
     for pid in targets:
-        _signal(pid, signal.SIGTERM)
+        signal_run_process(pid, signal.SIGTERM, markers)
     deadline = time.time() + grace
     left = targets
     while left and time.time() < deadline:
@@ -267,7 +282,7 @@ def cmd_stop(args: list, request: dict) -> dict:
         left = [pid for pid in run_processes(run_dir)]
     killed = list(left)
     for pid in left:
-        _signal(pid, signal.SIGKILL)
+        signal_run_process(pid, signal.SIGKILL, markers)
     time.sleep(0.05)
     for _ in range(50):
         if not run_processes(run_dir):
@@ -279,13 +294,6 @@ def cmd_stop(args: list, request: dict) -> dict:
     return dict(stopped, left=len(run_processes(run_dir)))
 
 
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def cmd_stacks(args: list, request: dict) -> dict:
     """Every rank's Python stack: py-spy where installed, else SIGUSR1 to programs that registered for it."""
     run_dir = os.path.expanduser(args[0])
@@ -293,7 +301,7 @@ def cmd_stacks(args: list, request: dict) -> dict:
     py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     stacks = {}
     for rank in node.get("ranks", []):
-        state = _rank_state(run_dir, rank, time.time())
+        state = _rank_state(run_dir, rank, time.time(), _markers(run_dir))
         if not state["alive"]:
             stacks[str(rank)] = {"error": "not running"}
             continue
@@ -312,7 +320,8 @@ def _stack_of(run_dir: str, rank: int, pid: int, py_spy) -> dict:
                          "(the built-in trainer does; `pip install py-spy` covers any program)"}
     path = os.path.join(run_dir, "stacks", f"rank{rank}.txt")
     before = os.path.getsize(path) if os.path.exists(path) else 0
-    os.kill(pid, signal.SIGUSR1)
+    if not signal_run_process(pid, signal.SIGUSR1, _markers(run_dir)):
+        return {"error": "the rank ended before its stack could be taken"}
     for _ in range(50):
         time.sleep(0.1)
         if os.path.exists(path) and os.path.getsize(path) > before:
@@ -324,17 +333,46 @@ def _stack_of(run_dir: str, rank: int, pid: int, py_spy) -> dict:
 
 
 def cmd_pack(args: list, request: dict) -> dict:
-    """A tar.gz of the run's results (not code/ or lib/) for `collect` to fetch."""
+    """A tar.gz of the run's results (not code/ or lib/) for `collect` to fetch. Files that vanish while it is
+    packed (a checkpoint rotating out) are skipped and counted, not an error."""
     run_dir = os.path.expanduser(args[0])
     target = os.path.join(run_dir, ".collect.tar.gz")
-    count = 0
+    count, vanished = 0, 0
     with tarfile.open(target, "w:gz") as tar:
-        for name in sorted(os.listdir(run_dir)):
-            if name in ("code", "lib", "env.sh") or name.startswith(".collect"):
-                continue
-            tar.add(os.path.join(run_dir, name), arcname=name)
-            count += 1
-    return {"archive": target, "entries": count, "bytes": os.path.getsize(target)}
+        for folder, dirs, names in os.walk(run_dir):
+            relative = os.path.relpath(folder, run_dir)
+            if relative == ".":
+                dirs[:] = [d for d in dirs if d not in ("code", "lib")]
+                names = [n for n in names if n != "env.sh" and not n.startswith(".collect")]
+            for name in sorted(names):
+                path = os.path.join(folder, name)
+                try:
+                    tar.add(path, arcname=os.path.normpath(os.path.join(relative, name)), recursive=False)
+                    count += 1
+                except FileNotFoundError:
+                    vanished += 1
+    return {"archive": target, "entries": count, "vanished": vanished, "bytes": os.path.getsize(target)}
+
+
+def cmd_identity(args: list, request: dict) -> dict:
+    """A token naming this workdir's storage: two nodes that answer the same token share the folder (an NFS
+    home), so their run folders must differ. Created once, atomically (link() fails if another node won)."""
+    workdir = os.path.expanduser(args[0])
+    folder = os.path.join(workdir, ".nodectl")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    path = os.path.join(folder, "identity")
+    if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.{socket.gethostname()}"
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(hashlib.sha256(os.urandom(32)).hexdigest()[:16])
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+    with open(path, encoding="utf-8") as handle:
+        return {"identity": handle.read().strip(), "workdir": os.path.realpath(workdir)}
 
 
 def cmd_listen(args: list, request: dict) -> dict:
@@ -412,7 +450,7 @@ def cmd_cleanup(args: list, request: dict) -> dict:
 COMMANDS = {"have": cmd_have, "prepare": cmd_prepare, "port": cmd_port, "start": cmd_start, "poll": cmd_poll,
             "tail": cmd_tail, "stop": cmd_stop, "stacks": cmd_stacks, "pack": cmd_pack, "cleanup": cmd_cleanup,
             "listen": cmd_listen, "_serve": cmd_serve, "unlisten": cmd_unlisten, "connect": cmd_connect,
-            "route": cmd_route}
+            "route": cmd_route, "identity": cmd_identity}
 
 
 def main() -> None:

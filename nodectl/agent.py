@@ -27,6 +27,9 @@ def agent_path(workdir: str) -> str:
     return f"{workdir.rstrip('/')}/.nodectl/runctl-{_runctl()[1]}.py"
 
 
+MISSING = "NODECTL-RUNCTL-MISSING"
+
+
 def call(transport: Transport, command: str, *args: str, request: dict | None = None,
          timeout: float = AGENT_TIMEOUT) -> dict:
     """Run one runctl subcommand on the node, installing runctl first if this version is not there yet."""
@@ -35,22 +38,54 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
     body = json.dumps(request or {})
     invocation = " ".join([quote_path(node.python), quote_path(path), shlex.quote(command),
                            *(quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args)])
-    source = _runctl()[0]
-    # Usually one round trip. Only when this version of runctl is not on the node yet (the `test -f` fails with
-    # no output) does a second command install it from stdin, and a third repeat the call.
-    result = transport.run(f"test -f {quote_path(path)} && {invocation}", stdin=body, timeout=timeout)
-    if result.exit_code == 1 and not result.stdout.strip():
-        install = (f"mkdir -p {quote_path(path.rsplit('/', 1)[0])} && cat > {quote_path(path)}.tmp && "
-                   f"mv {quote_path(path)}.tmp {quote_path(path)}")
-        installed = transport.run(install, stdin=source, timeout=timeout)
-        if not installed.ok:
-            raise AgentError(f"cannot install runctl on {node.name}: {installed.tail(5)}")
+    # Usually one round trip. Only when this version of runctl is not on the node yet (the marker comes back;
+    # a login banner may come with it) does a second command install it from stdin, and a third repeat the call.
+    result = transport.run(f"if [ -f {quote_path(path)} ]; then {invocation}; else echo {MISSING}; fi",
+                           stdin=body, timeout=timeout)
+    if MISSING in result.stdout.splitlines():
+        _install(transport, path, timeout)
         result = transport.run(invocation, stdin=body, timeout=timeout)
-    try:
-        answer = json.loads(result.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError):
-        raise AgentError(f"`{command}` on {node.name} exited {result.exit_code}: "
-                         f"{result.tail(8) or 'no output'}") from None
-    if isinstance(answer, dict) and answer.get("error"):
+    answer = last_json(result.stdout)
+    if answer is None:
+        raise AgentError(explain_failure(node, f"`runctl {command}`", result))
+    if answer.get("error"):
         raise AgentError(f"{node.name}: {answer['error']}")
     return answer
+
+
+def _install(transport: Transport, path: str, timeout: float) -> None:
+    folder = quote_path(path.rsplit("/", 1)[0])
+    install = (f"mkdir -p {folder} && chmod 700 {folder} && cat > {quote_path(path)}.tmp$$ && "
+               f"mv {quote_path(path)}.tmp$$ {quote_path(path)}")
+    installed = transport.run(install, stdin=_runctl()[0], timeout=timeout)
+    if not installed.ok:
+        raise AgentError(explain_failure(transport.node, "installing runctl", installed))
+
+
+def last_json(stdout: str) -> dict | None:
+    """The last line that is a JSON object: what a node-side helper answered, after any login banner."""
+    for line in reversed(stdout.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                value = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(value, dict):
+                return value
+    return None
+
+
+def explain_failure(node, what: str, result) -> str:
+    """Name the usual causes of a node-side helper that did not answer: a missing interpreter, a workdir that
+    cannot be written, a full disk; otherwise the exit code and last lines."""
+    text = result.tail(8)
+    if result.exit_code == 127 or (node.python in text and "not found" in text.lower()):
+        return (f"{node.name}: python {node.python!r} was not found on the node; set python: in the inventory to "
+                f"an interpreter that exists there (which python3 on the node)")
+    if "Permission denied" in text or "Read-only file system" in text:
+        return (f"{node.name}: workdir {node.workdir!r} cannot be written ({text.splitlines()[-1].strip()}); "
+                f"set workdir: in the inventory to a folder the user {node.user or ''} can write")
+    if "No space left" in text:
+        return f"{node.name}: the disk under {node.workdir!r} is full"
+    return f"{node.name}: {what} exited {result.exit_code}: {text or 'no output'}"

@@ -4,6 +4,9 @@ Anything raised that is not one of these is a bug in nodectl and may show a trac
 """
 from __future__ import annotations
 
+import signal
+import threading
+
 import click
 
 EXIT_OK = 0
@@ -42,3 +45,25 @@ class RunFailed(NodectlError):
 
 class Interrupted(NodectlError):
     exit_code = EXIT_INTERRUPTED
+
+
+# Set the moment SIGINT or SIGTERM arrives, before the KeyboardInterrupt unwinds anything: threads working on
+# nodes read it to stop before their next step (nothing new starts once the user asked to stop).
+INTERRUPTED = threading.Event()
+
+
+def _on_signal(signum, frame) -> None:
+    INTERRUPTED.set()
+    raise KeyboardInterrupt
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM behaves as Ctrl-C does: every command stops what it started, then exits 130."""
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
+
+
+def ignore_signals_while_cleaning() -> None:
+    """A second Ctrl-C must not cut the clean-up short (it has its own timeouts)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)

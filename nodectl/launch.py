@@ -1,14 +1,21 @@
-"""Acting on a LaunchPlan: port check, code sync, per-node run folders, and the detached start on every node."""
+"""Acting on a LaunchPlan: port check, run folders that never collide, code sync, and the detached start.
+
+Starting is two phases over every node: first each node gets its code and its prepared run folder, then, only
+if every node is ready and nobody cancelled (Ctrl-C, SIGTERM), each node starts. A failure or an interrupt
+during the sync therefore starts nothing, and nothing half-sent is left on a node.
+"""
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 from nodectl import agent, sync
 from nodectl.errors import NodectlError, UnreachableError
 from nodectl.plan import LaunchPlan, NodePlan, with_port
 from nodectl.render import RenderedNode
-from nodectl.transport import Cluster, Transport
+from nodectl.transport import Cluster, NodeResult, Transport
 
 
 @dataclass(frozen=True)
@@ -19,13 +26,18 @@ class NodeStart:
     bytes_sent: int
 
 
+class Cancelled(Exception):
+    """The user interrupted the launch; this node was left as it was before."""
+
+
 def settle_master_port(plan: LaunchPlan, cluster: Cluster) -> LaunchPlan:
     """Make sure node 0 can listen on the master port; move a port nodectl chose if it is taken."""
     master = plan.nodes[0].node
-    results = cluster.fan_out(lambda t: agent.call(t, "port", str(plan.master_port)), [master])
-    answer = results[0]
+    answer = cluster.fan_out(lambda t: agent.call(t, "port", str(plan.master_port)), [master])[0]
     if answer.unreachable:
         raise UnreachableError(f"{master.name}: {answer.error}")
+    if not answer.ok:
+        raise NodectlError(f"{master.name}: cannot check master port {plan.master_port}: {answer.error}")
     if answer.value["free"]:
         return plan
     if plan.port_was_chosen:
@@ -34,15 +46,31 @@ def settle_master_port(plan: LaunchPlan, cluster: Cluster) -> LaunchPlan:
                        f"another master_port in the inventory")
 
 
+def shared_workdirs(plan: LaunchPlan, cluster: Cluster) -> frozenset[str]:
+    """Names of nodes whose workdir is the same storage as another node's (an NFS home): their run folders get
+    a per-node subfolder. Nodes that cannot be asked are left to the start, which reports them."""
+    results = cluster.fan_out(lambda t: agent.call(t, "identity", t.node.workdir), [np.node for np in plan.nodes])
+    seen: dict[str, list[str]] = {}
+    for result in results:
+        if result.ok:
+            seen.setdefault(result.value["identity"], []).append(result.node.name)
+    return frozenset(name for names in seen.values() if len(names) > 1 for name in names)
+
+
 def _node_json(plan: LaunchPlan, node_plan: NodePlan) -> str:
     return json.dumps({"run_id": plan.run_id, "node_rank": node_plan.node_rank, "nproc": node_plan.nproc,
                        "ranks": node_plan.ranks, "nnodes": plan.nnodes, "node": node_plan.node.name,
                        "attempt": plan.attempt})
 
 
-def start_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, rendered: RenderedNode,
-               files: list[sync.SyncFile]) -> NodeStart:
+def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, rendered: RenderedNode,
+                 files: list[sync.SyncFile], cancel: threading.Event) -> tuple[int, int]:
+    """Send what the node lacks and lay out its run folder; (files, bytes sent)."""
     upload, sent = sync.upload_missing(transport, files)
+    if cancel.is_set():
+        if upload:
+            agent.call(transport, "cleanup", upload)
+        raise Cancelled("interrupted before the run folder was prepared")
     request = {
         "workdir": node_plan.node.workdir, "run_dir": node_plan.run_dir, "upload": upload,
         "new_attempt": plan.attempt > 0,
@@ -52,38 +80,29 @@ def start_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, rend
                      "node.json": {"text": _node_json(plan, node_plan), "mode": 0o644}},
     }
     prepared = agent.call(transport, "prepare", request=request)
-    started = agent.call(transport, "start", node_plan.run_dir)
-    return NodeStart(node_plan.node.name, started["pgid"], prepared["files"], sent)
+    return prepared["files"], sent
 
 
-def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster,
-              files: list[sync.SyncFile], on_done=None) -> list:
-    """Start every node in parallel. If any node fails to start, the ones that did are stopped again."""
+def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, files: list[sync.SyncFile],
+              on_done: Callable[[NodeResult], None] | None = None,
+              cancel: threading.Event | None = None) -> list[NodeResult[NodeStart]]:
+    """Prepare every node, then start every node; one result per node. When any node could not be prepared,
+    or `cancel` was set meanwhile, no node starts (their results say why)."""
+    cancel = cancel or threading.Event()
     by_name = {r.node: r for r in rendered}
     plans = {np.node.name: np for np in plan.nodes}
+    nodes = [np.node for np in plan.nodes]
+    prepared = cluster.fan_out(lambda t: prepare_node(t, plan, plans[t.node.name], by_name[t.node.name], files,
+                                                      cancel), nodes)
+    failed = [r for r in prepared if not r.ok]
+    if failed or cancel.is_set():
+        why = "interrupted" if cancel.is_set() else f"{failed[0].node.name} could not be prepared"
+        return [r if not r.ok else NodeResult(r.node, error=f"not started: {why}") for r in prepared]
+    counts = {r.node.name: r.value for r in prepared}
 
-    def work(transport: Transport) -> NodeStart:
-        name = transport.node.name
-        return start_node(transport, plan, plans[name], by_name[name], files)
+    def start(transport: Transport) -> NodeStart:
+        started = agent.call(transport, "start", plans[transport.node.name].run_dir)
+        file_count, sent = counts[transport.node.name]
+        return NodeStart(transport.node.name, started["pgid"], file_count, sent)
 
-    def guarded(transport: Transport):
-        try:
-            return work(transport)
-        except agent.AgentError as exc:
-            raise _StartFailed(str(exc)) from None
-
-    results = cluster.fan_out(_catching(guarded), [np.node for np in plan.nodes], on_done=on_done)
-    return results
-
-
-class _StartFailed(Exception):
-    pass
-
-
-def _catching(fn):
-    def wrapper(transport):
-        try:
-            return fn(transport)
-        except (_StartFailed, OSError) as exc:
-            return exc
-    return wrapper
+    return cluster.fan_out(start, nodes, on_done=on_done)

@@ -137,10 +137,11 @@ def _cuda_devices(plan_nodes: list[tuple[Node, int]], visible: str | None) -> di
 
 def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ...], sync_dir: str,
                config: str | None = None, run_id: str | None = None, max_restarts: int = 0,
-               facts: Mapping[str, dict] | None = None) -> LaunchPlan:
+               facts: Mapping[str, dict] | None = None, shared_workdirs: frozenset[str] = frozenset()) -> LaunchPlan:
     """Decide ranks, addresses, ports, folders and environments. Reads no node (only this process's
     CUDA_VISIBLE_DEVICES, for local nodes); `facts` are probe reports from the preflight that just ran, when
-    there was one (CPU count, torch version)."""
+    there was one (CPU count, torch version). Nodes in `shared_workdirs` share their workdir's storage with
+    another node (an NFS home), so each gets a run folder of its own below the run's."""
     facts = facts or {}
     nodes = inventory.nodes
     devices = {n.device for n in nodes}
@@ -149,14 +150,17 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
     run_id = run_id or new_run_id()
     builtin = not command
     if builtin:
-        command = ("-m", BUILTIN_TRAINER_MODULE, *(("--config", config) if config else ()))
+        # The recipe travels with the run (config/<name> in the run folder; ranks start in code/): the
+        # controller's path means nothing on a node.
+        command = ("-m", BUILTIN_TRAINER_MODULE, *(("--config", f"../config/{Path(config).name}") if config else ()))
     per_node = [(n, gpus or n.gpus or 1) for n in nodes]
     homes = [(n.host, n.port, n.user, n.workdir) for n in nodes]
     port, chosen = _pick_port(inventory)
     gpu_sets = _cuda_devices(per_node, os.environ.get("CUDA_VISIBLE_DEVICES"))
     node_plans = []
     for node_rank, (node, nproc) in enumerate(per_node):
-        run_dir = _run_dir(node, run_id, homes.count((node.host, node.port, node.user, node.workdir)) > 1)
+        shared = node.name in shared_workdirs or homes.count((node.host, node.port, node.user, node.workdir)) > 1
+        run_dir = _run_dir(node, run_id, shared)
         report = facts.get(node.name) or {}
         env = {**DEFAULT_ENV, "NODECTL_RUN_ID": run_id, "NODECTL_RUN_DIR": run_dir,
                "NODECTL_NODE_RANK": str(node_rank), "NODECTL_NNODES": str(len(nodes)),

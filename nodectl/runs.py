@@ -14,8 +14,42 @@ from nodectl.errors import UsageError
 from nodectl.inventory import Node
 
 
+FINAL_STATES = ("succeeded", "failed", "failed-to-start", "interrupted", "stopped", "lost")
+
+
 def runs_root() -> Path:
     return Path(os.environ.get("NODECTL_RUNS", "runs"))
+
+
+def state_dir() -> Path:
+    """Where nodectl keeps what outlives a folder: $NODECTL_STATE_DIR, else $XDG_STATE_HOME/nodectl, else
+    ~/.local/state/nodectl."""
+    if os.environ.get("NODECTL_STATE_DIR"):
+        return Path(os.environ["NODECTL_STATE_DIR"])
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "nodectl"
+
+
+def _register(run: "Run") -> None:
+    """One small file per run in the registry, naming its folder, so later commands find it from any folder.
+    A registry that cannot be written costs only that convenience."""
+    try:
+        folder = state_dir() / "runs"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{run.run_id}.json").write_text(json.dumps({"folder": str(run.folder.resolve())}) + "\n")
+    except OSError:
+        pass
+
+
+def _registered() -> list[Path]:
+    folder = state_dir() / "runs"
+    found = []
+    for entry in sorted(folder.glob("*.json")) if folder.is_dir() else []:
+        try:
+            found.append(Path(json.loads(entry.read_text())["folder"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return found
 
 
 def _write_json(path: Path, document: dict) -> None:
@@ -58,6 +92,13 @@ class Run:
     def run_id(self) -> str:
         return self.folder.name
 
+    @property
+    def kind(self) -> str:
+        try:
+            return json.loads(self.manifest_path.read_text()).get("kind", "train")
+        except (OSError, ValueError):
+            return "train"
+
     def manifest(self) -> dict:
         try:
             return json.loads(self.manifest_path.read_text())
@@ -92,35 +133,49 @@ class Run:
 
 
 def create_run(plan_json: dict, *, argv: list[str], config_fingerprint: str, inventory_source: str,
-               git: str | None) -> Run:
+               git: str | None, kind: str = "train") -> Run:
+    """Record a new run. `kind` "preflight" marks preflight's own collective jobs: they are never "the latest
+    run" of tail/status/stop, and `runs` lists them only with --all."""
     run = Run(runs_root() / plan_json["run_id"])
     run.folder.mkdir(parents=True, exist_ok=False)
     _write_json(run.manifest_path, {
-        "run_id": plan_json["run_id"], "attempt": plan_json.get("attempt", 0), "state": "starting",
+        "run_id": plan_json["run_id"], "kind": kind, "attempt": plan_json.get("attempt", 0), "state": "starting",
         "command": argv, "config": plan_json.get("config"), "fingerprint": config_fingerprint,
         "inventory": {"source": inventory_source, "nodes": [n["node"] for n in plan_json["nodes"]]},
         "git_revision": git, "nodectl_version": __version__, "python": sys.version.split()[0],
         "started": time.time(), "ended": None, "plan": plan_json, "node_states": {},
     })
+    _register(run)
     return run
 
 
+def _all_runs() -> list[Run]:
+    """Runs under ./runs (or $NODECTL_RUNS) and every run in the registry, oldest first, each once."""
+    root = runs_root()
+    folders = [p for p in root.glob("*")] if root.is_dir() else []
+    folders += _registered()
+    unique = {}
+    for folder in folders:
+        if (folder / "manifest.json").is_file():
+            unique.setdefault(folder.name, folder)
+    return [Run(unique[name]) for name in sorted(unique)]  # run ids start with their start time
+
+
 def open_run(run_id: str | None) -> Run:
-    """A recorded run by id (a unique prefix works), or the latest one."""
-    root = runs_root()
-    candidates = sorted(p for p in root.glob("*") if (p / "manifest.json").is_file()) if root.is_dir() else []
-    if not candidates:
-        raise UsageError(f"no runs recorded under {root.resolve()}/ (run nodectl from the folder you launched in, "
-                         f"or set NODECTL_RUNS)")
+    """A recorded run by id (a unique prefix works), or the latest one that is not a preflight job."""
+    candidates = _all_runs()
     if run_id is None:
-        return Run(candidates[-1])  # run ids start with their start time, so names sort by age
-    matches = [p for p in candidates if p.name == run_id] or [p for p in candidates if p.name.startswith(run_id)]
+        users = [run for run in candidates if run.kind != "preflight"]
+        if not users:
+            raise UsageError(f"no runs recorded under {runs_root().resolve()}/ or in {state_dir() / 'runs'}/; "
+                             f"start one with nodectl launch")
+        return users[-1]
+    matches = [r for r in candidates if r.run_id == run_id] or [r for r in candidates if r.run_id.startswith(run_id)]
     if len(matches) != 1:
-        known = ", ".join(p.name for p in candidates[-5:])
-        raise UsageError(f"run {run_id!r} {'is ambiguous' if matches else 'not found'}; recent runs: {known}")
-    return Run(matches[0])
+        known = ", ".join(r.run_id for r in candidates if r.kind != "preflight")[-200:]
+        raise UsageError(f"run {run_id!r} {'is ambiguous' if matches else 'not found'}; recent runs: {known or 'none'}")
+    return matches[0]
 
 
-def list_runs() -> list[Run]:
-    root = runs_root()
-    return [Run(p) for p in sorted(root.glob("*")) if (p / "manifest.json").is_file()] if root.is_dir() else []
+def list_runs(include_preflight: bool = False) -> list[Run]:
+    return [run for run in _all_runs() if include_preflight or run.kind != "preflight"]

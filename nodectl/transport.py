@@ -2,24 +2,25 @@
 
 One connection per node is opened lazily and reused for all of a command's work. `fan_out` runs a function
 for every node in parallel with a bound and returns one `NodeResult` per node instead of stopping at the first
-failure (fabric's GroupResult). Host keys follow SPEC §1: known_hosts is checked, an unknown key is refused
-unless `accept_new_host_keys` (then it is recorded, like ssh's accept-new), and a changed key is always refused.
+failure (fabric's GroupResult); no exception escapes it. Host keys follow SPEC §1 (nodectl/ssh.py). Commands run
+under /bin/sh whatever the login shell, and files travel over the exec channel, so an sshd without the sftp
+subsystem is enough.
 """
 from __future__ import annotations
 
+import base64
 import os
 import select
 import shlex
 import shutil
-import socket
 import subprocess
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Generic, Iterable, Sequence, TypeVar
 
+from nodectl import ssh
 from nodectl.inventory import Node
 
 T = TypeVar("T")
@@ -129,9 +130,8 @@ def _home() -> str:
 
 
 class SSHTransport(Transport):
-    """A fabric Connection with nodectl's host-key policy; ~/.ssh/config, ssh-agent and ProxyJump apply."""
-
-    _known_hosts_lock = threading.Lock()
+    """A fabric Connection with nodectl's host-key policy (nodectl/ssh.py); ~/.ssh/config, ssh-agent and
+    ProxyJump apply."""
 
     def __init__(self, node: Node, options: TransportOptions) -> None:
         self.node, self.options = node, options
@@ -140,81 +140,101 @@ class SSHTransport(Transport):
     def _connect(self):
         if self._connection is not None and self._connection.is_connected:
             return self._connection
-        import paramiko
-        from fabric import Config, Connection
-
-        connect_kwargs = {"key_filename": [os.path.expanduser(self.node.identity_file)]} \
-            if self.node.identity_file else {}
-        conn = Connection(self.node.host, user=self.node.user, port=self.node.port,
-                          connect_timeout=int(max(1, self.options.connect_timeout)),
-                          connect_kwargs=connect_kwargs, config=Config())
-        known_hosts = Path(os.path.expanduser(
-            (conn.ssh_config.get("userknownhostsfile") or "~/.ssh/known_hosts").split()[0]))
-        client = conn.client
-        for system_file in ("/etc/ssh/ssh_known_hosts",):
-            if os.path.exists(system_file):
-                client.load_system_host_keys(system_file)
-        if known_hosts.exists():
-            client.load_host_keys(str(known_hosts))
-        client.set_missing_host_key_policy(
-            _accept_new(known_hosts, self._known_hosts_lock) if self.options.accept_new_host_keys
-            else _refuse_unknown())
-        target = f"{conn.user}@{conn.host}:{conn.port}"
+        conn = ssh.connection(self.node.host, user=self.node.user, port=self.node.port,
+                              identity_file=self.node.identity_file, timeout=self.options.connect_timeout,
+                              accept_new=self.options.accept_new_host_keys)
         try:
             conn.open()
-        except _UnknownHostKey as exc:
-            raise Unreachable(
-                f"unknown host key for {exc.hostname} ({exc.fingerprint}); verify it and run again with "
-                f"--accept-new-host-keys to record it in {known_hosts}") from None
-        except paramiko.BadHostKeyException as exc:
-            raise Unreachable(
-                f"HOST KEY CHANGED for {exc.hostname}: expected {_fingerprint(exc.expected_key)}, got "
-                f"{_fingerprint(exc.key)}. If the node was reinstalled, remove the old key with "
-                f"`ssh-keygen -R {shlex.quote(exc.hostname)}` and connect again; otherwise do not connect") from None
-        except paramiko.AuthenticationException as exc:
-            raise Unreachable(f"authentication failed for {target} ({exc}); check identity_file, "
-                              f"ssh-agent and the node's authorized_keys") from None
-        except (socket.timeout, TimeoutError):
-            raise Unreachable(f"connection to {target} timed out after {self.options.connect_timeout:g}s") from None
-        except socket.gaierror as exc:
-            raise Unreachable(f"cannot resolve {conn.host!r} ({exc.strerror})") from None
-        except (OSError, paramiko.SSHException, EOFError) as exc:
-            raise Unreachable(f"cannot connect to {target}: {exc}") from None
+        except Exception as exc:
+            message = ssh.open_errors(conn, exc, self.options.connect_timeout)
+            if message is None:
+                raise
+            raise Unreachable(message) from None
         self._connection = conn
         return conn
 
     def open(self) -> None:
         self._connect()
 
+    def _session(self, command: str):
+        """An exec channel running `command` under /bin/sh, whatever the login shell (fish, csh, a noisy zsh)."""
+        conn = self._connect()
+        try:
+            channel = conn.client.get_transport().open_session(timeout=self.options.connect_timeout)
+            channel.exec_command(posix_shell(command))
+            return channel
+        except Exception as exc:
+            raise self._lost(exc) from None
+
+    def _lost(self, exc: Exception) -> Exception:
+        import paramiko
+
+        if isinstance(exc, (OSError, EOFError, AttributeError, paramiko.SSHException)):
+            self._connection = None
+            return Unreachable(f"connection to {self.node.host} lost: {exc or exc.__class__.__name__}")
+        return exc
+
     def run(self, argv, *, stdin=None, timeout=None) -> CommandResult:
         # Straight on the paramiko channel of fabric's connection: invoke's runner feeds a non-terminal
         # in_stream one byte per 10 ms, which turns a 12 KB probe into two minutes.
-        conn = self._connect()
         command = to_command(argv)
         limit = timeout or self.options.command_timeout
+        channel = self._session(command)
         try:
-            channel = conn.client.get_transport().open_session(timeout=self.options.connect_timeout)
-            try:
-                return CommandResult(command, *_exec(channel, command, stdin, limit))
-            finally:
-                channel.close()
-        except (OSError, EOFError, AttributeError) as exc:
-            self._connection = None
-            raise Unreachable(f"connection to {self.node.host} lost: {exc or exc.__class__.__name__}") from None
-        except Exception as exc:
-            import paramiko
-
-            if isinstance(exc, paramiko.SSHException):
-                self._connection = None
-                raise Unreachable(f"connection to {self.node.host} lost: {exc}") from None
+            return CommandResult(command, *_exec(channel, command, stdin, limit))
+        except CommandTimeout:
             raise
+        except Exception as exc:
+            raise self._lost(exc) from None
+        finally:
+            channel.close()
 
     def put(self, local, remote) -> None:
-        self._connect().put(str(local), remote=_sftp_path(remote))
+        """Send a file over the exec channel (no sftp subsystem needed). It lands under a temporary name and is
+        renamed only once all its bytes arrived, so a broken transfer never leaves a partial file in place."""
+        size = os.path.getsize(local)
+        target = quote_path(remote)
+        partial = quote_path(f"{remote}.part{os.getpid()}")
+        command = (f"mkdir -p \"$(dirname {target})\" && umask 077 && head -c {size} > {partial} && "
+                   f"[ \"$(wc -c < {partial})\" -eq {size} ] && mv -f {partial} {target} || "
+                   f"{{ rm -f {partial}; echo 'upload incomplete' >&2; exit 1; }}")
+        channel = self._session(command)
+        try:
+            with open(local, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    _send(channel, block, self.options.command_timeout)
+            channel.shutdown_write()
+            code, _, err = _finish(channel, self.options.command_timeout)
+        except CommandTimeout:
+            raise
+        except Exception as exc:
+            raise self._lost(exc) from None
+        finally:
+            channel.close()
+        if code != 0:
+            raise TransferError(f"sending {local} to {self.node.name}:{remote} failed (exit {code}): {err.strip()}")
 
     def get(self, remote, local) -> None:
+        """Fetch a file over the exec channel. Start-up files may print banners first, so the content follows
+        a marker line that carries its size; a short read is an error, not a truncated file."""
+        marker = f"NODECTL-FILE-{os.urandom(6).hex()}"
+        source = quote_path(remote)
+        command = f"size=$(wc -c < {source}) && printf '%s %s\\n' {marker} \"$size\" && exec cat {source}"
         Path(local).parent.mkdir(parents=True, exist_ok=True)
-        self._connect().get(_sftp_path(remote), local=str(local))
+        channel = self._session(command)
+        try:
+            received, expected = _receive_file(channel, marker.encode(), local, self.options.command_timeout)
+            code = channel.recv_exit_status()
+        except CommandTimeout:
+            raise
+        except Exception as exc:
+            raise self._lost(exc) from None
+        finally:
+            channel.close()
+        if expected is None or code != 0 or received != expected:
+            Path(local).unlink(missing_ok=True)
+            raise TransferError(f"fetching {self.node.name}:{remote} failed (exit {code}, {received} of "
+                                f"{expected} bytes)")
 
     def close(self) -> None:
         if self._connection is not None:
@@ -223,66 +243,85 @@ class SSHTransport(Transport):
 
 
 def _exec(channel, command: str, stdin, limit: float) -> tuple[int, str, str]:
-    """Run one command on an open channel: send stdin, then collect stdout and stderr until it exits."""
-    channel.exec_command(command)
+    """Send stdin to a started command, then collect stdout and stderr until it exits."""
     if stdin:
         channel.sendall(stdin.encode() if isinstance(stdin, str) else stdin)
     channel.shutdown_write()
+    try:
+        return _finish(channel, limit)
+    except CommandTimeout:
+        raise CommandTimeout(f"{command!r} did not finish within {limit:g}s") from None
+
+
+def posix_shell(command: str) -> str:
+    """`command` for sshd's `$SHELL -c`: run by /bin/sh whatever the login shell is. Single quotes survive sh,
+    bash, zsh, fish and csh alike unless the text holds a backslash or a newline (fish and csh read those inside
+    quotes); such a command travels base64-encoded."""
+    if "\\" not in command and "\n" not in command:
+        return f"exec /bin/sh -c {shlex.quote(command)}"
+    encoded = base64.b64encode(command.encode()).decode()
+    return f"exec /bin/sh -c 'eval \"$(printf %s {encoded} | base64 -d)\"'"
+
+
+def _send(channel, data: bytes, stall: float) -> None:
+    """sendall with a deadline for a peer that stops reading."""
+    view, deadline = memoryview(data), time.monotonic() + stall
+    while view:
+        if channel.send_ready():
+            sent = channel.send(view[:1 << 16])
+            if sent <= 0:
+                raise EOFError("channel closed while sending")
+            view, deadline = view[sent:], time.monotonic() + stall
+        elif channel.exit_status_ready() or channel.closed:
+            raise EOFError("the node stopped reading")
+        elif time.monotonic() > deadline:
+            raise CommandTimeout(f"no progress sending for {stall:g}s")
+        else:
+            select.select([], [channel], [], 0.05)
+
+
+def _finish(channel, limit: float) -> tuple[int, str, str]:
     out, err = bytearray(), bytearray()
     deadline = time.monotonic() + limit
-    while True:
+    while not (channel.exit_status_ready() and channel.eof_received
+               and not channel.recv_ready() and not channel.recv_stderr_ready()):
         while channel.recv_ready():
             out += channel.recv(1 << 16)
         while channel.recv_stderr_ready():
             err += channel.recv_stderr(1 << 16)
-        if channel.exit_status_ready() and channel.eof_received \
-                and not channel.recv_ready() and not channel.recv_stderr_ready():
-            break
         if time.monotonic() > deadline:
-            raise CommandTimeout(f"{command!r} did not finish within {limit:g}s")
+            raise CommandTimeout(f"no answer within {limit:g}s")
         select.select([channel], [], [], 0.05)
     return channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace")
 
 
-def _sftp_path(path: str) -> str:
-    """SFTP paths are relative to the login directory, so '~/x' becomes 'x'."""
-    return path[2:] if path.startswith("~/") else path
+def _receive_file(channel, marker: bytes, local, stall: float) -> tuple[int, int | None]:
+    """Copy what follows the `marker SIZE` line into `local`; returns (bytes written, SIZE or None)."""
+    head, expected, written = bytearray(), None, 0
+    deadline = time.monotonic() + stall
+    with open(local, "wb") as handle:
+        while True:
+            if channel.recv_ready():
+                data, deadline = channel.recv(1 << 20), time.monotonic() + stall
+                if expected is None:
+                    head += data
+                    at = head.find(marker + b" ")
+                    end = head.find(b"\n", at) if at >= 0 else -1
+                    if end < 0:
+                        continue
+                    expected, data = int(head[at + len(marker) + 1:end]), bytes(head[end + 1:])
+                handle.write(data)
+                written += len(data)
+            elif channel.eof_received:
+                return written, expected
+            elif time.monotonic() > deadline:
+                raise CommandTimeout(f"no data for {stall:g}s")
+            else:
+                select.select([channel], [], [], 0.05)
 
 
-def _fingerprint(key) -> str:
-    return f"{key.get_name()} {key.fingerprint}" if hasattr(key, "fingerprint") else key.get_name()
-
-
-class _UnknownHostKey(Exception):
-    def __init__(self, hostname: str, key) -> None:
-        super().__init__(hostname)
-        self.hostname, self.fingerprint = hostname, _fingerprint(key)
-
-
-def _refuse_unknown():
-    import paramiko
-
-    class RefuseUnknown(paramiko.MissingHostKeyPolicy):
-        def missing_host_key(self, client, hostname, key):
-            raise _UnknownHostKey(hostname, key)
-
-    return RefuseUnknown()
-
-
-def _accept_new(known_hosts: Path, lock: threading.Lock):
-    """ssh's StrictHostKeyChecking=accept-new: record an unknown key; a changed key still fails in paramiko."""
-    import paramiko
-
-    class AcceptNew(paramiko.MissingHostKeyPolicy):
-        def missing_host_key(self, client, hostname, key):
-            client.get_host_keys().add(hostname, key.get_name(), key)
-            with lock:
-                known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                with open(known_hosts, "a", encoding="ascii") as handle:
-                    handle.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
-                os.chmod(known_hosts, 0o600)
-
-    return AcceptNew()
+class TransferError(Exception):
+    """A file did not arrive whole; nothing partial was left in its place."""
 
 
 def make_transport(node: Node, options: TransportOptions) -> Transport:
@@ -330,8 +369,10 @@ class Cluster:
                 result = NodeResult(node, value=work(self.transports[node.name]))
             except Unreachable as exc:
                 result = NodeResult(node, error=str(exc), unreachable=True)
-            except CommandTimeout as exc:
+            except (CommandTimeout, TransferError) as exc:
                 result = NodeResult(node, error=str(exc))
+            except Exception as exc:  # one node's surprise must not take the others' results with it
+                result = NodeResult(node, error=f"{exc.__class__.__name__}: {exc}")
             if on_done:
                 on_done(result)
             return result

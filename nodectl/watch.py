@@ -84,24 +84,45 @@ def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int], lines: int
     return {int(rank): entry for rank, entry in result.value["logs"].items()}
 
 
-def rank_failures(states: dict[str, NodeResult]) -> list[Failure]:
-    """Ranks that exited non-zero, and torchruns that failed without any rank failing, oldest first."""
+def rank_failures(states: dict[str, NodeResult], restarts: int = 0) -> list[Failure]:
+    """Ranks that exited non-zero, and torchruns that failed without any rank failing, oldest first. With
+    torchrun restarts allowed, a failed rank is torchrun's to restart: only a torchrun that gave up counts
+    (reported with the rank that failed last on that node)."""
     failures = []
     for name, result in states.items():
         answer = result.value if result.ok else None
         if not answer or "error" in answer:
             continue
-        failed_here = False
-        for rank in answer["ranks"]:
-            exit_info = rank.get("exit")
-            if exit_info and exit_info.get("code") not in (0, None):
-                failures.append(Failure("rank", name, rank["rank"], exit_info["code"], exit_info.get("time", 0)))
-                failed_here = True
+        failed_ranks = [Failure("rank", name, rank["rank"], rank["exit"]["code"], rank["exit"].get("time", 0))
+                        for rank in answer["ranks"] if rank.get("exit") and rank["exit"].get("code") not in (0, None)]
         launcher = answer.get("launcher_exit")
-        if launcher and launcher.get("code") not in (0, None) and not failed_here:
+        launcher_failed = launcher and launcher.get("code") not in (0, None)
+        if restarts and failed_ranks:
+            failures += [max(failed_ranks, key=lambda f: f.time)] if launcher_failed else []
+        elif failed_ranks:
+            failures += failed_ranks
+        elif launcher_failed:
             failures.append(Failure("launcher", name, None, launcher["code"], launcher.get("time", 0),
                                     "(see logs/launcher.log on the node)"))
     return sorted(failures, key=lambda f: (f.time, f.rank if f.rank is not None else 1 << 30))
+
+
+def derive_state(states: dict[str, NodeResult]) -> str | None:
+    """What a run is, from every node's answer: running, succeeded, failed, stopped, or lost (its processes
+    are gone and no torchrun recorded an exit: a reboot, or killed from outside). None if a node did not answer."""
+    answers = [r.value for r in states.values() if r.ok and r.value and "error" not in r.value]
+    if len(answers) < len(states) or not answers:
+        return None
+    if any(a.get("alive") for a in answers):
+        return "running"
+    exits = [a.get("launcher_exit") for a in answers]
+    if all(e and e.get("code") == 0 for e in exits):
+        return "succeeded"
+    if any(a.get("stopped") for a in answers):
+        return "stopped"
+    if any(e and e.get("code") not in (0, None) for e in exits):
+        return "failed"
+    return "lost"
 
 
 def finished_ok(states: dict[str, NodeResult]) -> bool:
@@ -118,6 +139,7 @@ class LogStream:
     prefixed: bool
     offsets: dict[int, int] = field(default_factory=dict)
     partial: dict[int, str] = field(default_factory=dict)
+    sink: object = None                      # callable(rank, line) instead of printing (--json)
 
     def __post_init__(self) -> None:
         self.offsets = {rank: self.offsets.get(rank, 0) for rank in self.ranks}
@@ -141,7 +163,9 @@ class LogStream:
         self.partial.clear()
 
     def emit(self, rank: int, line: str) -> None:
-        if self.prefixed:
+        if self.sink:
+            self.sink(rank, line)
+        elif self.prefixed:
             colour = COLOURS[rank % len(COLOURS)]
             label = escape(f"[{self.ranks[rank]}/{rank}]")
             self.console.print(f"[{colour}]{label}[/] {escape(line)}")
@@ -150,7 +174,8 @@ class LogStream:
 
 
 def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream | None, *, interval: float = 1.0,
-                 lost_after: float = 15.0, stall_after: float | None = None) -> tuple[str, Failure | None]:
+                 lost_after: float = 15.0, stall_after: float | None = None,
+                 restarts: int = 0) -> tuple[str, Failure | None]:
     """Poll until the run succeeds ('succeeded') or something fails ('failed' with the first failure)."""
     unreachable_since: dict[str, float] = {}
     while True:
@@ -158,7 +183,7 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
         states = poll(cluster, run_nodes, stream.offsets if stream else None)
         if stream:
             stream.feed(states)
-        failures = rank_failures(states)
+        failures = rank_failures(states, restarts)
         if failures:
             return "failed", failures[0]
         lost = _lost_node(states, unreachable_since, lost_after)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sshcluster import SSHCluster, sshd_available  # noqa: E402
+from sshcluster import NodeSpec, SSHCluster, isolation_available, sshd_available  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,16 +37,29 @@ def run_nodectl(args: list[str], env: dict | None = None, cwd: Path | None = Non
     return CLIResult(proc.returncode, proc.stdout, proc.stderr)
 
 
-def _cluster(tmp_path_factory, count: int, first_octet: int) -> SSHCluster:
+# The session cluster: three nodes that share nothing with the controller and differ the way real machines do.
+# node0 logs in as root (the master; its shell start-up files print a banner), node1 as a user whose login shell
+# is zsh on an sshd without sftp, node2 as a user whose login shell is fish and whose workdir is a symlink.
+SESSION_SPECS = {
+    0: NodeSpec(noisy=True),
+    1: NodeSpec(user="nodectl-zsh", shell="zsh", sftp=False, noisy=True),
+    2: NodeSpec(user="nodectl-fish", shell="fish", workdir_link=True),
+}
+
+
+def make_cluster(tmp_path_factory, count: int, first_octet: int, specs: dict | None = None, **kwargs) -> SSHCluster:
     if not sshd_available():
         pytest.skip("openssh-server is not installed (apt-get install openssh-server)")
-    return SSHCluster(tmp_path_factory.mktemp("ssh"), count=count, first_octet=first_octet).start()
+    if not isolation_available():
+        pytest.skip("simulated nodes need mount namespaces (root and unshare)")
+    return SSHCluster(tmp_path_factory.mktemp("ssh"), count=count, first_octet=first_octet, specs=specs or {},
+                      **kwargs).start()
 
 
 @pytest.fixture(scope="session")
 def ssh_cluster(tmp_path_factory):
     """Three real sshd nodes on 127.0.0.2-4 with trusted host keys."""
-    cluster = _cluster(tmp_path_factory, 3, first_octet=2)
+    cluster = make_cluster(tmp_path_factory, 3, first_octet=2, specs=SESSION_SPECS)
     cluster.trust_host_keys()
     yield cluster
     cluster.stop()
@@ -54,8 +67,9 @@ def ssh_cluster(tmp_path_factory):
 
 @pytest.fixture
 def fresh_cluster(tmp_path_factory):
-    """Two sshd nodes (127.0.0.20-21) whose host keys the client has never seen; one per test."""
-    cluster = _cluster(tmp_path_factory, 2, first_octet=20)
+    """Two sshd nodes (127.0.0.20-21) whose host keys the client has never seen; one per test. node0's user
+    has /bin/sh (dash) as login shell."""
+    cluster = make_cluster(tmp_path_factory, 2, first_octet=20, specs={0: NodeSpec(user="nodectl-sh", shell="sh")})
     yield cluster
     cluster.stop()
 

@@ -1,12 +1,20 @@
-"""Real OpenSSH servers on loopback addresses, one per simulated node, for tests and benchmarks.
+"""Real OpenSSH servers on loopback addresses, one per simulated node, that share nothing with the controller.
 
-Each server gets its own host key and an authorized client key made here; the client side lives in a throwaway
-HOME so the user's own ~/.ssh (config, keys, known_hosts) never takes part.
+Each node's sshd runs in a mount namespace of its own (`unshare --mount`): the controller's /tmp, /var/tmp,
+/root, /home, /work, /opt and the project folder are replaced by empty tmpfs mounts, so neither the project, nor
+the runs folder, nor the controller's HOME (a throwaway folder here, the user's own ~/.ssh never takes part) can
+be seen from a node. Only the node's Python is bound back in, at /opt/venv (plus the base interpreter that venv
+points at). Each node has its own home, which the test reads from the host side through `SSHNode.host_path`.
+
+A node can log in as a user of its own with its own login shell (sh, bash, zsh, fish), print banners from its
+shell start-up files, lack the sftp subsystem, reach its workdir through a symlink, share its home with another
+node (an NFS home), or live in a network namespace. Users are created once per machine (root only).
 """
 from __future__ import annotations
 
-import getpass
 import os
+import pwd
+import shlex
 import shutil
 import socket
 import subprocess
@@ -19,17 +27,29 @@ import yaml
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 PORT = 2222
+NODE_PYTHON = "/opt/venv/bin/python"
+REPO = Path(__file__).resolve().parent.parent
+HIDDEN = ("/tmp", "/var/tmp", "/work", "/home", "/opt")
+SHELLS = {"sh": "/bin/sh", "bash": "/bin/bash", "zsh": "/usr/bin/zsh", "fish": "/usr/bin/fish"}
+BANNER = "*** Welcome to {node}: authorised use only ***"
 
 
 def sshd_available() -> bool:
-    return os.path.exists(SSHD) and shutil.which("ssh-keygen") is not None
+    return os.path.exists(SSHD) and shutil.which("ssh-keygen") is not None and shutil.which("unshare") is not None
+
+
+def isolation_available() -> bool:
+    """Mount namespaces need root here (CI runs as root)."""
+    if os.geteuid() != 0:
+        return False
+    return subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
 
 
 def _keygen(path: Path, comment: str) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path)], check=True)
 
 
-def _wait_port(address: str, port: int, timeout: float = 10.0) -> None:
+def wait_port(address: str, port: int, timeout: float = 10.0) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -40,15 +60,70 @@ def _wait_port(address: str, port: int, timeout: float = 10.0) -> None:
     raise RuntimeError(f"sshd on {address}:{port} did not come up")
 
 
+def ensure_user(name: str, shell: str) -> pwd.struct_passwd:
+    """A login user with this shell; '*' as password hash, so sshd (without PAM) does not call it locked."""
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        subprocess.run(["useradd", "-M", "-d", f"/home/{name}", "-s", shell, name], check=True, capture_output=True)
+        entry = pwd.getpwnam(name)
+    if entry.pw_shell != shell:
+        subprocess.run(["usermod", "-s", shell, name], check=True, capture_output=True)
+    subprocess.run(["usermod", "-p", "*", name], check=True, capture_output=True)
+    return pwd.getpwnam(name)
+
+
+@dataclass
+class NodeSpec:
+    """How one simulated node differs from a plain root login with bash."""
+
+    user: str = "root"
+    shell: str = "bash"              # login shell of a non-root user (root keeps the machine's)
+    sftp: bool = True
+    noisy: bool = False              # shell start-up files print a banner on stdout and stderr
+    workdir_link: bool = False       # the inventory's workdir is a symlink to a folder elsewhere in the home
+    share_home_with: int | None = None   # this node's home is that node's home (an NFS home)
+
+
 @dataclass
 class SSHNode:
     name: str
     address: str
     port: int
-    workdir: Path
-    host_key: Path
+    root: Path                       # host-side folder of this node: keys, home, sshd.log
+    spec: NodeSpec
     process: subprocess.Popen | None = None
     netns: str | None = None
+
+    @property
+    def home(self) -> str:
+        """HOME as the node sees it."""
+        return "/root" if self.spec.user == "root" else f"/home/{self.spec.user}"
+
+    @property
+    def home_dir(self) -> Path:
+        """The same home, seen from the host (for tests that look at what landed on the node)."""
+        return self.root / "home"
+
+    @property
+    def host_key(self) -> Path:
+        return self.root / "ssh_host_ed25519_key"
+
+    @property
+    def workdir_setting(self) -> str:
+        return "~/work-link" if self.spec.workdir_link else "~/nodectl"
+
+    @property
+    def workdir(self) -> Path:
+        """The node's workdir, seen from the host."""
+        return self.host_path(self.workdir_setting)
+
+    def host_path(self, node_path: str) -> Path:
+        """Where a path under the node's home lies on the host."""
+        for prefix in ("~/", f"{self.home}/"):
+            if node_path.startswith(prefix):
+                return self.home_dir / node_path[len(prefix):]
+        raise ValueError(f"{node_path} is not under {self.name}'s home")
 
 
 @dataclass
@@ -57,12 +132,15 @@ class SSHCluster:
     count: int
     port: int = PORT
     first_octet: int = 2
+    specs: dict[int, NodeSpec] = field(default_factory=dict)
     nodes: list[SSHNode] = field(default_factory=list)
     addresses: list[str] | None = None     # default: 127.0.0.<first_octet + i>
     namespaces: list[str] | None = None    # run node i's sshd inside this network namespace
+    names: list[str] | None = None
 
     @property
     def home(self) -> Path:
+        """The controller's HOME in tests: ~/.ssh with the client key, known_hosts and config."""
         return self.root / "home"
 
     @property
@@ -71,36 +149,89 @@ class SSHCluster:
 
     def start(self) -> "SSHCluster":
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation directory
-        ssh_dir = self.home / ".ssh"
-        ssh_dir.mkdir(parents=True, mode=0o700)
+        (self.home / ".ssh").mkdir(parents=True, mode=0o700)
         _keygen(self.identity, "nodectl-tests")
-        authorized = self.root / "authorized_keys"
-        shutil.copy(f"{self.identity}.pub", authorized)
         for i in range(self.count):
-            address = self.addresses[i] if self.addresses else f"127.0.0.{self.first_octet + i}"
-            node_dir = self.root / f"node{i}"
-            node_dir.mkdir()
-            host_key = node_dir / "ssh_host_ed25519_key"
-            _keygen(host_key, f"host-node{i}")
-            node = SSHNode(f"node{i}", address, self.port, node_dir / "work", host_key,
-                           netns=self.namespaces[i] if self.namespaces else None)
-            node.process = self._sshd(node, authorized)
-            self.nodes.append(node)
+            self.nodes.append(self._make_node(i))
         for node in self.nodes:
-            _wait_port(node.address, node.port)
+            node.process = self._sshd(node)
+        for node in self.nodes:
+            wait_port(node.address, node.port)
         return self
 
-    def _sshd(self, node: SSHNode, authorized: Path) -> subprocess.Popen:
+    def _make_node(self, i: int) -> SSHNode:
+        spec = self.specs.get(i, NodeSpec())
+        address = self.addresses[i] if self.addresses else f"127.0.0.{self.first_octet + i}"
+        name = self.names[i] if self.names else f"node{i}"
+        node = SSHNode(name, address, self.port, self.root / name, spec,
+                       netns=self.namespaces[i] if self.namespaces else None)
+        node.root.mkdir()
+        _keygen(node.host_key, f"host-{name}")
+        shutil.copy(f"{self.identity}.pub", node.root / "authorized_keys")
+        os.chmod(node.root, 0o755)
+        os.chmod(node.root / "authorized_keys", 0o644)
+        if spec.share_home_with is not None:
+            os.symlink(self.nodes[spec.share_home_with].home_dir, node.home_dir)
+            return node
+        node.home_dir.mkdir(mode=0o700)
+        if spec.noisy:
+            banner = BANNER.format(node=name)
+            for rc in (".bashrc", ".profile", ".zshenv"):
+                (node.home_dir / rc).write_text(f"echo '{banner}'\necho 'rc on stderr' >&2\n")
+            fish = node.home_dir / ".config" / "fish"
+            fish.mkdir(parents=True)
+            (fish / "config.fish").write_text(f"echo '{banner}'\n")
+        if spec.workdir_link:
+            (node.home_dir / "data" / "nodectl").mkdir(parents=True)
+            os.symlink("data/nodectl", node.home_dir / "work-link")
+        if spec.user != "root":
+            entry = ensure_user(spec.user, SHELLS[spec.shell])
+            for path in [node.home_dir, *node.home_dir.rglob("*")]:
+                os.lchown(path, entry.pw_uid, entry.pw_gid)
+        return node
+
+    def _namespace_script(self, node: SSHNode) -> str:
+        """Runs as root inside the node's new mount namespace, then becomes its sshd."""
+        venv = Path(sys.prefix)
+        base = Path(sys.base_prefix)
+        home_source = node.root / "home"
+        hidden = list(HIDDEN) + [str(p) for p in {REPO, Path.cwd()} if not str(p).startswith(HIDDEN)]
+        lines = [
+            "set -e",
+            "mount -t tmpfs -o mode=0755 nodectl-stage /srv",
+            "mkdir /srv/node /srv/venv /srv/base",
+            f"mount --bind {shlex.quote(str(node.root))} /srv/node",
+            f"mount --bind {shlex.quote(str(home_source.resolve()))} /srv/node/home",
+            f"mount --bind {shlex.quote(str(venv))} /srv/venv",
+            f"mount --bind {shlex.quote(str(base))} /srv/base",
+        ]
+        lines += [f"mount -t tmpfs -o mode=1777 nodectl-hide {shlex.quote(path)}" for path in hidden
+                  if os.path.isdir(path)]
+        lines += ["mount -t tmpfs -o mode=0711 nodectl-hide /root",
+                  f"mkdir -p {shlex.quote(node.home)}",
+                  f"mount --bind /srv/node/home {shlex.quote(node.home)}",
+                  "mkdir -p /opt/venv", "mount --bind /srv/venv /opt/venv"]
+        if str(base).startswith(("/root",) + HIDDEN):
+            lines += [f"mkdir -p {shlex.quote(str(base))}", f"mount --bind /srv/base {shlex.quote(str(base))}"]
         options = {
-            "ListenAddress": f"{node.address}:{node.port}", "HostKey": str(node.host_key),
-            "AuthorizedKeysFile": str(authorized), "PidFile": "none", "StrictModes": "no", "UsePAM": "no",
-            "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no", "PermitRootLogin": "yes",
-            "Subsystem": "sftp internal-sftp", "MaxStartups": "500", "MaxSessions": "500", "LogLevel": "ERROR",
+            "ListenAddress": f"{node.address}:{node.port}", "HostKey": "/srv/node/ssh_host_ed25519_key",
+            "AuthorizedKeysFile": "/srv/node/authorized_keys", "PidFile": "none", "StrictModes": "no",
+            "UsePAM": "no", "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no",
+            "PermitRootLogin": "yes", "MaxStartups": "500", "MaxSessions": "500", "LogLevel": "VERBOSE",
+            "AllowTcpForwarding": "yes",
         }
-        argv = (["ip", "netns", "exec", node.netns] if node.netns else []) + [SSHD, "-D", "-e", "-f", "/dev/null"]
+        if node.spec.sftp:
+            options["Subsystem"] = "sftp internal-sftp"
+        argv = [SSHD, "-D", "-e", "-f", "/dev/null"]
         for key, value in options.items():
             argv += ["-o", f"{key}={value}"]
-        log = open(node.host_key.parent / "sshd.log", "ab")
+        lines.append("exec " + shlex.join(argv))
+        return "\n".join(lines)
+
+    def _sshd(self, node: SSHNode) -> subprocess.Popen:
+        argv = (["ip", "netns", "exec", node.netns] if node.netns else []) + \
+            ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", self._namespace_script(node)]
+        log = open(node.root / "sshd.log", "ab")
         return subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
 
     def stop_node(self, index: int) -> None:
@@ -110,33 +241,47 @@ class SSHCluster:
             proc.wait(5)
 
     def restart_node(self, index: int) -> None:
-        self.nodes[index].process = self._sshd(self.nodes[index], self.root / "authorized_keys")
-        _wait_port(self.nodes[index].address, self.nodes[index].port)
+        self.nodes[index].process = self._sshd(self.nodes[index])
+        wait_port(self.nodes[index].address, self.nodes[index].port)
 
     def stop(self) -> None:
         for i in range(len(self.nodes)):
             self.stop_node(i)
 
+    def known_hosts_lines(self, nodes: list[SSHNode] | None = None) -> list[str]:
+        lines = []
+        for node in nodes or self.nodes:
+            public = Path(f"{node.host_key}.pub").read_text().split()
+            host = node.address if node.port == 22 else f"[{node.address}]:{node.port}"
+            lines.append(f"{host} {public[0]} {public[1]}")
+        return lines
+
     def trust_host_keys(self) -> None:
         """Write known_hosts for every node, as a user who had verified them would have."""
-        lines = []
-        for node in self.nodes:
-            public = Path(f"{node.host_key}.pub").read_text().split()
-            lines.append(f"[{node.address}]:{node.port} {public[0]} {public[1]}")
-        (self.home / ".ssh" / "known_hosts").write_text("\n".join(lines) + "\n")
+        (self.home / ".ssh" / "known_hosts").write_text("\n".join(self.known_hosts_lines()) + "\n")
+
+    def node_entry(self, i: int) -> dict:
+        node = self.nodes[i]
+        entry = {"host": node.address, "name": node.name}
+        if node.spec.user != "root":
+            entry["user"] = node.spec.user
+        if node.spec.workdir_link:
+            entry["workdir"] = node.workdir_setting
+        return entry
 
     def inventory(self, path: Path | None = None, python: str | None = None, count: int | None = None,
                   extra_nodes: list[dict] | None = None, node_overrides: dict[int, dict] | None = None,
-                  **defaults) -> Path:
-        """Write a hosts.yaml for the first `count` nodes; returns its path."""
+                  indices: list[int] | None = None, **defaults) -> Path:
+        """Write a hosts.yaml for the first `count` nodes (or those of `indices`); returns its path."""
+        chosen = indices if indices is not None else list(range(count or len(self.nodes)))
         nodes = []
-        for i, node in enumerate(self.nodes[: count or len(self.nodes)]):
-            entry = {"host": node.address, "name": node.name, "workdir": str(node.workdir)}
+        for i in chosen:
+            entry = self.node_entry(i)
             entry.update((node_overrides or {}).get(i, {}))
             nodes.append(entry)
         nodes += extra_nodes or []
-        document = {"defaults": {"user": getpass.getuser(), "port": self.port, "identity_file": str(self.identity),
-                                 "python": python or sys.executable, "device": "cpu", "gpus": 1, **defaults},
+        document = {"defaults": {"user": "root", "port": self.port, "identity_file": str(self.identity),
+                                 "python": python or NODE_PYTHON, "device": "cpu", "gpus": 1, **defaults},
                     "nodes": nodes}
         path = path or self.root / "hosts.yaml"
         path.write_text(yaml.safe_dump(document, sort_keys=False))
@@ -147,3 +292,23 @@ class SSHCluster:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SSH_AUTH_SOCK", "NODECTL_"))}
         env.update(HOME=str(self.home), PYTHONUNBUFFERED="1", COLUMNS="200", **extra)
         return env
+
+    def node_file(self, index: int, relative: str, text: str, mode: int = 0o644) -> str:
+        """Write a file into node `index`'s home (owned by its user); returns its path as the node sees it."""
+        node = self.nodes[index]
+        path = node.home_dir / relative
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        path.chmod(mode)
+        if node.spec.user != "root":
+            entry = pwd.getpwnam(node.spec.user)
+            for item in [path, *path.relative_to(node.home_dir).parents]:
+                os.lchown(node.home_dir / item, entry.pw_uid, entry.pw_gid)
+        return f"{node.home}/{relative}"
+
+    def on_node(self, index: int, command: str, timeout: float = 30) -> subprocess.CompletedProcess:
+        """Run a shell command inside node `index`'s mount namespace as its user (to set up or inspect it)."""
+        node = self.nodes[index]
+        argv = ["nsenter", "-t", str(node.process.pid), "-m", "--", "su", "-s", "/bin/sh", node.spec.user, "-c",
+                command]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)

@@ -5,6 +5,7 @@ import json
 import time
 
 from conftest import run_nodectl
+from sshcluster import NODE_PYTHON
 
 
 def test_env_dump_table_json_and_output_folder(ssh_cluster, tmp_path):
@@ -24,7 +25,7 @@ def test_env_dump_table_json_and_output_folder(ssh_cluster, tmp_path):
     report = document["nodes"]["node1"]
     assert report["torch"]["version"].startswith("2.")
     assert report["python"]["version"] and report["limits"]["nofile_soft"]
-    assert report["disk"]["workdir"].endswith("node1/work")
+    assert report["disk"]["workdir"] == "/home/nodectl-zsh/nodectl"  # the node's own home, not a shared disk
     assert abs(report["clock"]["skew_s"]) < 2
     assert sorted(p.name for p in out_dir.iterdir()) == ["node0.json", "node1.json", "node2.json"]
     assert json.loads((out_dir / "node2.json").read_text())["node"]["host"] == "127.0.0.4"
@@ -34,10 +35,9 @@ def test_diff_shows_only_the_node_that_differs_and_redacts_secrets(ssh_cluster):
     inventory = ssh_cluster.inventory(node_overrides={2: {"env": {"NCCL_IB_HCA": "mlx5_9", "HF_TOKEN": "hf_canary"}}})
     # env: in the inventory is for launched processes; give node2's probe a different environment
     # through its python instead, as a node whose venv differs would.
-    wrapper = ssh_cluster.root / "python-with-env.sh"
-    wrapper.write_text(f"#!/bin/sh\nexport FAKE_DRIFT=yes HF_TOKEN=hf_canary\nexec {__import__('sys').executable} \"$@\"\n")
-    wrapper.chmod(0o755)
-    inventory = ssh_cluster.inventory(node_overrides={2: {"python": str(wrapper)}})
+    wrapper = ssh_cluster.node_file(2, "python-with-env.sh", "#!/bin/sh\nexport FAKE_DRIFT=yes HF_TOKEN=hf_canary\n"
+                                    f"exec {NODE_PYTHON} \"$@\"\n", mode=0o755)
+    inventory = ssh_cluster.inventory(node_overrides={2: {"python": wrapper}})
     result = run_nodectl(["-i", str(inventory), "--json", "env-dump", "--diff"], env=ssh_cluster.env())
     assert result.exit_code == 0, result.output
     diff = result.json()["diff"]
@@ -113,10 +113,10 @@ def test_ssh_config_alias_is_honoured(ssh_cluster, tmp_path):
                       f"  IdentityFile {ssh_cluster.identity}\n")
     try:
         inventory = tmp_path / "alias.yaml"
-        inventory.write_text(f"nodes:\n  - host: first-node\n    device: cpu\n    workdir: {node.workdir}\n"
-                             f"    python: {__import__('sys').executable}\n")
+        inventory.write_text(f"nodes:\n  - host: first-node\n    device: cpu\n    workdir: /root/elsewhere\n"
+                             f"    python: {NODE_PYTHON}\n")
         result = run_nodectl(["-i", str(inventory), "--json", "env-dump"], env=ssh_cluster.env())
         assert result.exit_code == 0, result.output
-        assert result.json()["nodes"]["first-node"]["disk"]["workdir"] == str(node.workdir)
+        assert result.json()["nodes"]["first-node"]["disk"]["workdir"] == "/root/elsewhere"
     finally:
         config.unlink()

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import run_nodectl
 from launch_helpers import make_project
+from sshcluster import NODE_PYTHON
 
 pytestmark = pytest.mark.slow
 
@@ -27,15 +28,16 @@ class distributed:
 '''
 
 
-def python_with(tmp_path, name: str, extra_path=None, bare: bool = False) -> str:
-    """A node interpreter that differs: a venv without torch (bare) or one that sees a fake torch."""
+def python_with(cluster, index: int, name: str, extra_path: str | None = None, bare: bool = False) -> str:
+    """A node interpreter that differs, made in the node's own home: a venv without torch (bare) or one that
+    sees a fake torch."""
+    node = cluster.nodes[index]
     if bare:
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(tmp_path / name)], check=True)
-        return str(tmp_path / name / "bin" / "python")
-    wrapper = tmp_path / f"{name}.sh"
-    wrapper.write_text(f"#!/bin/sh\nPYTHONPATH={extra_path} exec {sys.executable} \"$@\"\n")
-    wrapper.chmod(0o755)
-    return str(wrapper)
+        subprocess.run([sys.base_prefix + "/bin/python3", "-m", "venv", "--without-pip", str(node.home_dir / name)],
+                       check=True)
+        return f"{node.home}/{name}/bin/python"
+    return cluster.node_file(index, f"{name}.sh", f"#!/bin/sh\nPYTHONPATH={extra_path} exec {NODE_PYTHON} \"$@\"\n",
+                             mode=0o755)
 
 
 def test_healthy_cluster_passes_with_a_correct_gloo_all_reduce(ssh_cluster, tmp_path):
@@ -66,7 +68,7 @@ def test_full_runs_a_collective_on_each_node_pair(ssh_cluster, tmp_path):
 
 
 def test_node_without_torch_fails_with_hint_and_launch_refuses(ssh_cluster, tmp_path):
-    bare = python_with(tmp_path, "bare", bare=True)
+    bare = python_with(ssh_cluster, 1, "bare", bare=True)
     inventory = ssh_cluster.inventory(count=2, node_overrides={1: {"python": bare}})
     result = run_nodectl(["-i", str(inventory), "preflight", "--quick"], env=ssh_cluster.env(), cwd=tmp_path)
     assert result.exit_code == 1
@@ -79,10 +81,8 @@ def test_node_without_torch_fails_with_hint_and_launch_refuses(ssh_cluster, tmp_
 
 
 def test_torch_version_mismatch_between_nodes_fails(ssh_cluster, tmp_path):
-    fake = tmp_path / "fake"
-    (fake / "torch").mkdir(parents=True)
-    (fake / "torch" / "__init__.py").write_text(FAKE_TORCH)
-    other = python_with(tmp_path, "other", extra_path=fake)
+    ssh_cluster.node_file(1, "fake/torch/__init__.py", FAKE_TORCH)
+    other = python_with(ssh_cluster, 1, "other", extra_path=f"{ssh_cluster.nodes[1].home}/fake")
     inventory = ssh_cluster.inventory(count=2, node_overrides={1: {"python": other}})
     result = run_nodectl(["-i", str(inventory), "--json", "preflight", "--quick"], env=ssh_cluster.env(),
                          cwd=tmp_path)

@@ -5,10 +5,29 @@ import click
 
 from nodectl import __version__
 from nodectl.cli.context import AppContext
+from nodectl.errors import EXIT_INTERRUPTED, install_signal_handlers
 from nodectl.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, TransportOptions
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class NodectlGroup(click.Group):
+    """Click turns Ctrl-C into "Aborted!" and exit 1; nodectl says it was interrupted and exits 130 (SPEC §2),
+    after the command has stopped whatever it started."""
+
+    def main(self, *args, **kwargs):
+        install_signal_handlers()
+        try:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        except click.exceptions.Exit as exc:
+            raise SystemExit(exc.exit_code) from None
+        except click.ClickException as exc:
+            exc.show()
+            raise SystemExit(exc.exit_code) from None
+        except (click.Abort, KeyboardInterrupt):
+            click.echo("interrupted", err=True)
+            raise SystemExit(EXIT_INTERRUPTED) from None
+
+
+@click.group(cls=NodectlGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-i", "--inventory", envvar="NODECTL_INVENTORY", metavar="INVENTORY",
               help="hosts.yaml or hostfile (default: $NODECTL_INVENTORY, ./hosts.yaml, else this machine).")
 @click.option("-v", "--verbose", count=True, help="More detail (repeatable).")

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import replace
-import signal
 import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import click
@@ -15,12 +15,13 @@ from rich.syntax import Syntax
 from nodectl import sync
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import node_selection
-from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, UsageError
-from nodectl.launch import settle_master_port, start_run
+from nodectl.errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, INTERRUPTED, UsageError,
+                            ignore_signals_while_cleaning)
+from nodectl.launch import settle_master_port, shared_workdirs, start_run
 from nodectl.plan import LaunchPlan, build_plan
 from nodectl.render import render_plan
 from nodectl.runs import Run, create_run, git_revision, open_run
-from nodectl.watch import LogStream, stop_nodes, tail_lines, wait_for_end
+from nodectl.watch import LogStream, poll, stop_nodes, tail_lines, wait_for_end
 
 
 def _check_command(args: tuple[str, ...], files: list[sync.SyncFile], sync_dir: str) -> tuple[str, ...]:
@@ -85,7 +86,8 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
     """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
     previous = None
     if resume_run:
-        previous, inventory, gpus, command, config, sync_dir = _resume_args(app, resume_run, command, config)
+        previous, inventory, gpus, command, config, sync_dir, max_restarts = _resume_args(app, resume_run, command,
+                                                                                          config, max_restarts)
     else:
         inventory = app.inventory().select(nodes, exclude)
     files = sync.project_files(sync_dir, sync_limit * 2**20)
@@ -96,38 +98,74 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
         from nodectl.preflight.gate import quick_gate
 
         facts, preflight = quick_gate(app, inventory, gpus)
-    plan = build_plan(inventory, gpus=gpus, command=command, sync_dir=sync_dir, config=config,
-                      max_restarts=max_restarts, facts=facts,
-                      run_id=previous.run_id if previous else None)
-    if previous:
-        plan = replace(plan, attempt=previous.manifest().get("attempt", 0) + 1)
+    options = dict(gpus=gpus, command=command, sync_dir=sync_dir, config=config, max_restarts=max_restarts,
+                   facts=facts, run_id=previous.run_id if previous else None)
+    plan = _attempt(build_plan(inventory, **options), previous)
     files = files + sync.nodectl_files(plan.builtin_trainer, config)
     rendered = render_plan(plan, template)
     if dry_run:
         _print_dry_run(app, plan, rendered)
         return
     with app.cluster(inventory) as cluster:
+        if previous:
+            _refuse_if_running(app, previous)
+        shared = shared_workdirs(plan, cluster)
+        if shared:
+            app.info(f"{', '.join(sorted(shared))} share a workdir (a network home?): each gets its own run folder")
+            plan = _attempt(build_plan(inventory, shared_workdirs=shared, **options), previous)
         plan = settle_master_port(plan, cluster)
         rendered = render_plan(plan, template)
         run = _record_attempt(previous, plan, rendered, app) if previous else \
             _record(plan, rendered, inventory.source, app)
-        if preflight:
-            (run.folder / "preflight.json").write_text(json.dumps(preflight, indent=2, default=str))
-            env_dir = run.folder / "env"
-            env_dir.mkdir()
-            for name, report in facts.items():
-                (env_dir / f"{name}.json").write_text(json.dumps(report, indent=2, default=str))
-        _start(app, run, plan, rendered, cluster, files, grace)
-        if detach:
-            run.update(state="running")
-            app.out.print(f"run {plan.run_id} started on {plan.nnodes} node(s), world size {plan.world_size}")
-            app.out.print(f"follow it:  nodectl tail rank0 -f --run {plan.run_id}")
-            app.out.print(f"stop it:    nodectl stop --run {plan.run_id}")
-            return
-        _watch(app, run, plan, cluster, follow, grace, stall_after)
+        try:
+            if preflight:
+                _save_preflight(run, plan, preflight, facts)
+            _start(app, run, plan, rendered, cluster, files, grace)
+            if detach:
+                _detached(app, run, plan)
+                return
+            _watch(app, run, plan, cluster, follow, grace, stall_after)
+        except KeyboardInterrupt:
+            _interrupted(app, run, plan, cluster, grace)
 
 
-def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | None):
+def _attempt(plan: LaunchPlan, previous: Run | None) -> LaunchPlan:
+    return replace(plan, attempt=previous.manifest().get("attempt", 0) + 1) if previous else plan
+
+
+def _save_preflight(run: Run, plan: LaunchPlan, preflight: dict, facts: dict) -> None:
+    """The preflight of this attempt (a resumed run keeps the earlier ones as preflight-<attempt>.json)."""
+    name = "preflight.json" if plan.attempt == 0 else f"preflight-{plan.attempt}.json"
+    (run.folder / name).write_text(json.dumps(preflight, indent=2, default=str))
+    env_dir = run.folder / "env"
+    env_dir.mkdir(exist_ok=True)
+    for node_name, report in facts.items():
+        (env_dir / f"{node_name}.json").write_text(json.dumps(report, indent=2, default=str))
+
+
+def _detached(app: AppContext, run: Run, plan: LaunchPlan) -> None:
+    if app.json:
+        app.emit_json({"run_id": plan.run_id, "state": "running", "attempt": plan.attempt, "nnodes": plan.nnodes,
+                       "world_size": plan.world_size, "folder": str(run.folder.resolve()),
+                       "nodes": {np.node.name: np.run_dir for np in plan.nodes}})
+        return
+    app.out.print(f"run {plan.run_id} started on {plan.nnodes} node(s), world size {plan.world_size}")
+    app.out.print(f"follow it:  nodectl tail rank0 -f --run {plan.run_id}")
+    app.out.print(f"stop it:    nodectl stop --run {plan.run_id}")
+
+
+def _refuse_if_running(app: AppContext, previous: Run) -> None:
+    """--resume must never touch a run that still has live processes: it would stop them."""
+    run_nodes = previous.nodes()
+    with app.cluster_for(run_nodes) as cluster:
+        states = poll(cluster, run_nodes)
+    alive = [name for name, r in states.items() if r.ok and (r.value or {}).get("alive")]
+    if alive:
+        raise UsageError(f"run {previous.run_id} is still running on {', '.join(alive)}; stop it first "
+                         f"(nodectl stop --run {previous.run_id}), then --resume it")
+
+
+def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | None, max_restarts: int):
     """What --resume relaunches: the recorded nodes (with today's inventory settings), ranks, command, config."""
     previous = open_run(run_id)
     manifest = previous.manifest()
@@ -145,7 +183,7 @@ def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | Non
     if plan["builtin_trainer"]:
         recorded = ()
         config = config or plan.get("config")
-    return previous, inventory, gpus, recorded, config, plan["sync_dir"]
+    return previous, inventory, gpus, recorded, config, plan["sync_dir"], max_restarts or plan.get("max_restarts", 0)
 
 
 def _record_attempt(previous: Run, plan: LaunchPlan, rendered, app: AppContext) -> Run:
@@ -153,7 +191,7 @@ def _record_attempt(previous: Run, plan: LaunchPlan, rendered, app: AppContext) 
     history = manifest.get("attempts", []) + [{"attempt": manifest.get("attempt", 0), "state": manifest.get("state"),
                                                 "started": manifest.get("started"), "ended": manifest.get("ended")}]
     previous.update(attempt=plan.attempt, state="starting", attempts=history, ended=None,
-                    started=__import__("time").time(), plan=plan.to_json(), failure=None)
+                    started=time.time(), plan=plan.to_json(), failure=None)
     for r in rendered:
         (previous.folder / "scripts" / f"{r.node}.sh").write_text(r.launch)
         (previous.folder / "scripts" / f"{r.node}.env").write_text(r.env_redacted)
@@ -176,23 +214,38 @@ def _record(plan: LaunchPlan, rendered, source: str, app: AppContext) -> Run:
 
 def _start(app, run: Run, plan: LaunchPlan, rendered, cluster, files, grace: float) -> None:
     with app.node_progress("syncing and starting", plan.nnodes) as advance:
-        results = start_run(plan, rendered, cluster, files, on_done=advance)
-    problems = [r for r in results if not r.ok or isinstance(r.value, Exception)]
+        results = start_run(plan, rendered, cluster, files, on_done=advance, cancel=INTERRUPTED)
+    if INTERRUPTED.is_set():
+        raise KeyboardInterrupt
+    problems = [r for r in results if not r.ok]
     for r in results:
-        if r.ok and not isinstance(r.value, Exception):
+        if r.ok:
             run.set_node_state(r.node.name, pgid=r.value.pgid, files=r.value.files, bytes_sent=r.value.bytes_sent)
     if not problems:
+        run.update(state="running")
         return
     for r in problems:
-        app.err.print(f"[red]{escape(r.node.name)}[/]: {escape(r.error or str(r.value))}")
+        app.err.print(f"[red]{escape(r.node.name)}[/]: {escape(r.error)}")
     app.err.print("stopping the nodes that had started")
     stop_nodes(cluster, run.nodes(), grace)
-    run.update(state="failed-to-start")
+    run.update(state="failed-to-start", ended=time.time(),
+               failure={"kind": "start", "description": "; ".join(f"{r.node.name}: {r.error}" for r in problems)})
+    if app.json:
+        app.emit_json({"run_id": plan.run_id, "state": "failed-to-start",
+                       "nodes": {r.node.name: r.error for r in problems}})
     raise SystemExit(EXIT_UNREACHABLE if any(r.unreachable for r in problems) else EXIT_FAILED)
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
+def _interrupted(app, run: Run, plan: LaunchPlan, cluster, grace: float) -> None:
+    """Ctrl-C or SIGTERM at any phase after the run was recorded: stop whatever may have started, say so, 130."""
+    ignore_signals_while_cleaning()
+    app.err.print(f"interrupted: stopping run {plan.run_id} on every node")
+    stopped = stop_nodes(cluster, run.nodes(), grace)
+    left = sum((r.value or {}).get("left", 0) for r in stopped.values() if r.ok)
+    run.update(state="interrupted", ended=time.time())
+    if app.json:
+        app.emit_json({"run_id": plan.run_id, "state": "interrupted", "processes_left": left})
+    raise SystemExit(EXIT_INTERRUPTED)
 
 
 def _watch(app, run: Run, plan: LaunchPlan, cluster, follow: str, grace: float, stall_after) -> None:
@@ -201,21 +254,13 @@ def _watch(app, run: Run, plan: LaunchPlan, cluster, follow: str, grace: float, 
     followed = ranks if follow == "all" else {0: ranks[0]}
     console = app.err if app.json else app.out
     stream = LogStream(console, followed, prefixed=follow == "all")
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        outcome, failure = wait_for_end(cluster, run_nodes, stream,
-                                        lost_after=app.transport_options.connect_timeout + 5, stall_after=stall_after)
-    except KeyboardInterrupt:
-        stream.flush()
-        app.err.print(f"interrupted: stopping run {plan.run_id} on every node")
-        stop_nodes(cluster, run_nodes, grace)
-        run.update(state="interrupted", ended=__import__("time").time())
-        raise SystemExit(EXIT_INTERRUPTED)
+        outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=app.transport_options.connect_timeout + 5,
+                                        stall_after=stall_after, restarts=plan.max_restarts)
     finally:
-        signal.signal(signal.SIGTERM, previous)
-    stream.flush()
+        stream.flush()
     if outcome == "succeeded":
-        run.update(state="succeeded", ended=__import__("time").time())
+        run.update(state="succeeded", ended=time.time())
         app.info(f"run {plan.run_id} succeeded")
         if app.json:
             app.emit_json({"run_id": plan.run_id, "state": "succeeded"})
@@ -224,8 +269,6 @@ def _watch(app, run: Run, plan: LaunchPlan, cluster, follow: str, grace: float, 
 
 
 def _fail(app, run: Run, plan: LaunchPlan, cluster, run_nodes, failure, grace: float) -> None:
-    import time
-
     app.err.print(f"[red]{escape(failure.describe())}[/]; stopping the run on every node")
     stopped = stop_nodes(cluster, run_nodes, grace)
     if failure.rank is not None:

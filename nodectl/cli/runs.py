@@ -1,4 +1,7 @@
-"""`nodectl runs`: the recorded runs, newest last."""
+"""`nodectl runs`: the recorded runs, newest last, found in ./runs and in the registry from any folder.
+
+A run recorded as starting or running is asked of its nodes (briefly) so the state shown is the real one.
+"""
 from __future__ import annotations
 
 import time
@@ -7,21 +10,40 @@ import click
 from rich.table import Table
 
 from nodectl.cli.context import AppContext
-from nodectl.runs import list_runs
+from nodectl.cli.runs_cmds import refresh_state
+from nodectl.runs import FINAL_STATES, Run, list_runs
+from nodectl.transport import Cluster, TransportOptions
+from nodectl.watch import poll
+
+
+def _settle(app: AppContext, runs: list[Run]) -> None:
+    options = TransportOptions(connect_timeout=min(app.transport_options.connect_timeout, 5.0),
+                               fanout=app.transport_options.fanout,
+                               accept_new_host_keys=app.transport_options.accept_new_host_keys)
+    for run in runs:
+        if run.manifest().get("state") in FINAL_STATES:
+            continue
+        run_nodes = run.nodes()
+        with Cluster([rn.node for rn in run_nodes], options) as cluster:
+            refresh_state(run, poll(cluster, run_nodes))
 
 
 @click.command("runs")
+@click.option("--all", "show_all", is_flag=True, help="Also preflight's own collective-test jobs.")
 @click.pass_obj
-def command(app: AppContext) -> None:
+def command(app: AppContext, show_all: bool) -> None:
     """List runs with their state, nodes and start time."""
+    runs = list_runs(include_preflight=show_all)
+    _settle(app, runs)
     rows = []
-    for run in list_runs():
+    for run in runs:
         manifest = run.manifest()
         plan = manifest.get("plan", {})
-        rows.append({"run_id": run.run_id, "state": manifest.get("state"),
+        rows.append({"run_id": run.run_id, "kind": manifest.get("kind", "train"), "state": manifest.get("state"),
                      "nodes": [n["node"]["name"] for n in plan.get("nodes", [])],
                      "world_size": sum(n["nproc"] for n in plan.get("nodes", [])),
-                     "started": manifest.get("started"), "command": " ".join(plan.get("command", []))})
+                     "started": manifest.get("started"), "folder": str(run.folder.resolve()),
+                     "command": " ".join(plan.get("command", []))})
     if app.json:
         app.emit_json({"runs": rows})
         return
@@ -30,6 +52,7 @@ def command(app: AppContext) -> None:
         table.add_column(column, overflow="fold")
     for row in rows:
         started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["started"])) if row["started"] else "-"
-        table.add_row(row["run_id"], row["state"] or "-", ",".join(row["nodes"]), str(row["world_size"]), started,
+        label = row["run_id"] + (" (preflight)" if row["kind"] == "preflight" else "")
+        table.add_row(label, row["state"] or "-", ",".join(row["nodes"]), str(row["world_size"]), started,
                       row["command"])
     app.out.print(table if rows else "no runs yet")

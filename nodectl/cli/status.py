@@ -6,7 +6,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from nodectl.cli.context import AppContext
-from nodectl.cli.runs_cmds import opened, run_option
+from nodectl.cli.runs_cmds import opened, refresh_state, run_option
 from nodectl.errors import EXIT_UNREACHABLE
 from nodectl.watch import poll, rank_failures, tail_lines
 
@@ -52,17 +52,18 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
     with app.cluster_for(run_nodes) as cluster:
         states = poll(cluster, run_nodes)
         rows = rank_rows(states, run_nodes, stall_after)
-        failures = rank_failures(states)
+        failures = rank_failures(states, run.manifest()["plan"].get("max_restarts", 0))
         first = failures[0] if failures else None
         if first and first.rank is not None:
             rn = next(rn for rn in run_nodes if first.rank in rn.ranks)
             first.last_lines = tail_lines(cluster, rn, [first.rank], 20).get(first.rank, {}).get("text", "")
+    state = refresh_state(run, states)
     manifest = run.manifest()
     if app.json:
-        app.emit_json({"run_id": run.run_id, "state": manifest.get("state"), "ranks": rows,
+        app.emit_json({"run_id": run.run_id, "state": state, "ranks": rows,
                        "first_failure": first.__dict__ if first else None})
     else:
-        table = Table(title=f"run {run.run_id} ({manifest.get('state')})", title_justify="left")
+        table = Table(title=f"run {run.run_id} ({state})", title_justify="left")
         for column in ("node", "rank", "state", "heartbeat", "step", "pid"):
             table.add_column(column)
         colour = {"running": "green", "stalled": "yellow", "lost": "red", "starting": "cyan"}

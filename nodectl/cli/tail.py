@@ -46,7 +46,9 @@ def command(app: AppContext, target: str, follow: bool, lines: int, run_id: str 
     run = opened(app, run_id)
     ranks = resolve_target(run, target)
     run_nodes = [rn for rn in run.nodes() if any(r in rn.ranks for r in ranks)]
-    stream = LogStream(app.out, ranks, prefixed=len(ranks) > 1)
+    collected: list[dict] = []
+    sink = (lambda rank, line: collected.append({"node": ranks[rank], "rank": rank, "line": line})) if app.json else None
+    stream = LogStream(app.err if app.json else app.out, ranks, prefixed=len(ranks) > 1, sink=sink)
     unreachable = False
     with app.cluster_for(run_nodes) as cluster:
         for rn in run_nodes:
@@ -69,6 +71,8 @@ def command(app: AppContext, target: str, follow: bool, lines: int, run_id: str 
                 break
             time.sleep(1.0)
         stream.flush()
+    if app.json:
+        app.emit_json({"run_id": run.run_id, "target": target, "lines": collected, "complete": not unreachable})
     if unreachable:
         raise SystemExit(EXIT_UNREACHABLE)
 

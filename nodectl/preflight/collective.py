@@ -8,8 +8,9 @@ import tempfile
 from dataclasses import replace
 
 from nodectl import sync
+from nodectl.errors import INTERRUPTED, ignore_signals_while_cleaning
 from nodectl.inventory import Inventory
-from nodectl.launch import settle_master_port, start_run
+from nodectl.launch import settle_master_port, shared_workdirs, start_run
 from nodectl.plan import build_plan
 from nodectl.preflight.checks import FAIL, PASS, WARN, CheckResult
 from nodectl.render import render_plan
@@ -119,21 +120,33 @@ def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, 
         inventory = replace(inventory, nodes=tuple(replace(n, env={"NCCL_DEBUG": "INFO", **n.env})
                                                    for n in inventory.nodes))
     empty = tempfile.mkdtemp(prefix="nodectl-preflight-")
-    plan = build_plan(inventory, gpus=gpus, command=("../lib/collective.py", "--max-bytes", str(max_bytes)),
-                      sync_dir=empty)
+    options = dict(gpus=gpus, command=("../lib/collective.py", "--max-bytes", str(max_bytes)), sync_dir=empty)
+    plan = build_plan(inventory, **options)
+    shared = shared_workdirs(plan, cluster)
+    if shared:
+        plan = build_plan(inventory, run_id=plan.run_id, shared_workdirs=shared, **options)
     files = sync.nodectl_files(False, None, ("collective.py",))
     plan = settle_master_port(plan, cluster)
     rendered = render_plan(plan)
     run = create_run(plan.to_json(), argv=["nodectl", "preflight", "(collective test)"],
-                     config_fingerprint=plan.fingerprint(), inventory_source=inventory.source, git=None)
-    results = start_run(plan, rendered, cluster, files)
-    problems = [r for r in results if not r.ok or isinstance(r.value, Exception)]
+                     config_fingerprint=plan.fingerprint(), inventory_source=inventory.source, git=None,
+                     kind="preflight")
     run_nodes = run.nodes()
-    if problems:
+    try:
+        results = start_run(plan, rendered, cluster, files, cancel=INTERRUPTED)
+        problems = [r for r in results if not r.ok]
+        if problems or INTERRUPTED.is_set():
+            stop_nodes(cluster, run_nodes, grace)
+            run.update(state="failed-to-start")
+            if INTERRUPTED.is_set():
+                raise KeyboardInterrupt
+            return None, {}, "; ".join(f"{r.node.name}: {r.error}" for r in problems), plan.run_id
+        outcome, failure = wait_for_end(cluster, run_nodes, None, lost_after=connect_timeout + 5)
+    except KeyboardInterrupt:  # the user stopped preflight: its job must not outlive it
+        ignore_signals_while_cleaning()
         stop_nodes(cluster, run_nodes, grace)
-        run.update(state="failed-to-start")
-        return None, {}, "; ".join(f"{r.node.name}: {r.error or r.value}" for r in problems), plan.run_id
-    outcome, failure = wait_for_end(cluster, run_nodes, None, lost_after=connect_timeout + 5)
+        run.update(state="interrupted")
+        raise
     if outcome != "succeeded":
         stop_nodes(cluster, run_nodes, grace)
     run.update(state=outcome)

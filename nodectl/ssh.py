@@ -1,0 +1,176 @@
+"""Opening SSH connections the way SPEC §1 asks: fabric for ~/.ssh/config, ssh-agent and ProxyJump, with every
+host key on the path checked and every hop bound by the same timeouts.
+
+fabric builds ProxyJump hops itself with paramiko's AutoAddPolicy (an unknown or even a wrong bastion key is
+accepted) and without our connect timeout, and opens the forwarded channel with paramiko's default of an hour.
+So nodectl builds the hop chain itself from the same ssh_config directive, gives each hop the host-key policy,
+and opens forwarded channels with the connect timeout.
+
+known_hosts is read line by line: `@revoked` keys are refused, `@cert-authority` lines are skipped (paramiko
+cannot check host certificates, so such hosts are unknown unless also listed plainly), malformed lines are
+ignored as ssh does.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import threading
+from pathlib import Path
+
+DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
+SYSTEM_KNOWN_HOSTS = "/etc/ssh/ssh_known_hosts"
+_known_hosts_lock = threading.Lock()
+
+
+class HostKeyError(Exception):
+    """A host key that must not be accepted; the message says what to do."""
+
+
+def key_name(host: str, port: int | None) -> str:
+    """How ssh names a host in known_hosts and in `ssh-keygen -R`: [host]:port unless the port is 22."""
+    return host if port in (None, 22) else f"[{host}]:{port}"
+
+
+def fingerprint(key) -> str:
+    return f"{key.get_name()} {key.fingerprint}" if hasattr(key, "fingerprint") else key.get_name()
+
+
+def load_known_hosts(client, paths: list[Path]) -> set[tuple[str, str]]:
+    """Add every plain entry of `paths` to the client's host keys; return the revoked (type, base64) keys."""
+    from paramiko.hostkeys import HostKeyEntry
+
+    keys, revoked = client.get_host_keys(), set()
+    for path in paths:
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            continue
+        for number, line in enumerate(lines, start=1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            if line.startswith("@"):
+                fields = line.split()
+                if fields[0] == "@revoked" and len(fields) >= 4:
+                    revoked.add((fields[2], fields[3]))
+                continue
+            try:
+                entry = HostKeyEntry.from_line(line, number)
+            except Exception:  # a line paramiko cannot read is skipped, as ssh skips it
+                continue
+            if entry is not None and entry.key is not None:
+                for name in entry.hostnames:
+                    keys.add(name, entry.key.get_name(), entry.key)
+    for name in list(keys.keys()):  # a revoked key must reach the policy, which refuses it
+        for key_type, key in list(keys[name].items()):
+            if (key_type, key.get_base64()) in revoked:
+                del keys[name][key_type]
+    return revoked
+
+
+def _policy(known_hosts: Path, accept_new: bool, revoked: set[tuple[str, str]]):
+    import paramiko
+
+    class Policy(paramiko.MissingHostKeyPolicy):
+        """Unknown keys: refused, or recorded like ssh's accept-new. Revoked keys: always refused."""
+
+        def missing_host_key(self, client, hostname, key):
+            if (key.get_name(), key.get_base64()) in revoked:
+                raise HostKeyError(f"the host key of {hostname} ({fingerprint(key)}) is marked @revoked in "
+                                   f"known_hosts; do not connect")
+            if not accept_new:
+                raise HostKeyError(f"unknown host key for {hostname} ({fingerprint(key)}); verify it and run "
+                                   f"again with --accept-new-host-keys to record it in {known_hosts}")
+            client.get_host_keys().add(hostname, key.get_name(), key)
+            with _known_hosts_lock:
+                known_hosts.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                with open(known_hosts, "a", encoding="ascii") as handle:
+                    handle.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+                os.chmod(known_hosts, 0o600)
+
+    return Policy()
+
+
+def _connection_class():
+    from fabric import Connection
+
+    class BoundedConnection(Connection):
+        """A fabric Connection whose forwarded (ProxyJump) channel opens within the connect timeout."""
+
+        def open_gateway(self):
+            if isinstance(self.gateway, str):
+                return super().open_gateway()
+            self.gateway.open()
+            return self.gateway.transport.open_channel(
+                kind="direct-tcpip", dest_addr=(self.host, int(self.port)), src_addr=("", 0),
+                timeout=self.connect_timeout)
+
+    return BoundedConnection
+
+
+def _secure(conn, timeout: float, accept_new: bool) -> None:
+    """Host keys and timeouts for one hop."""
+    known_hosts = Path(os.path.expanduser(
+        (conn.ssh_config.get("userknownhostsfile") or DEFAULT_KNOWN_HOSTS).split()[0]))
+    revoked = load_known_hosts(conn.client, [Path(SYSTEM_KNOWN_HOSTS), known_hosts])
+    conn.client.set_missing_host_key_policy(_policy(known_hosts, accept_new, revoked))
+    conn.connect_timeout = max(1, int(timeout))
+    conn.connect_kwargs.update(banner_timeout=timeout, auth_timeout=timeout)
+
+
+def connection(host: str, *, user: str | None, port: int | None, identity_file: str | None, timeout: float,
+               accept_new: bool):
+    """An unopened fabric Connection to `host`, its ProxyJump hops (from ~/.ssh/config) built and secured."""
+    from fabric import Config
+
+    cls = _connection_class()
+    kwargs = {"key_filename": [os.path.expanduser(identity_file)]} if identity_file else {}
+    conn = cls(host, user=user, port=port, connect_timeout=max(1, int(timeout)), connect_kwargs=kwargs,
+               config=Config(), gateway=False)
+    _secure(conn, timeout, accept_new)
+    gateway = None
+    jump = conn.ssh_config.get("proxyjump")
+    if jump and jump.lower() != "none":
+        for hop in reversed(jump.split(",")):  # the last hop first: each earlier one is its gateway
+            hop_conn = cls(hop, config=Config(), gateway=gateway or False, connect_timeout=max(1, int(timeout)))
+            _secure(hop_conn, timeout, accept_new)
+            gateway = hop_conn
+        conn.gateway = gateway
+    return conn
+
+
+def open_errors(conn, exc: BaseException, timeout: float) -> str | None:
+    """The user's message for a failed open, or None if `exc` is not a connection problem."""
+    import paramiko
+
+    target = f"{conn.user}@{conn.host}:{conn.port}"
+    via = f" (through ProxyJump {conn.ssh_config.get('proxyjump')})" if conn.gateway else ""
+    if isinstance(exc, HostKeyError):
+        return str(exc)
+    if isinstance(exc, paramiko.BadHostKeyException):
+        name = exc.hostname if exc.hostname.startswith("[") else key_name(exc.hostname, _port_of(conn, exc))
+        return (f"HOST KEY CHANGED for {name}: expected {fingerprint(exc.expected_key)}, got {fingerprint(exc.key)}. "
+                f"If the host was reinstalled, remove the old key with `ssh-keygen -R {shlex.quote(name)}` and "
+                f"connect again; otherwise do not connect")
+    if isinstance(exc, paramiko.AuthenticationException):
+        return f"authentication failed for {target}{via} ({exc}); check identity_file, ssh-agent and authorized_keys"
+    if isinstance(exc, (socket.timeout, TimeoutError)):
+        return f"connection to {target}{via} timed out after {timeout:g}s"
+    if isinstance(exc, socket.gaierror):
+        return f"cannot resolve {conn.host!r}{via} ({exc.strerror})"
+    if isinstance(exc, UnicodeError):  # a label over 63 characters, from the idna codec
+        return f"cannot resolve {conn.host!r}: not a valid host name ({exc})"
+    if isinstance(exc, (OSError, paramiko.SSHException, EOFError)):
+        return f"cannot connect to {target}{via}: {exc or exc.__class__.__name__}"
+    return None
+
+
+def _port_of(conn, exc) -> int | None:
+    """The port of the hop whose key changed: the target's, or a gateway's of that host name."""
+    hop = conn
+    while hop is not None and hop is not False:
+        if hop.host == exc.hostname:
+            return int(hop.port)
+        hop = hop.gateway if not isinstance(hop.gateway, str) else None
+    return int(conn.port)
