@@ -21,7 +21,8 @@ echo "== nccl-tests all_reduce_perf, $G GPUs, float sum, 1 MiB .. 4 GiB"
 work=$(mktemp -d); cd "$work"
 echo "== nodectl preflight --full: 1 node x $G GPUs"
 python3 -m nodectl --json preflight --full > "$OUT/preflight-1x2.json" 2> "$OUT/preflight-1x2.err"; echo "exit $?"
-python3 -m nodectl tail rank0 -n 400 2>&1 | grep -E "Error|error|NCCL INFO Channel" | head -12
+job=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1])).get("collective_run") or "")' "$OUT/preflight-1x2.json")
+[ -n "$job" ] && python3 -m nodectl tail rank0 -n 400 --run "$job" 2>&1 | grep -E "Error|error|NCCL INFO Channel" | head -12
 echo "== nodectl preflight --full: 2 local nodes x $H GPU(s)"
 python3 -m nodectl --json preflight --full --nodes 2 --gpus "$H" > "$OUT/preflight-2x1.json" 2> "$OUT/preflight-2x1.err"; echo "exit $?"
 python3 - "$OUT" <<'PY'

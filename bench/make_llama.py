@@ -29,6 +29,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=128256)
     parser.add_argument("--examples", type=int, default=512)
     parser.add_argument("--chars", type=int, default=4096)
+    parser.add_argument("--no-weights", action="store_true",
+                        help="config, tokenizer and data only, for model.init: random (a 70B model needs no 140 GB file)")
     args = parser.parse_args()
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -40,10 +42,15 @@ def main() -> None:
                          bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
     args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out, safe_serialization=True)
+    if args.no_weights:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        config.save_pretrained(args.out)
+    else:
+        with torch.device(device):
+            model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model.save_pretrained(args.out, safe_serialization=True)
     demo_model, _ = demo.ensure_demo()
     for name in demo_model.iterdir():
         if "token" in name.name or name.name == "special_tokens_map.json":

@@ -103,8 +103,8 @@ def main() -> None:
         elapsed = time.perf_counter() - began
         if rank == 0:
             tokens = int(batch["attention_mask"].sum()) * world
-            record = {"step": step + 1, "loss": value, "step_time_s": elapsed,
-                      "tokens_per_s_per_gpu": tokens / elapsed / world,
+            record = {"step": step + 1, "loss": value, "step_time_s": elapsed, "real_tokens": tokens,
+                      "time": time.time(), "tokens_per_s_per_gpu": tokens / elapsed / world,
                       "max_memory_gb": torch.cuda.max_memory_allocated(device) / 1e9 if on_gpu else None}
             out.write(json.dumps(record) + "\n")
             out.flush()

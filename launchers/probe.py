@@ -15,6 +15,7 @@ import re
 import resource
 import socket
 import sys
+import tempfile
 import threading
 import time
 
@@ -267,7 +268,18 @@ def probe_disk(workdir: str) -> dict:
     stat = os.statvfs(path)
     shm = os.statvfs("/dev/shm") if os.path.exists("/dev/shm") else None
     return {"workdir": os.path.expanduser(workdir), "checked_path": path, "free_bytes": stat.f_bavail * stat.f_frsize,
-            "shm_bytes": shm.f_blocks * shm.f_frsize if shm else None}
+            "shm_bytes": shm.f_blocks * shm.f_frsize if shm else None, **_try_write(os.path.expanduser(workdir))}
+
+
+def _try_write(folder: str) -> dict:
+    """Whether runs can be written under the workdir: create it (as a launch would) and a file in it."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".nodectl-write-test-"):
+            pass
+        return {"writable": True}
+    except OSError as exc:
+        return {"writable": False, "write_error": f"{exc.__class__.__name__}: {exc.strerror or exc}"}
 
 
 def _has_gpu_device() -> bool:

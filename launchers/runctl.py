@@ -344,7 +344,8 @@ def cmd_pack(args: list, request: dict) -> dict:
             if relative == ".":
                 dirs[:] = [d for d in dirs if d not in ("code", "lib")]
                 names = [n for n in names if n != "env.sh" and not n.startswith(".collect")]
-            for name in sorted(names):
+            links = [d for d in dirs if os.path.islink(os.path.join(folder, d))]  # output/adapter -> adapter-<step>
+            for name in sorted(names + links):
                 path = os.path.join(folder, name)
                 try:
                     tar.add(path, arcname=os.path.normpath(os.path.join(relative, name)), recursive=False)

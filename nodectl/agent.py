@@ -8,12 +8,12 @@ import shlex
 from functools import lru_cache
 
 from nodectl.resources import resource_dir
-from nodectl.transport import Transport, quote_path
+from nodectl.transport import NodeError, Transport, quote_path
 
 AGENT_TIMEOUT = 120.0
 
 
-class AgentError(Exception):
+class AgentError(NodeError):
     """runctl answered with an error, or not with JSON."""
 
 
@@ -76,16 +76,22 @@ def last_json(stdout: str) -> dict | None:
     return None
 
 
-def explain_failure(node, what: str, result) -> str:
-    """Name the usual causes of a node-side helper that did not answer: a missing interpreter, a workdir that
-    cannot be written, a full disk; otherwise the exit code and last lines."""
+def classify_failure(node, what: str, result) -> tuple[str, str]:
+    """(what is wrong, the message) for a node-side helper that did not answer: a missing interpreter, a
+    workdir that cannot be written, a full disk; otherwise the exit code and last lines."""
     text = result.tail(8)
     if result.exit_code == 127 or (node.python in text and "not found" in text.lower()):
-        return (f"{node.name}: python {node.python!r} was not found on the node; set python: in the inventory to "
-                f"an interpreter that exists there (which python3 on the node)")
+        return "python", (f"{node.name}: python {node.python!r} was not found on the node; set python: in the "
+                          f"inventory to an interpreter that exists there (which python3 on the node)")
     if "Permission denied" in text or "Read-only file system" in text:
-        return (f"{node.name}: workdir {node.workdir!r} cannot be written ({text.splitlines()[-1].strip()}); "
-                f"set workdir: in the inventory to a folder the user {node.user or ''} can write")
+        who = f"the user {node.user}" if node.user else "the login user"
+        return "workdir", (f"{node.name}: workdir {node.workdir!r} cannot be written "
+                           f"({text.splitlines()[-1].strip()}); set workdir: in the inventory to a folder "
+                           f"{who} can write")
     if "No space left" in text:
-        return f"{node.name}: the disk under {node.workdir!r} is full"
-    return f"{node.name}: {what} exited {result.exit_code}: {text or 'no output'}"
+        return "disk", f"{node.name}: the disk under {node.workdir!r} is full"
+    return "probe", f"{node.name}: {what} exited {result.exit_code}: {text or 'no output'}"
+
+
+def explain_failure(node, what: str, result) -> str:
+    return classify_failure(node, what, result)[1]

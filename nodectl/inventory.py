@@ -22,6 +22,7 @@ HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\-\[\]]+$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HOSTFILE_LINE_RE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-\[\]%]+)(\s+slots\s*=\s*(?P<slots>\d+))?\s*$")
+NAME_MAX = 128          # a node's name names files and folders on both sides (scripts/<name>.env, ...)
 DEFAULT_WORKDIR = "~/nodectl"
 LOCAL_WORKDIR = "~/.nodectl/local"
 
@@ -148,6 +149,20 @@ def parse_inventory(text: str, source: str = "hosts.yaml") -> Inventory:
     return _Parser(source).inventory(doc)
 
 
+def host_name_problem(host: str) -> str | None:
+    """Why `host` cannot be a DNS name (RFC 1035: labels of at most 63, names of at most 253 characters), or
+    None. Addresses and bracketed IPv6 pass."""
+    if ":" in host or host.startswith("["):
+        return None
+    if len(host) > 253:
+        return f"a host name of at most 253 characters, got {len(host)}"
+    long_labels = [label for label in host.split(".") if len(label) > 63]
+    if long_labels:
+        return f"a host name whose dot-separated parts are at most 63 characters ({long_labels[0][:20]}... has " \
+               f"{len(long_labels[0])})"
+    return None
+
+
 def _looks_like_hostfile(text: str) -> bool:
     lines = [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
     lines = [ln for ln in lines if ln]
@@ -165,6 +180,8 @@ def _parse_hostfile(text: str, source: str) -> Inventory:
         host, slots = match["host"], match["slots"]
         if host in seen:
             raise InventoryError(source, "host", f"{host!r} listed twice", number)
+        if problem := host_name_problem(host) or (len(host) > NAME_MAX and f"at most {NAME_MAX} characters"):
+            raise InventoryError(source, "host", problem, number)
         if slots is not None and int(slots) < 1:
             raise InventoryError(source, "slots", "a positive integer", number)
         seen.add(host)
@@ -243,12 +260,16 @@ class _Parser:
         if not isinstance(host, str) or not HOST_RE.match(host):
             self.fail(f"{where}.host", "a host name, address or ~/.ssh/config alias "
                       "(letters, digits, '.', '-', '_', ':')", raw, "host" if "host" in raw else None)
+        if problem := host_name_problem(host):
+            self.fail(f"{where}.host", problem, raw, "host")
         name = raw.get("name", host)
-        if not isinstance(name, str) or not NAME_RE.match(name):
-            self.fail(f"{where}.name", "a label of letters, digits, '.', '-' and '_'", raw, "name")
+        if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > NAME_MAX:
+            self.fail(f"{where}.name", f"a label of letters, digits, '.', '-' and '_', at most {NAME_MAX} "
+                      f"characters", raw, "name")
         addr = raw.get("addr", host)
-        if not isinstance(addr, str) or not HOST_RE.match(addr):
-            self.fail(f"{where}.addr", "a host name or IP address other nodes can reach", raw, "addr")
+        if not isinstance(addr, str) or not HOST_RE.match(addr) or host_name_problem(addr):
+            self.fail(f"{where}.addr", host_name_problem(addr) if isinstance(addr, str) and HOST_RE.match(addr)
+                      else "a host name or IP address other nodes can reach", raw, "addr")
         settings = self.settings(defaults, "defaults") | self.settings(raw, where)
         env = {**self.settings(defaults, "defaults").get("env", {}), **self.settings(raw, where).get("env", {})}
         settings["env"] = env

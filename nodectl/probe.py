@@ -5,6 +5,7 @@ import json
 import time
 from typing import Iterable
 
+from nodectl.agent import classify_failure
 from nodectl.inventory import Node
 from nodectl.resources import resource_dir
 from nodectl.transport import Cluster, NodeResult, Transport, quote_path
@@ -13,7 +14,11 @@ PROBE_TIMEOUT = 90.0
 
 
 class ProbeFailed(Exception):
-    pass
+    """The probe did not report; `check` names what is wrong (python, workdir, disk, probe)."""
+
+    def __init__(self, message: str, check: str = "probe") -> None:
+        super().__init__(message)
+        self.check = check
 
 
 def probe_source() -> str:
@@ -30,7 +35,8 @@ def run_probe(transport: Transport, source: str | None = None, import_torch: boo
     result = transport.run(command, stdin=source or probe_source(), timeout=PROBE_TIMEOUT)
     after = time.time()
     if not result.ok:
-        raise ProbeFailed(f"`{command}` exited {result.exit_code} on {node.name}: {result.tail(5) or 'no output'}")
+        check, message = classify_failure(node, f"the probe `{command}`", result)
+        raise ProbeFailed(message, check)
     try:
         report = json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -57,6 +63,7 @@ def probe_nodes(cluster: Cluster, nodes: Iterable[Node] | None = None, on_done=N
         try:
             return work(transport)
         except ProbeFailed as exc:
-            return {"error": str(exc), "node": {"name": transport.node.name, "host": transport.node.host}}
+            return {"error": str(exc), "check": exc.check,
+                    "node": {"name": transport.node.name, "host": transport.node.host}}
 
     return cluster.fan_out(guarded, nodes, on_done=on_done)

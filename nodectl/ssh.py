@@ -37,35 +37,30 @@ def fingerprint(key) -> str:
 
 
 def load_known_hosts(client, paths: list[Path]) -> set[tuple[str, str]]:
-    """Add every plain entry of `paths` to the client's host keys; return the revoked (type, base64) keys."""
+    """Add every plain, unrevoked entry of `paths` to the client's host keys; return the revoked
+    (type, base64) keys, which the policy refuses."""
     from paramiko.hostkeys import HostKeyEntry
 
-    keys, revoked = client.get_host_keys(), set()
+    lines: list[str] = []
     for path in paths:
         try:
-            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+            lines += path.read_text(encoding="utf-8", errors="replace").splitlines()
         except OSError:
             continue
-        for number, line in enumerate(lines, start=1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            if line.startswith("@"):
-                fields = line.split()
-                if fields[0] == "@revoked" and len(fields) >= 4:
-                    revoked.add((fields[2], fields[3]))
-                continue
-            try:
-                entry = HostKeyEntry.from_line(line, number)
-            except Exception:  # a line paramiko cannot read is skipped, as ssh skips it
-                continue
-            if entry is not None and entry.key is not None:
-                for name in entry.hostnames:
-                    keys.add(name, entry.key.get_name(), entry.key)
-    for name in list(keys.keys()):  # a revoked key must reach the policy, which refuses it
-        for key_type, key in list(keys[name].items()):
-            if (key_type, key.get_base64()) in revoked:
-                del keys[name][key_type]
+    lines = [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+    revoked = {(f[2], f[3]) for f in (line.split() for line in lines) if f[0] == "@revoked" and len(f) >= 4}
+    keys = client.get_host_keys()
+    for number, line in enumerate(lines, start=1):
+        if line.startswith("@"):
+            continue
+        try:
+            entry = HostKeyEntry.from_line(line, number)
+        except Exception:  # a line paramiko cannot read is skipped, as ssh skips it
+            continue
+        if entry is None or entry.key is None or (entry.key.get_name(), entry.key.get_base64()) in revoked:
+            continue
+        for name in entry.hostnames:
+            keys.add(name, entry.key.get_name(), entry.key)
     return revoked
 
 

@@ -54,6 +54,10 @@ class CommandResult:
         return "\n".join((self.stdout + self.stderr).rstrip().splitlines()[-lines:])
 
 
+class NodeError(Exception):
+    """A node-side failure whose message is already written for the user (it names the node)."""
+
+
 class Unreachable(Exception):
     """The node could not be reached (connect, auth or host key); the message says what to do."""
 
@@ -320,7 +324,7 @@ def _receive_file(channel, marker: bytes, local, stall: float) -> tuple[int, int
                 select.select([channel], [], [], 0.05)
 
 
-class TransferError(Exception):
+class TransferError(NodeError):
     """A file did not arrive whole; nothing partial was left in its place."""
 
 
@@ -369,7 +373,7 @@ class Cluster:
                 result = NodeResult(node, value=work(self.transports[node.name]))
             except Unreachable as exc:
                 result = NodeResult(node, error=str(exc), unreachable=True)
-            except (CommandTimeout, TransferError) as exc:
+            except (CommandTimeout, NodeError) as exc:
                 result = NodeResult(node, error=str(exc))
             except Exception as exc:  # one node's surprise must not take the others' results with it
                 result = NodeResult(node, error=f"{exc.__class__.__name__}: {exc}")

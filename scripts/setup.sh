@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
-# Set up this checkout from nothing: openssh-server (for the test cluster), a venv, torch, nodectl[train,test].
+# Set up this checkout from nothing: openssh-server and shells (for the test cluster), a venv, torch,
+# nodectl[train,test].
 # NODECTL_TORCH pins torch; the default is the CPU build this project's CI machine has on disk. On a GPU
 # machine set it to the CUDA build you use (e.g. NODECTL_TORCH="torch==2.6.0").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
-if [ "${NODECTL_SKIP_APT:-0}" != 1 ] && ! command -v sshd >/dev/null 2>&1 && [ ! -x /usr/sbin/sshd ]; then
+# The test cluster: sshd per simulated node, login shells of their own (zsh, fish; dash is /bin/sh), `ip` for
+# network namespaces, `unshare`/`nsenter` for mount namespaces (util-linux).
+NEEDED="openssh-server openssh-client zsh fish iproute2 util-linux"
+missing=""
+for tool in /usr/sbin/sshd /usr/bin/zsh /usr/bin/fish; do [ -x "$tool" ] || missing=1; done
+command -v ip >/dev/null 2>&1 || missing=1
+if [ "${NODECTL_SKIP_APT:-0}" != 1 ] && [ -n "$missing" ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    apt-get update -qq && apt-get install -y -qq openssh-server openssh-client >/dev/null
+    apt-get update -qq && apt-get install -y -qq $NEEDED >/dev/null
   else
-    echo "note: openssh-server is missing; the SSH integration tests will be skipped" >&2
+    echo "note: some of $NEEDED are missing; the SSH integration tests will be skipped" >&2
   fi
 fi
 VENV=${NODECTL_VENV:-.venv}

@@ -16,7 +16,8 @@ total = torch.tensor([rank + 1.0]); dist.all_reduce(total)
 print(f"rank={rank} world={dist.get_world_size()} node={os.environ['NODECTL_NODE_RANK']} sum={total.item():g}",
       flush=True)
 print("ARGS=" + repr(sys.argv[1:]), flush=True)
-if os.environ.get("FAIL_RANK") == str(rank):
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+if os.environ.get("FAIL_RANK") == str(rank) and restart < int(os.environ.get("FAIL_TIMES", "1000")):
     time.sleep(float(os.environ.get("FAIL_AFTER", "1")))
     print("rank is failing on purpose", flush=True)
     sys.exit(7)
@@ -57,7 +58,7 @@ def wait_for(predicate, timeout: float = 60, interval: float = 0.2):
 
 
 def latest_run_id(project: Path) -> str:
-    return sorted(p.name for p in (project / "runs").iterdir())[-1]
+    return sorted(p.name for p in (project / "runs").iterdir() if p.name[0].isdigit())[-1]
 
 
 def kill_leftovers(run_id: str) -> None:

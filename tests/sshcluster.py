@@ -151,13 +151,24 @@ class SSHCluster:
         Path("/run/sshd").mkdir(parents=True, exist_ok=True)  # sshd's privilege-separation directory
         (self.home / ".ssh").mkdir(parents=True, mode=0o700)
         _keygen(self.identity, "nodectl-tests")
-        for i in range(self.count):
-            self.nodes.append(self._make_node(i))
-        for node in self.nodes:
-            node.process = self._sshd(node)
-        for node in self.nodes:
-            wait_port(node.address, node.port)
+        try:
+            for i in range(self.count):
+                self.nodes.append(self._make_node(i))
+            for node in self.nodes:
+                node.process = self._sshd(node)
+            for node in self.nodes:
+                self._wait_up(node)
+        except BaseException:
+            self.stop()
+            raise
         return self
+
+    def _wait_up(self, node: SSHNode) -> None:
+        """The port answers and it is this node's sshd that answers (not one a crashed test left behind)."""
+        wait_port(node.address, node.port)
+        time.sleep(0.05)
+        if node.process.poll() is not None:
+            raise RuntimeError(f"sshd of {node.name} exited: {(node.root / 'sshd.log').read_text()[-500:]}")
 
     def _make_node(self, i: int) -> SSHNode:
         spec = self.specs.get(i, NodeSpec())
@@ -185,7 +196,8 @@ class SSHCluster:
             (node.home_dir / "data" / "nodectl").mkdir(parents=True)
             os.symlink("data/nodectl", node.home_dir / "work-link")
         if spec.user != "root":
-            entry = ensure_user(spec.user, SHELLS[spec.shell])
+            shell = SHELLS[spec.shell] if os.path.exists(SHELLS[spec.shell]) else "/bin/bash"  # zsh/fish missing
+            entry = ensure_user(spec.user, shell)
             for path in [node.home_dir, *node.home_dir.rglob("*")]:
                 os.lchown(path, entry.pw_uid, entry.pw_gid)
         return node
@@ -199,9 +211,9 @@ class SSHCluster:
         lines = [
             "set -e",
             "mount -t tmpfs -o mode=0755 nodectl-stage /srv",
-            "mkdir /srv/node /srv/venv /srv/base",
+            "mkdir /srv/node /srv/home /srv/venv /srv/base",
             f"mount --bind {shlex.quote(str(node.root))} /srv/node",
-            f"mount --bind {shlex.quote(str(home_source.resolve()))} /srv/node/home",
+            f"mount --bind {shlex.quote(str(home_source.resolve()))} /srv/home",
             f"mount --bind {shlex.quote(str(venv))} /srv/venv",
             f"mount --bind {shlex.quote(str(base))} /srv/base",
         ]
@@ -209,7 +221,7 @@ class SSHCluster:
                   if os.path.isdir(path)]
         lines += ["mount -t tmpfs -o mode=0711 nodectl-hide /root",
                   f"mkdir -p {shlex.quote(node.home)}",
-                  f"mount --bind /srv/node/home {shlex.quote(node.home)}",
+                  f"mount --bind /srv/home {shlex.quote(node.home)}",
                   "mkdir -p /opt/venv", "mount --bind /srv/venv /opt/venv"]
         if str(base).startswith(("/root",) + HIDDEN):
             lines += [f"mkdir -p {shlex.quote(str(base))}", f"mount --bind /srv/base {shlex.quote(str(base))}"]
@@ -242,7 +254,7 @@ class SSHCluster:
 
     def restart_node(self, index: int) -> None:
         self.nodes[index].process = self._sshd(self.nodes[index])
-        wait_port(self.nodes[index].address, self.nodes[index].port)
+        self._wait_up(self.nodes[index])
 
     def stop(self) -> None:
         for i in range(len(self.nodes)):
@@ -271,7 +283,7 @@ class SSHCluster:
 
     def inventory(self, path: Path | None = None, python: str | None = None, count: int | None = None,
                   extra_nodes: list[dict] | None = None, node_overrides: dict[int, dict] | None = None,
-                  indices: list[int] | None = None, **defaults) -> Path:
+                  indices: list[int] | None = None, master_port: int | None = None, **defaults) -> Path:
         """Write a hosts.yaml for the first `count` nodes (or those of `indices`); returns its path."""
         chosen = indices if indices is not None else list(range(count or len(self.nodes)))
         nodes = []
@@ -283,6 +295,8 @@ class SSHCluster:
         document = {"defaults": {"user": "root", "port": self.port, "identity_file": str(self.identity),
                                  "python": python or NODE_PYTHON, "device": "cpu", "gpus": 1, **defaults},
                     "nodes": nodes}
+        if master_port:
+            document = {"master_port": master_port, **document}
         path = path or self.root / "hosts.yaml"
         path.write_text(yaml.safe_dump(document, sort_keys=False))
         return path

@@ -21,7 +21,7 @@ def test_reference_script_and_nodectl_trainer_give_the_same_losses(tmp_path):
     (tmp_path / "home").mkdir()
     out = tmp_path / "figures.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_train.py"), "--work", str(tmp_path / "work"),
-                           "--tiny", "--parts", "ref,2x1", "--steps", "6", "--seq", "96", "--examples", "48",
+                           "--tiny", "--parts", "ref,ref-noac,2x1", "--steps", "6", "--seq", "96", "--examples", "48",
                            "--micro", "2", "--compile", "false", "--checkpoint-every", "0", "--lr", "3e-3",
                            "--out", str(out)], env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -34,3 +34,7 @@ def test_reference_script_and_nodectl_trainer_give_the_same_losses(tmp_path):
     for step, (a, b) in enumerate(zip(ref, ours), start=1):
         assert b == pytest.approx(a, abs=2e-3), f"step {step}: reference {a}, nodectl {b}"
     assert "loss, reference vs 2x1 over 6 steps" in proc.stdout
+    noac = [s["loss"] for s in figures["ref-noac"]["steps"]]
+    assert noac == pytest.approx(ref, abs=1e-4)  # checkpointing changes memory and time, not the losses
+    rows = [line for line in proc.stdout.splitlines() if "by gaps" in line and "exit 0" in line]
+    assert len(rows) == 3  # every run is shown both as reported and by wall-clock gaps

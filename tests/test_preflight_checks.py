@@ -30,7 +30,7 @@ def healthy_report():
                                                        "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}]}
                        for i in range(8)],
         "limits": {"memlock_soft": "unlimited"},
-        "disk": {"shm_bytes": 64 << 30, "free_bytes": 500 << 30, "workdir": "/home/u/nodectl"},
+        "disk": {"shm_bytes": 64 << 30, "free_bytes": 500 << 30, "workdir": "/home/u/nodectl", "writable": True},
         "clock": {"skew_s": 0.02, "round_trip_s": 0.3},
         "packages": {"torch": "2.6.0", "peft": "0.13.0"},
     }
@@ -158,3 +158,25 @@ def test_pair_tests_point_at_the_common_slow_node():
     assert result.verdict == WARN and "common node: c" in result.detail
     healthy = [{"nodes": ["a", "b"], "busbw_gbs": 40.0}, {"nodes": ["b", "a"], "busbw_gbs": 39.0}]
     assert judge_pairs(healthy)[0].verdict == PASS
+
+
+def test_facts_that_could_not_be_read_are_skip_with_the_reason_never_pass():
+    report = healthy_report()
+    report["gpus"] = {"error": "NVMLError: Unknown Error"}
+    report["disk"] = {"error": "PermissionError: /dev/shm"}
+    report["limits"] = {"error": "OSError"}
+    report["infiniband"] = {"error": "PermissionError: /sys/class/infiniband"}
+    results = verdicts(report)
+    for check in ("gpu idle", "ecc", "persistence", "nvlink", "memlock", "shm", "disk", "workdir", "infiniband"):
+        assert results[check].verdict == SKIP, (check, results[check])
+        assert "could not be read" in results[check].detail
+    del report["disk"]
+    assert "no disk facts" in verdicts(report)["disk"].detail
+
+
+def test_unwritable_workdir_fails_with_its_path_and_the_fix():
+    report = healthy_report()
+    report["disk"].update(writable=False, write_error="PermissionError: Permission denied")
+    result = verdicts(report)["workdir"]
+    assert result.verdict == FAIL and "/home/u/nodectl" in result.detail and "Permission denied" in result.detail
+    assert "workdir:" in result.hint

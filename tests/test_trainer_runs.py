@@ -27,8 +27,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(nproc: int, out: Path, demo_cache: Path, *sets: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "NODECTL_DEMO_CACHE": str(demo_cache), "OMP_NUM_THREADS": "1"}
+def torchrun(nproc: int, out: Path, demo_cache: Path, *sets: str, timeout: float = 240,
+             pythonpath: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ":".join([*pythonpath, str(REPO)]), "NODECTL_DEMO_CACHE": str(demo_cache),
+           "OMP_NUM_THREADS": "1"}
     env.pop("NODECTL_RUN_DIR", None)
     argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
             f"--master-port={free_port()}", "-m", "trainer", "--set", f"train.output_dir={out}"]
@@ -120,3 +122,40 @@ def test_nodectl_demo_launch_two_local_nodes(tmp_path, demo_cache):
     assert (collected / "adapter" / "adapter_model.safetensors").is_file()
     heartbeat = json.loads((project / "runs" / run_id / "nodes" / "local1" / "heartbeat" / "rank1.json").read_text())
     assert heartbeat["step"] == 80
+
+
+SLOW_SYNC = '''\
+import time
+import torch.distributed as dist
+
+_all_reduce = dist.all_reduce
+
+
+def delayed(tensor, *args, **kwargs):
+    if tensor.numel() == 4:  # the trainer's logging window: stands for GPU work still queued at the sync
+        time.sleep(0.3)
+    return _all_reduce(tensor, *args, **kwargs)
+
+
+dist.all_reduce = delayed
+'''
+
+
+def test_step_time_is_the_wall_time_between_records_even_with_work_queued_at_the_sync(tmp_path, demo_cache):
+    """On a GPU the window's last steps are still running when the host reaches the all-reduce; a clock read
+    before that sync missed them. Here the sync itself takes 0.3 s (sitecustomize in every rank)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_SYNC)
+    out = tmp_path / "out"
+    proc = torchrun(2, out, demo_cache, "train.steps=6", "train.log_every=1", "data.max_length=32",
+                    "train.micro_batch_size=2", pythonpath=(str(hook),))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = [m for m in metrics(out) if "loss" in m]
+    assert len(records) == 6
+    for before, after in zip(records, records[1:]):
+        gap = after["time"] - before["time"]
+        assert after["step_time_s"] > 0.3
+        assert abs(after["step_time_s"] - gap) <= 0.02 * gap, (after["step_time_s"], gap)
+        by_gap = after["real_tokens"] / gap / 2
+        assert abs(after["tokens_per_s_per_gpu"] - by_gap) <= 0.02 * by_gap

@@ -102,3 +102,16 @@ def test_chunked_head_loss_matches_the_full_logits_loss_and_gradients(head_kind,
     assert got_grad[0, :3].abs().sum() == 0  # positions whose next token is ignored get no gradient
     with torch.no_grad():
         torch.testing.assert_close(loss.head_loss_sum(hidden, head, labels), want.float().detach())
+
+
+def test_mfu_formula_counts_attention_from_real_row_lengths_both_ways():
+    metrics = trainer_module("metrics")
+    trainable, matmul, layers, hidden = 1_000, 50_000, 2, 16
+    # two rows of 3 and 5 real tokens
+    dense = (4 * matmul + 2 * trainable) * 8
+    attention = 12 * layers * hidden * (3 ** 2 + 5 ** 2)
+    assert metrics.window_flops(trainable, matmul, layers, hidden, 8, 34, causal=False) == dense + attention
+    assert metrics.window_flops(trainable, matmul, layers, hidden, 8, 34, causal=True) == dense + attention / 2
+    # rows of one length: the per-token formula of the README
+    assert metrics.window_flops(trainable, matmul, layers, hidden, 8, 2 * 4 ** 2, causal=False) == \
+        8 * metrics.flops_per_token(trainable, matmul, layers, hidden, 4)

@@ -24,6 +24,10 @@ class ModelConfig:
     compile: bool = False              # torch.compile each decoder layer's forward
     compile_numerics: str = "eager"    # eager: fused kernels round to bf16 where eager PyTorch does, so the
                                        # loss curve is eager's; fused: Inductor's fp32 between fused ops (~2% faster)
+    reshard_after_forward: bool = True # false: keep each layer's gathered weights from forward to backward
+                                       # (one all-gather per layer and step instead of two; +1/world of the model)
+    init: str = "checkpoint"           # checkpoint: the weights in path; random: for benchmarks, each rank fills
+                                       # its own shards at random (path needs only config.json and a tokenizer)
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,8 @@ def _check(recipe: Recipe) -> None:
                           "or data.eval_path")
     if recipe.model.dtype not in ("auto", "bfloat16", "float32"):
         raise ConfigError(f"model.dtype: expected auto, bfloat16 or float32, got {recipe.model.dtype!r}")
+    if recipe.model.init not in ("checkpoint", "random"):
+        raise ConfigError(f"model.init: expected checkpoint or random, got {recipe.model.init!r}")
     if recipe.model.compile_numerics not in ("eager", "fused"):
         raise ConfigError(f"model.compile_numerics: expected eager or fused, got {recipe.model.compile_numerics!r}")
     if not 0 <= recipe.lora.dropout < 1:

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from . import checkpoint, demo, evaluate, resume
 from .config import ConfigError, Recipe
 from .data import IGNORE, StepBatches, load_examples
-from .metrics import Reporter, flops_per_token, peak_flops
+from .metrics import Reporter, peak_flops, window_flops
 from .telemetry import Telemetry
-from .model import build_skeleton, materialise, parallelize, parameter_counts
+from .model import build_skeleton, materialise, materialise_random, parallelize, parameter_counts
 
 
 @dataclass
@@ -79,7 +79,10 @@ def train(recipe: Recipe) -> dict:
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     torch.manual_seed(recipe.train.seed)
     model = parallelize(model, recipe, mesh, dtype == torch.bfloat16)
-    materialise(model, model_path, ctx.device, ctx.rank, recipe.train.seed)
+    if recipe.model.init == "random":
+        materialise_random(model, ctx.device, ctx.rank, recipe.train.seed)
+    else:
+        materialise(model, model_path, ctx.device, ctx.rank, recipe.train.seed)
     out_dir = recipe.output_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     return _loop(recipe, ctx, model, examples, tokenizer, out_dir)
@@ -124,11 +127,10 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
     config = model.base_model.model.config
     trainable, frozen = parameter_counts(model)
     matmul_params = trainable + frozen - model.get_input_embeddings().weight.numel()
-    flops = functools.partial(flops_per_token, trainable, matmul_params, config.num_hidden_layers,
-                              config.hidden_size)
+    flops = functools.partial(window_flops, trainable, matmul_params, config.num_hidden_layers, config.hidden_size)
     peak = peak_flops(torch.cuda.get_device_name(ctx.device) if ctx.on_gpu else None)
-    window = torch.zeros(3, device=ctx.device)  # loss sum, target tokens, real tokens
-    window_start, window_steps, seq_seen = time.perf_counter(), 0, 0
+    window = torch.zeros(4, device=ctx.device)  # loss sum, target tokens, real tokens, sum of squared row lengths
+    window_start, window_steps = time.perf_counter(), 0
     stopper = EarlyStop(recipe.train.early_stop_patience, recipe.train.early_stop_min_delta)
     summary: dict = {"trainable_params": trainable, "frozen_params": frozen, "resumed_from": start_step or None,
                      "end_reason": f"completed {recipe.train.steps} steps"}
@@ -144,23 +146,28 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
         last = step + 1 == recipe.train.steps
         if recipe.train.profile_at == step + 1:
             profiler = _start_profile(ctx)
-        seq_seen = max(seq_seen, _train_step(recipe, ctx, model, optimizer, params, batches, step, window))
+        _train_step(recipe, ctx, model, optimizer, params, batches, step, window)
         if profiler is not None and (step + 1 == recipe.train.profile_at + 1 or last):
             _finish_profile(profiler, ctx, out_dir)
             profiler = None
         window_steps += 1
         reporter.heartbeat(step + 1)
         if (step + 1) % recipe.train.log_every == 0 or last:
-            elapsed = time.perf_counter() - window_start
-            record = _reduce_window(ctx, step, window, elapsed, window_steps, optimizer, seq_seen, flops, peak)
+            record = _reduce_window(ctx, step, window, window_start, window_steps, optimizer, flops, peak)
+            window_start = record.pop("_clock")  # the next window starts where this one was measured to end
             reporter.log(record)
-            reporter.timing(step + 1, elapsed / window_steps)
+            reporter.timing(step + 1, record["step_time_s"])
             summary.update(last_loss=record["loss"], first_loss=summary.get("first_loss", record["loss"]),
                            tokens_per_s_per_gpu=record["tokens_per_s_per_gpu"], mfu=record["mfu"])
             window.zero_()
-            window_start, window_steps = time.perf_counter(), 0
+            window_steps = 0
+        evaluates = recipe.train.eval_every and (step + 1) % recipe.train.eval_every == 0
+        saves = (recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0) or \
+            (recipe.train.save_every and (step + 1) % recipe.train.save_every == 0)
+        if (evaluates or saves) and window_steps and ctx.on_gpu:
+            torch.cuda.synchronize(ctx.device)  # queued training work belongs to the window, not to the aside
         reason, aside = None, time.perf_counter()  # evaluation and saving are not training time
-        if recipe.train.eval_every and (step + 1) % recipe.train.eval_every == 0:
+        if evaluates:
             reason = stopper.update(step + 1, run_eval(step + 1))
         if recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0 and not last:
             started = time.perf_counter()
@@ -246,13 +253,15 @@ def _to_device(batch: dict[str, torch.Tensor], ctx: Context) -> dict[str, torch.
     return out
 
 
-def _train_step(recipe, ctx, model, optimizer, params, batches, step: int, window: torch.Tensor) -> int:
+def _train_step(recipe, ctx, model, optimizer, params, batches, step: int, window: torch.Tensor) -> None:
     """One optimizer step over this rank's micro-batches; accumulates (loss sum, targets, real tokens) on device.
     Nothing here waits for the GPU: the host prepares the next step while this one runs."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, recipe)
     host_batches = batches.micro_batches(step)
-    real_tokens = sum(int(mb["attention_mask"].sum()) for mb in host_batches)
+    lengths = [mb["attention_mask"].sum(dim=1) for mb in host_batches]
+    real_tokens = sum(int(rows.sum()) for rows in lengths)
+    squared_lengths = sum(float((rows.double() ** 2).sum()) for rows in lengths)
     micro_batches = [_to_device(mb, ctx) for mb in host_batches]
     local_targets = sum((mb["labels"][:, 1:] != IGNORE).sum() for mb in micro_batches)
     global_targets = local_targets.clone().float()
@@ -264,10 +273,10 @@ def _train_step(recipe, ctx, model, optimizer, params, batches, step: int, windo
         window[0] += loss_sum.detach()
     window[1] += local_targets
     window[2] += real_tokens
+    window[3] += squared_lengths
     window.grad_norm = torch.nn.utils.clip_grad_norm_(params, recipe.train.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return max(mb["input_ids"].size(1) for mb in host_batches)
 
 
 @torch.no_grad()
@@ -283,18 +292,25 @@ def _save_probe(model, batch: dict, ctx: Context, out_dir: Path) -> None:
         torch.save({**{k: v.cpu() for k, v in inputs.items()}, "logits": logits}, out_dir / "probe.pt")
 
 
-def _reduce_window(ctx, step, window, elapsed, steps, optimizer, seq_len, flops, peak) -> dict:
-    """The only host synchronisation of the loop: one all-reduce of (loss sum, target tokens, real tokens)."""
+def _reduce_window(ctx, step, window, window_start, steps, optimizer, flops, peak) -> dict:
+    """The only host synchronisation of the loop: one all-reduce of (loss sum, target tokens, real tokens).
+
+    The clock is read after `tolist()` has waited for that all-reduce, which the stream runs after every queued
+    step of the window: the window's time is what the GPU took, as a user's wall clock sees it. (Read before the
+    sync, the clock missed the work still queued, ~0.2 s per window on an 8B model.)"""
     totals = window.clone()
     dist.all_reduce(totals)
-    loss_sum, target_tokens, real_tokens = totals.tolist()
+    loss_sum, target_tokens, real_tokens, squared_lengths = totals.tolist()
+    clock, wall = time.perf_counter(), time.time()
+    elapsed = clock - window_start
     per_gpu = real_tokens / elapsed / ctx.world
     norm = window.grad_norm
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     return {
         "step": step + 1, "loss": loss_sum / max(target_tokens, 1.0), "lr": optimizer.param_groups[0]["lr"],
         "grad_norm": float(norm), "tokens_per_s_per_gpu": per_gpu, "step_time_s": elapsed / steps,
-        "mfu": per_gpu * flops(seq_len) / peak if peak else None,
+        "mfu": flops(real_tokens, squared_lengths, causal=False) / elapsed / ctx.world / peak if peak else None,
+        "mfu_causal": flops(real_tokens, squared_lengths, causal=True) / elapsed / ctx.world / peak if peak else None,
         "max_memory_gb": torch.cuda.max_memory_allocated(ctx.device) / 1e9 if ctx.on_gpu else None,
-        "time": time.time(),
+        "real_tokens": int(real_tokens), "time": wall, "_clock": clock,
     }

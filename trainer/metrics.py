@@ -26,9 +26,19 @@ def flops_per_token(trainable: int, matmul_params: int, layers: int, hidden: int
     """Model FLOPs per token of one training step (the figure MFU is computed from; see README).
     `matmul_params`: every weight a token is multiplied by (all parameters but the input embedding, which is a
     lookup). Forward 2 FLOPs per such weight; backward 2 more for input gradients plus 2 per trainable weight
-    for weight gradients (the frozen base gets none); attention scores and values 12·layers·hidden·seq.
+    for weight gradients (the frozen base gets none); attention scores and values 12·layers·hidden·seq for a
+    token in a row of `seq_len` tokens (every pair counted: the non-causal convention).
     Recomputed forwards (activation checkpointing) are overhead, not model FLOPs, and are not counted."""
     return 4 * matmul_params + 2 * trainable + 12 * layers * hidden * seq_len
+
+
+def window_flops(trainable: int, matmul_params: int, layers: int, hidden: int, tokens: float,
+                 squared_lengths: float, causal: bool) -> float:
+    """Model FLOPs of a window of rows from their real lengths: the dense part per token, attention per row
+    (12·layers·hidden·len² for a row of len real tokens; half of it when only the causal pairs are counted).
+    With rows of one length L this is tokens × flops_per_token(..., L) (non-causal)."""
+    attention = 12 * layers * hidden * squared_lengths
+    return (4 * matmul_params + 2 * trainable) * tokens + (attention / 2 if causal else attention)
 
 
 class Reporter:

@@ -112,7 +112,7 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module
             layer.forward = torch.compile(layer.forward)
         if separate_adapters:
             fully_shard(_adapter_linears(layer), mesh=mesh, mp_policy=policy)
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=True)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=recipe.model.reshard_after_forward)
     if separate_adapters:
         inside = {id(m) for layer in layers for m in layer.modules()}
         rest = [m for m in _adapter_linears(model) if id(m) not in inside]
@@ -173,6 +173,27 @@ def materialise(model: nn.Module, model_path: Path, device: torch.device, rank: 
     full = full_state_for_rank0(model, model_path, seed) if rank == 0 else {}
     model.to_empty(device=device)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _reset_rotary(model, device)
+
+
+def materialise_random(model: nn.Module, device: torch.device, rank: int, seed: int) -> None:
+    """model.init: random, for benchmarks at any size: each rank fills only its own shards on its device (no
+    checkpoint file, no host copy, no broadcast). Base weights N(0, 0.02), norms 1, LoRA A Kaiming-uniform and B
+    zeros as peft starts them. Ranks draw from their own seeded streams, so the model differs with world size."""
+    model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local = param.to_local() if hasattr(param, "to_local") else param
+            if ".lora_B." in name:
+                local.zero_()
+            elif ".lora_A." in name:
+                bound = 1 / math.sqrt(param.shape[1])
+                local.uniform_(-bound, bound, generator=generator)
+            elif "norm" in name:
+                local.fill_(1.0)
+            else:
+                local.normal_(0.0, 0.02, generator=generator)
     _reset_rotary(model, device)
 
 

@@ -1,6 +1,9 @@
 """The `nodectl` command group. Each command lives in its own module and is registered here explicitly."""
 from __future__ import annotations
 
+import logging
+import os
+
 import click
 
 from nodectl import __version__
@@ -9,12 +12,21 @@ from nodectl.errors import EXIT_INTERRUPTED, install_signal_handlers
 from nodectl.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, TransportOptions
 
 
+def quiet_libraries() -> None:
+    """paramiko logs a failed handshake with a traceback through Python's last-resort handler; nodectl reports
+    the failure itself, in one line per node. NODECTL_DEBUG=1 keeps the library's logging."""
+    if os.environ.get("NODECTL_DEBUG") != "1":
+        logging.getLogger("paramiko").addHandler(logging.NullHandler())
+        logging.getLogger("paramiko").propagate = False
+
+
 class NodectlGroup(click.Group):
     """Click turns Ctrl-C into "Aborted!" and exit 1; nodectl says it was interrupted and exits 130 (SPEC §2),
     after the command has stopped whatever it started."""
 
     def main(self, *args, **kwargs):
         install_signal_handlers()
+        quiet_libraries()
         try:
             return super().main(*args, standalone_mode=False, **kwargs)
         except click.exceptions.Exit as exc:

@@ -44,6 +44,30 @@ def _get(report: Mapping, *path, default=None) -> Any:
     return value
 
 
+def unreadable(report: Mapping, section: str) -> str | None:
+    """Why a section of the probe report holds no facts (its probe failed or never ran), or None. A check
+    whose facts could not be read says skip with this reason: never pass."""
+    value = report.get(section)
+    if value is None:
+        return f"the probe reported no {section} facts"
+    if isinstance(value, Mapping) and value.get("error"):
+        return f"{section} facts could not be read ({value['error']})"
+    return None
+
+
+def _skip_if_unreadable(check: str, section: str):
+    """Decorator: a check of `section` facts returns skip with the reason when they could not be read."""
+    def wrap(fn):
+        def checked(node: str, report: Mapping, *args, **kwargs) -> CheckResult:
+            reason = unreadable(report, section)
+            if reason:
+                return CheckResult(check, node, SKIP, reason)
+            return fn(node, report, *args, **kwargs)
+        checked.__name__, checked.__doc__ = fn.__name__, fn.__doc__
+        return checked
+    return wrap
+
+
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
@@ -63,6 +87,7 @@ def check_torch(node: str, report: Mapping, device: str) -> CheckResult:
                                             f"NCCL {torch.get('nccl') or '-'})")
 
 
+@_skip_if_unreadable("gpus", "gpus")
 def check_gpu_count(node: str, report: Mapping, want: int | None) -> CheckResult:
     count = _get(report, "gpus", "count", default=0)
     if not _get(report, "gpus", "available", default=False):
@@ -78,6 +103,7 @@ def check_gpu_count(node: str, report: Mapping, want: int | None) -> CheckResult
     return CheckResult("gpus", node, PASS, f"{count}x {next(iter(models), '?')}")
 
 
+@_skip_if_unreadable("gpu idle", "gpus")
 def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = frozenset()) -> CheckResult:
     busy, notes = [], []
     for device in _get(report, "gpus", "devices", default=[]):
@@ -98,6 +124,7 @@ def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = froze
     return CheckResult("gpu idle", node, PASS, "no foreign compute process")
 
 
+@_skip_if_unreadable("ecc", "gpus")
 def check_ecc(node: str, report: Mapping) -> CheckResult:
     bad = []
     for d in _get(report, "gpus", "devices", default=[]):
@@ -113,6 +140,7 @@ def check_ecc(node: str, report: Mapping) -> CheckResult:
     return CheckResult("ecc", node, PASS, "no uncorrectable errors or pending retirements")
 
 
+@_skip_if_unreadable("persistence", "gpus")
 def check_persistence(node: str, report: Mapping) -> CheckResult:
     off = [str(d["index"]) for d in _get(report, "gpus", "devices", default=[]) if not d.get("persistence_mode")]
     if off:
@@ -142,6 +170,7 @@ def check_p2p(node: str, p2p: Mapping | None) -> CheckResult:
                                           f"slowest {slowest:.0f} GB/s")
 
 
+@_skip_if_unreadable("nvlink", "gpus")
 def check_nvlink(node: str, report: Mapping) -> CheckResult:
     devices = _get(report, "gpus", "devices", default=[])
     if len(devices) < 2:
@@ -158,6 +187,8 @@ def check_nvlink(node: str, report: Mapping) -> CheckResult:
 
 def check_infiniband(node: str, report: Mapping) -> CheckResult:
     devices = report.get("infiniband") or []
+    if isinstance(devices, Mapping):  # {"error": ...}: the devices could not be listed
+        return CheckResult("infiniband", node, SKIP, f"InfiniBand devices could not be read ({devices.get('error')})")
     if not devices:
         return CheckResult("infiniband", node, SKIP, "no InfiniBand/RoCE device")
     ports = [(d["name"], p) for d in devices for p in d.get("ports", [])]
@@ -173,6 +204,7 @@ def check_infiniband(node: str, report: Mapping) -> CheckResult:
                                                  f"{'/'.join(map(str, layers))}")
 
 
+@_skip_if_unreadable("memlock", "limits")
 def check_memlock(node: str, report: Mapping) -> CheckResult:
     soft = _get(report, "limits", "memlock_soft")
     if not report.get("infiniband"):
@@ -185,6 +217,7 @@ def check_memlock(node: str, report: Mapping) -> CheckResult:
     return CheckResult("memlock", node, PASS, "unlimited")
 
 
+@_skip_if_unreadable("shm", "disk")
 def check_shm(node: str, report: Mapping) -> CheckResult:
     shm = _get(report, "disk", "shm_bytes")
     if shm is None:
@@ -196,11 +229,12 @@ def check_shm(node: str, report: Mapping) -> CheckResult:
     return CheckResult("shm", node, PASS, _gib(shm))
 
 
+@_skip_if_unreadable("disk", "disk")
 def check_disk(node: str, report: Mapping) -> CheckResult:
     free = _get(report, "disk", "free_bytes")
     where = _get(report, "disk", "workdir", default="workdir")
     if free is None:
-        return CheckResult("disk", node, WARN, "free space unknown")
+        return CheckResult("disk", node, SKIP, "free space could not be read")
     if free < DISK_FAIL:
         return CheckResult("disk", node, FAIL, f"{_gib(free)} free in {where}", "free space or move workdir:")
     if free < DISK_WARN:
@@ -257,6 +291,20 @@ def check_gpu_models(reports: Mapping[str, Mapping]) -> CheckResult:
                            "; ".join(f"{node}: {', '.join(m)}" for node, m in models.items()),
                            "a run is as fast as its slowest GPU; exclude the odd nodes with --exclude")
     return CheckResult("one GPU model", "cluster", PASS, ", ".join(next(iter(distinct), ("none",))))
+
+
+def check_workdir(node: str, report: Mapping) -> CheckResult:
+    """The workdir must take the run folders: created and written by the login user."""
+    reason = unreadable(report, "disk")
+    disk = report.get("disk") or {}
+    if reason or "writable" not in disk:
+        return CheckResult("workdir", node, SKIP, reason or "writability not probed")
+    where = disk.get("workdir", "workdir")
+    if not disk["writable"]:
+        return CheckResult("workdir", node, FAIL, f"{where} cannot be written ({disk.get('write_error')})",
+                           "set workdir: in hosts.yaml to a folder the login user owns (e.g. ~/nodectl or a local "
+                           "scratch disk), or fix its owner and mode")
+    return CheckResult("workdir", node, PASS, f"{where} writable")
 
 
 def check_clock(node: str, report: Mapping) -> CheckResult:
@@ -318,7 +366,8 @@ def judge_node(node: str, report: Mapping, device: str, expect: Expectation,
         results += [check_gpu_count(node, report, expect.gpus), check_gpus_idle(node, report), check_ecc(node, report),
                     check_persistence(node, report), check_p2p(node, extras.get("p2p")), check_nvlink(node, report),
                     check_infiniband(node, report), check_memlock(node, report)]
-    results += [check_shm(node, report), check_disk(node, report), check_clock(node, report)]
+    results += [check_workdir(node, report), check_shm(node, report), check_disk(node, report),
+                check_clock(node, report)]
     if "port" in extras:
         results.append(check_master_port(node, extras["port"]))
     if "reach" in extras:

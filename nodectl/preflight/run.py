@@ -106,14 +106,30 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], por
     return extras
 
 
+PROBE_HINTS = {
+    "reachable": "check SSH: ssh to it by hand, the inventory's user/port/identity_file, known_hosts",
+    "python": "python: in hosts.yaml must name an interpreter on that node (with torch for training)",
+    "workdir": "workdir: in hosts.yaml must be a folder the login user can create and write",
+    "disk": "free space on the node's workdir disk",
+    "probe": "run the probe by hand: nodectl -v env-dump --nodes N, or python3 - < launchers/probe.py on the node",
+}
+
+
+def _probe_failure(result: NodeResult) -> CheckResult:
+    """A node without a probe report: unreachable, or reachable but the probe could not run (and why)."""
+    if not result.ok:
+        return CheckResult("reachable", result.node.name, FAIL, result.error, PROBE_HINTS["reachable"])
+    check = result.value.get("check", "probe")
+    return CheckResult(check, result.node.name, FAIL, result.value.get("error", "probe failed"),
+                       PROBE_HINTS.get(check, PROBE_HINTS["probe"]))
+
+
 def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, quick: bool, full: bool,
                   connect_timeout: float, on_probe=None) -> PreflightReport:
     probed: list[NodeResult[dict]] = probe_nodes(cluster, on_done=on_probe, import_torch=True)
     reports = {r.node.name: r.value for r in probed if r.ok and "error" not in r.value}
     unreachable = {r.node.name: r.error for r in probed if r.unreachable}
-    results = [CheckResult("reachable", r.node.name, FAIL, r.error or r.value.get("error", "probe failed"),
-                           "check SSH: ssh to it by hand, the inventory's user/port/identity_file, known_hosts")
-               for r in probed if r.node.name not in reports]
+    results = [_probe_failure(r) for r in probed if r.node.name not in reports]
     extras = _facts(cluster, inventory, reports, inventory.master_port)
     port = (extras.pop("_port", None) or {}).get("port")
     expect = Expectation(gpus=gpus, master_port=port, master_addr=inventory.nodes[0].addr)

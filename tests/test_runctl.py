@@ -1,0 +1,114 @@
+"""The node-side helper's own rules, on this machine: which processes belong to a run, packing while files
+rotate, one identity per workdir storage, a port check that TIME_WAIT does not fool."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+
+from nodectl.resources import resource_dir
+
+sys.path.insert(0, str(resource_dir("launchers")))
+import runctl  # noqa: E402
+
+
+def make_run(tmp_path, run_id="20260101-000000-abcd", node_rank=0):
+    run_dir = tmp_path / "run"
+    for name in runctl.STATE_DIRS:
+        (run_dir / name).mkdir(parents=True, exist_ok=True)
+    (run_dir / "node.json").write_text(json.dumps({"run_id": run_id, "node_rank": node_rank, "ranks": [0]}))
+    return run_dir
+
+
+def sleeper(env_extra: dict) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NODECTL_")}
+    return subprocess.Popen(["sleep", "60"], env={**env, **env_extra}, start_new_session=True)
+
+
+def test_only_processes_carrying_the_run_id_belong_and_a_reused_group_is_left_alone(tmp_path):
+    run_dir = make_run(tmp_path)
+    ours = sleeper({"NODECTL_RUN_ID": "20260101-000000-abcd", "NODECTL_NODE_RANK": "0"})
+    other_rank = sleeper({"NODECTL_RUN_ID": "20260101-000000-abcd", "NODECTL_NODE_RANK": "1"})
+    stranger = sleeper({})
+    try:
+        # As after a reboot: the recorded group number now names a stranger's group, launch.sh never exited.
+        (run_dir / "state" / "pgid").write_text(str(os.getpgid(stranger.pid)))
+        assert runctl.run_processes(str(run_dir)) == [ours.pid]
+        answer = runctl.cmd_stop([str(run_dir)], {"grace": 2})
+        assert answer["terminated"] == 1 and answer["left"] == 0
+        assert ours.wait(5) is not None
+        assert stranger.poll() is None and other_rank.poll() is None
+        assert not runctl.signal_run_process(stranger.pid, 15, runctl._markers(str(run_dir)))
+        assert stranger.poll() is None
+    finally:
+        for proc in (ours, other_rank, stranger):
+            proc.kill()
+            proc.wait()
+
+
+def test_pack_survives_checkpoints_rotating_underneath(tmp_path):
+    run_dir = make_run(tmp_path)
+    (run_dir / "logs" / "rank0.log").write_text("hello\n")
+    (run_dir / "code").mkdir(exist_ok=True)
+    (run_dir / "code" / "train.py").write_text("print()\n")
+    (run_dir / "env.sh").write_text("HF_TOKEN=secret\n")
+    (run_dir / "output" / "adapter-5").mkdir()
+    (run_dir / "output" / "adapter-5" / "adapter_model.safetensors").write_bytes(b"weights")
+    os.symlink("adapter-5", run_dir / "output" / "adapter")
+    stop = threading.Event()
+
+    def rotate():
+        step = 0
+        while not stop.is_set():
+            folder = run_dir / "output" / "checkpoints" / f"ckpt-{step}"
+            folder.mkdir(parents=True)
+            for i in range(20):
+                (folder / f"shard{i}.pt").write_bytes(b"x" * 2048)
+            old = run_dir / "output" / "checkpoints" / f"ckpt-{step - 1}"
+            if old.exists():
+                for path in old.iterdir():
+                    path.unlink()
+                old.rmdir()
+            step += 1
+
+    thread = threading.Thread(target=rotate)
+    thread.start()
+    try:
+        for _ in range(40):
+            answer = runctl.cmd_pack([str(run_dir)], {})
+            assert answer["entries"] > 0
+    finally:
+        stop.set()
+        thread.join()
+    with tarfile.open(answer["archive"]) as tar:
+        names = tar.getnames()
+    assert "logs/rank0.log" in names and "node.json" in names and "output/adapter" in names
+    assert "output/adapter-5/adapter_model.safetensors" in names
+    assert not any(n.startswith("code") or n == "env.sh" for n in names)  # no code, no secrets
+
+
+def test_one_identity_per_workdir_storage(tmp_path):
+    first = runctl.cmd_identity([str(tmp_path / "work")], {})["identity"]
+    assert runctl.cmd_identity([str(tmp_path / "work")], {})["identity"] == first
+    os.symlink(tmp_path / "work", tmp_path / "link")
+    assert runctl.cmd_identity([str(tmp_path / "link")], {})["identity"] == first  # the same disk, other path
+    assert runctl.cmd_identity([str(tmp_path / "other")], {})["identity"] != first
+
+
+def test_port_in_time_wait_counts_as_free_like_for_the_tcp_store():
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        port = server.getsockname()[1]
+        server.listen()
+        client = socket.create_connection(("127.0.0.1", port))
+        accepted, _ = server.accept()
+        accepted.close()  # the server side closes first: its end sits in TIME_WAIT
+        client.close()
+    time.sleep(0.1)
+    assert runctl.cmd_port([str(port)], {})["free"]
