@@ -19,23 +19,42 @@ import tempfile
 import threading
 import time
 
-SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "PRIVATE_KEY", "API_KEY", "ACCESS_KEY")
+SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "PRIVATE_KEY", "API_KEY",
+                  "ACCESS_KEY", "CONNECTION_STRING", "APIKEY")
+SECRET_WORDS = {"AUTH", "PAT", "DSN", "COOKIE", "SESSION"}   # whole words of a NAME_LIKE_THIS
 SECRET_PREFIXES = ("AWS_",)
 URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/@\s]+)@")
+# Values that are secrets whatever the variable is called: provider token formats, AWS key ids, JWTs, PEM keys.
+SECRET_VALUES = re.compile(
+    r"(gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_\-]{20,}|hf_[A-Za-z0-9]{20,}"
+    r"|sk-[A-Za-z0-9_\-]{20,}|xox[abposr]-[A-Za-z0-9\-]{10,}|(?:AKIA|ASIA)[A-Z0-9]{16}|AIza[0-9A-Za-z_\-]{35}"
+    r"|eyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}|-----BEGIN [A-Z ]*PRIVATE KEY-----)")
+# key=value secrets inside connection strings and query strings: the value is masked, the rest kept.
+SECRET_PAIRS = re.compile(r"(?i)\b(AccountKey|SharedAccessKey|SharedAccessSignature|password|pwd|passwd|secret|"
+                          r"token|sig|api[_-]?key|access[_-]?token)=([^;&\s]+)")
 REDACTED = "***"
 
 
 def is_secret_name(name: str) -> bool:
     upper = name.upper()
     return (any(marker in upper for marker in SECRET_MARKERS) or upper.endswith("_KEY")
-            or upper.startswith(SECRET_PREFIXES))
+            or upper.startswith(SECRET_PREFIXES) or bool(SECRET_WORDS & set(upper.split("_"))))
+
+
+def redact_text(text: str) -> str:
+    """Any text as it may be shown or stored: a token-shaped value anywhere makes the whole text '***';
+    passwords and keys inside connection strings and URLs are masked."""
+    if SECRET_VALUES.search(text):
+        return REDACTED
+    text = URL_CREDENTIALS.sub(lambda m: m["scheme"] + REDACTED + "@", text)
+    return SECRET_PAIRS.sub(lambda m: f"{m[1]}={REDACTED}", text)
 
 
 def redact_value(name: str, value: str) -> str:
-    """The value as it may be shown: '***' for a secret-named variable, URL credentials masked otherwise."""
+    """The value as it may be shown: '***' for a secret-named variable, else by the value's shape."""
     if is_secret_name(name):
         return REDACTED
-    return URL_CREDENTIALS.sub(lambda m: m["scheme"] + REDACTED + "@", value)
+    return redact_text(value)
 
 
 def redact_env(env: dict) -> dict:

@@ -48,28 +48,51 @@ def cmd_have(args: list, request: dict) -> dict:
     return {"missing": [h for h in request["hashes"] if not os.path.exists(os.path.join(store, h))]}
 
 
-def _unpack_objects(store: str, tar_path: str) -> None:
-    os.makedirs(store, exist_ok=True)
-    with tarfile.open(tar_path) as tar:
-        for member in tar.getmembers():
+def _private_copy(source, path: str, executable: bool = False) -> tuple:
+    """Copy a readable stream into a file only the user can read (0600, or 0700 for a program), whatever the
+    source's mode was: a 0644 credentials file in the project must not become readable by other users of the
+    node. Streams in 1 MiB blocks; returns the content's sha256."""
+    mode = 0o700 if executable else 0o600
+    tmp = f"{path}.{os.getpid()}.tmp"
+    digest = hashlib.sha256()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            for block in iter(lambda: source.read(1 << 20), b""):
+                digest.update(block)
+                handle.write(block)
+        os.chmod(tmp, mode)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return digest.hexdigest(), tmp
+
+
+def cmd_receive(args: list, request: dict) -> dict:
+    """Objects for the content-addressed store, as a tar stream on stdin (nothing of it is kept but the
+    objects: no upload file that a broken connection could leave behind). Each object lands under a temporary
+    name and is renamed only once its content hashes to its name; a truncated stream leaves nothing."""
+    store = os.path.join(os.path.expanduser(args[0]), ".nodectl", "objects")
+    os.makedirs(store, mode=0o700, exist_ok=True)
+    os.chmod(store, 0o700)
+    count, size = 0, 0
+    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
+        for member in tar:
             if not member.isfile() or "/" in member.name or member.name.startswith("."):
                 raise ValueError(f"unexpected entry {member.name!r} in the upload")
-            data = tar.extractfile(member).read()
-            if hashlib.sha256(data).hexdigest() != member.name:
-                raise ValueError(f"object {member.name} arrived corrupted")
-            tmp = os.path.join(store, f".{member.name}.{os.getpid()}")
-            with open(tmp, "wb") as handle:
-                handle.write(data)
+            sha, tmp = _private_copy(tar.extractfile(member), os.path.join(store, member.name))
+            if sha != member.name:
+                os.unlink(tmp)
+                return {"error": f"object {member.name} arrived corrupted", "corrupted": member.name}
             os.replace(tmp, os.path.join(store, member.name))
-    os.unlink(tar_path)
+            count, size = count + 1, size + member.size
+    return {"received": count, "bytes": size}
 
 
 def cmd_prepare(args: list, request: dict) -> dict:
     """Lay out the run folder: code and lib from the object store, the rendered files, the state folders."""
     workdir, run_dir = os.path.expanduser(request["workdir"]), os.path.expanduser(request["run_dir"])
     store = os.path.join(workdir, ".nodectl", "objects")
-    if request.get("upload"):
-        _unpack_objects(store, os.path.expanduser(request["upload"]))
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     os.chmod(run_dir, 0o700)
     if request.get("new_attempt"):
@@ -81,9 +104,10 @@ def cmd_prepare(args: list, request: dict) -> dict:
         target = os.path.join(run_dir, entry["path"])
         if os.path.commonpath([real_run_dir, os.path.realpath(target)]) != real_run_dir:
             raise ValueError(f"path {entry['path']!r} leaves the run folder")
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copyfile(os.path.join(store, entry["sha256"]), target)
-        os.chmod(target, entry.get("mode", 0o644) & 0o777)
+        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
+        with open(os.path.join(store, entry["sha256"]), "rb") as source:
+            _, tmp = _private_copy(source, target, executable=bool(entry.get("mode", 0) & 0o111))
+        os.replace(tmp, target)
     for name, spec in request["rendered"].items():
         _write(os.path.join(run_dir, name), spec["text"], spec["mode"])
     return {"run_dir": run_dir, "files": len(request["files"])}
@@ -219,15 +243,50 @@ def _rank_state(run_dir: str, rank: int, now: float, markers: tuple) -> dict:
     return state
 
 
+LINE_MAX = 16 * 1024
+
+
 def _read_from(path: str, offset: int) -> tuple:
+    """(new offset, text) of a log from `offset`: whole lines, up to READ_LIMIT bytes, or what there is at the
+    end of the file. A line longer than READ_LIMIT is never waited for (that stalled the stream for good): it is
+    shortened to LINE_MAX characters with a marker, keeping its latest \\r state (a progress bar), else its start."""
     try:
         with open(path, "rb") as handle:
             handle.seek(offset)
             data = handle.read(READ_LIMIT)
+            if len(data) < READ_LIMIT:
+                return offset + len(data), data.decode("utf-8", errors="replace")
+            cut = data.rfind(b"\n") + 1
+            if cut:
+                return offset + cut, data[:cut].decode("utf-8", errors="replace")
+            end = _next_newline(handle, offset + len(data))
+            stop = end if end is not None else os.fstat(handle.fileno()).st_size
+            handle.seek(max(offset, stop - LINE_MAX))
+            tail = handle.read(stop - max(offset, stop - LINE_MAX))
     except OSError:
         return offset, ""
-    cut = data.rfind(b"\n") + 1 if len(data) == READ_LIMIT else len(data)
-    return offset + cut, data[:cut].decode("utf-8", errors="replace")
+    if b"\r" in tail:
+        kept = tail.rsplit(b"\r", 1)[-1]  # a progress bar: its latest state
+    elif b"\r" in data:
+        kept = tail
+    else:
+        kept = data[:LINE_MAX]
+    marker = f" [line cut by nodectl: {stop - offset} bytes]"
+    text = kept[:LINE_MAX].decode("utf-8", errors="replace") + marker
+    return (end + 1, text + "\n") if end is not None else (stop, text)
+
+
+def _next_newline(handle, position: int):
+    """The offset of the next newline at or after `position`, or None at the end of the file."""
+    handle.seek(position)
+    while True:
+        block = handle.read(1 << 20)
+        if not block:
+            return None
+        found = block.find(b"\n")
+        if found >= 0:
+            return position + found
+        position += len(block)
 
 
 def cmd_poll(args: list, request: dict) -> dict:
@@ -244,7 +303,7 @@ def cmd_poll(args: list, request: dict) -> dict:
               "ranks": [_rank_state(run_dir, rank, now, _markers(run_dir)) for rank in node["ranks"]], "logs": {}}
     for rank, offset in (request.get("offsets") or {}).items():
         new_offset, text = _read_from(os.path.join(run_dir, "logs", f"rank{rank}.log"), int(offset))
-        answer["logs"][rank] = {"offset": new_offset, "text": text}
+        answer["logs"][rank] = {"from": int(offset), "offset": new_offset, "text": text}
     return answer
 
 
@@ -451,12 +510,13 @@ def cmd_cleanup(args: list, request: dict) -> dict:
 COMMANDS = {"have": cmd_have, "prepare": cmd_prepare, "port": cmd_port, "start": cmd_start, "poll": cmd_poll,
             "tail": cmd_tail, "stop": cmd_stop, "stacks": cmd_stacks, "pack": cmd_pack, "cleanup": cmd_cleanup,
             "listen": cmd_listen, "_serve": cmd_serve, "unlisten": cmd_unlisten, "connect": cmd_connect,
-            "route": cmd_route, "identity": cmd_identity}
+            "route": cmd_route, "identity": cmd_identity, "receive": cmd_receive}
+STREAMING = {"receive"}  # read their stdin themselves
 
 
 def main() -> None:
     name, args = sys.argv[1], sys.argv[2:]
-    raw = sys.stdin.read()
+    raw = "" if name in STREAMING else sys.stdin.read()
     request = json.loads(raw) if raw.strip() else {}
     try:
         answer = COMMANDS[name](args, request)

@@ -53,6 +53,21 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
     return answer
 
 
+def call_stream(transport: Transport, command: str, *args: str, produce, timeout: float = AGENT_TIMEOUT) -> dict:
+    """Like `call`, for a subcommand that reads a stream (produce(write) writes it); runctl must be installed
+    already (any earlier `call` installs it)."""
+    node = transport.node
+    invocation = " ".join([quote_path(node.python), quote_path(agent_path(node.workdir)), shlex.quote(command),
+                           *(quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args)])
+    result = transport.run_stream(invocation, produce, timeout=timeout)
+    answer = last_json(result.stdout)
+    if answer is None:
+        raise AgentError(explain_failure(node, f"`runctl {command}`", result))
+    if answer.get("error"):
+        raise AgentError(f"{node.name}: {answer['error']}")
+    return answer
+
+
 def _install(transport: Transport, path: str, timeout: float) -> None:
     folder = quote_path(path.rsplit("/", 1)[0])
     install = (f"mkdir -p {folder} && chmod 700 {folder} && cat > {quote_path(path)}.tmp$$ && "

@@ -47,6 +47,10 @@ class Interrupted(NodectlError):
     exit_code = EXIT_INTERRUPTED
 
 
+class Cancelled(Exception):
+    """Work on a node given up because the user interrupted; the node was left as it was before."""
+
+
 # Set the moment SIGINT or SIGTERM arrives, before the KeyboardInterrupt unwinds anything: threads working on
 # nodes read it to stop before their next step (nothing new starts once the user asked to stop).
 INTERRUPTED = threading.Event()

@@ -22,6 +22,9 @@ HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\-\[\]]+$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 HOSTFILE_LINE_RE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-\[\]%]+)(\s+slots\s*=\s*(?P<slots>\d+))?\s*$")
+MAX_INVENTORY_BYTES = 8 << 20   # a hosts.yaml of 10,000 nodes with env blocks is well under 4 MB
+MAX_NODES = 10_000
+MAX_RANKS_PER_NODE = 1024
 NAME_MAX = 128          # a node's name names files and folders on both sides (scripts/<name>.env, ...)
 DEFAULT_WORKDIR = "~/nodectl"
 LOCAL_WORKDIR = "~/.nodectl/local"
@@ -126,6 +129,9 @@ def load_inventory(path: str | os.PathLike | None) -> Inventory:
         return builtin_inventory()
     path = Path(path)
     try:
+        if path.is_file() and path.stat().st_size > MAX_INVENTORY_BYTES:
+            raise InventoryError(str(path), "file", f"{path.stat().st_size >> 20} MiB; an inventory is at most "
+                                                    f"{MAX_INVENTORY_BYTES >> 20} MiB")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InventoryError(str(path), "file", "not found") from None
@@ -135,6 +141,8 @@ def load_inventory(path: str | os.PathLike | None) -> Inventory:
 
 
 def parse_inventory(text: str, source: str = "hosts.yaml") -> Inventory:
+    if len(text) > MAX_INVENTORY_BYTES:
+        raise InventoryError(source, "file", f"an inventory is at most {MAX_INVENTORY_BYTES >> 20} MiB")
     if _looks_like_hostfile(text):
         return _parse_hostfile(text, source)
     try:
@@ -182,8 +190,8 @@ def _parse_hostfile(text: str, source: str) -> Inventory:
             raise InventoryError(source, "host", f"{host!r} listed twice", number)
         if problem := host_name_problem(host) or (len(host) > NAME_MAX and f"at most {NAME_MAX} characters"):
             raise InventoryError(source, "host", problem, number)
-        if slots is not None and int(slots) < 1:
-            raise InventoryError(source, "slots", "a positive integer", number)
+        if slots is not None and not 1 <= int(slots) <= MAX_RANKS_PER_NODE:
+            raise InventoryError(source, "slots", f"an integer 1-{MAX_RANKS_PER_NODE}", number)
         seen.add(host)
         nodes.append(Node(name=host, host=host, addr=host, index=len(nodes),
                           gpus=int(slots) if slots else None, line=number))
@@ -239,6 +247,8 @@ class _Parser:
         raw_nodes = doc.get("nodes")
         if not isinstance(raw_nodes, list) or not raw_nodes:
             self.fail("nodes", "a non-empty list of nodes, each with a 'host:'", doc, "nodes")
+        if len(raw_nodes) > MAX_NODES:
+            self.fail("nodes", f"at most {MAX_NODES} nodes, got {len(raw_nodes)}", doc, "nodes")
         nodes, names = [], set()
         for index, raw in enumerate(raw_nodes):
             node = self.node(raw, index, defaults, doc)
@@ -288,8 +298,8 @@ class _Parser:
             if key == "port":
                 out[key] = self.port(value, label, raw, key)
             elif key == "gpus":
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    self.fail(label, f"a positive integer (ranks per node), got {value!r}", raw, key)
+                if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_RANKS_PER_NODE:
+                    self.fail(label, f"an integer 1-{MAX_RANKS_PER_NODE} (ranks per node), got {value!r}", raw, key)
                 out[key] = value
             elif key == "device":
                 if value not in ("cuda", "cpu"):

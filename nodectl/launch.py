@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from nodectl import agent, sync
-from nodectl.errors import NodectlError, UnreachableError
+from nodectl.errors import Cancelled, NodectlError, UnreachableError
 from nodectl.plan import LaunchPlan, NodePlan, with_port
 from nodectl.render import RenderedNode
 from nodectl.transport import Cluster, NodeResult, Transport
@@ -24,10 +24,6 @@ class NodeStart:
     pgid: int
     files: int
     bytes_sent: int
-
-
-class Cancelled(Exception):
-    """The user interrupted the launch; this node was left as it was before."""
 
 
 def settle_master_port(plan: LaunchPlan, cluster: Cluster) -> LaunchPlan:
@@ -66,13 +62,11 @@ def _node_json(plan: LaunchPlan, node_plan: NodePlan) -> str:
 def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, rendered: RenderedNode,
                  files: list[sync.SyncFile], cancel: threading.Event) -> tuple[int, int]:
     """Send what the node lacks and lay out its run folder; (files, bytes sent)."""
-    upload, sent = sync.upload_missing(transport, files)
+    sent = sync.upload_missing(transport, files, cancel)
     if cancel.is_set():
-        if upload:
-            agent.call(transport, "cleanup", upload)
         raise Cancelled("interrupted before the run folder was prepared")
     request = {
-        "workdir": node_plan.node.workdir, "run_dir": node_plan.run_dir, "upload": upload,
+        "workdir": node_plan.node.workdir, "run_dir": node_plan.run_dir,
         "new_attempt": plan.attempt > 0,
         "files": [f.entry() for f in files],
         "rendered": {"launch.sh": {"text": rendered.launch, "mode": 0o700},

@@ -50,7 +50,11 @@ def _last_per_step(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
 
 
 def render(data: dict, out: Path) -> list[Path]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise UsageError("nodectl report draws its plots with matplotlib, which is not installed here: "
+                         "pip install 'nodectl[report]' (or pip install matplotlib)") from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -15,7 +15,7 @@ def _load_probe():
 
 
 _probe = _load_probe()
-REDACTED, is_secret_name, redact_env, redact_value = (_probe.REDACTED, _probe.is_secret_name, _probe.redact_env,
-                                                      _probe.redact_value)
+REDACTED, is_secret_name, redact_env, redact_value, redact_text = (
+    _probe.REDACTED, _probe.is_secret_name, _probe.redact_env, _probe.redact_value, _probe.redact_text)
 
-__all__ = ["REDACTED", "is_secret_name", "redact_env", "redact_value"]
+__all__ = ["REDACTED", "is_secret_name", "redact_env", "redact_text", "redact_value"]

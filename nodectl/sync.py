@@ -4,16 +4,15 @@ has is never sent again."""
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import subprocess
 import tarfile
-import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 from nodectl import agent
-from nodectl.errors import UsageError
+from nodectl.errors import Cancelled, UsageError
 from nodectl.resources import resource_dir
 from nodectl.transport import Transport
 
@@ -120,39 +119,89 @@ def nodectl_files(builtin_trainer: bool, config: str | None, launchers_needed: t
     return files
 
 
+STREAM_BLOCK = 1 << 20
+
+
+class _Blocks:
+    """A write-only file for tarfile's stream mode that hands `send` blocks of about STREAM_BLOCK bytes."""
+
+    def __init__(self, send) -> None:
+        self.send, self.buffer, self.total = send, bytearray(), 0
+
+    def write(self, data: bytes) -> int:
+        self.buffer += data
+        if len(self.buffer) >= STREAM_BLOCK:
+            self.flush()
+        return len(data)
+
+    def flush(self) -> None:
+        if self.buffer:
+            self.send(bytes(self.buffer))
+            self.total += len(self.buffer)
+            self.buffer.clear()
+
+
+class _Hashing:
+    """Reads a file in blocks for tarfile, hashing what it hands out."""
+
+    def __init__(self, handle) -> None:
+        self.handle, self.digest = handle, hashlib.sha256()
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.handle.read(size)
+        self.digest.update(data)
+        return data
+
+
+def _changed(file: SyncFile) -> UsageError:
+    return UsageError(f"--sync: {file.source} changed while it was being sent (a log or output written inside the "
+                      f"project folder?); exclude it in .gitignore or write it elsewhere")
+
+
 def _add_unchanged(tar: tarfile.TarFile, file: SyncFile) -> None:
-    """Add the bytes that were hashed, or refuse: a file written to while nodectl sends it (a log inside the
-    project folder) would otherwise reach the node with content other than its name says."""
-    data = file.source.read_bytes()
-    if hashlib.sha256(data).hexdigest() != file.sha256:
-        raise UsageError(f"--sync: {file.source} changed while it was being sent (a log or output written inside "
-                         f"the project folder?); exclude it in .gitignore or write it elsewhere")
+    """Stream the file under its content's hash, or refuse: a file written to while nodectl sends it (a log inside
+    the project folder) would otherwise reach the node with content other than its name says. (The node checks
+    every object's hash too and keeps nothing that does not match.)"""
     info = tarfile.TarInfo(file.sha256)
-    info.size, info.mode = len(data), 0o644
-    tar.addfile(info, io.BytesIO(data))
+    info.size, info.mode = file.size, 0o600
+    with open(file.source, "rb") as handle:
+        if os.fstat(handle.fileno()).st_size != file.size:
+            raise _changed(file)
+        reader = _Hashing(handle)
+        tar.addfile(info, reader)
+        if reader.digest.hexdigest() != file.sha256 or handle.read(1):
+            raise _changed(file)
 
 
-def upload_missing(transport: Transport, files: list[SyncFile]) -> tuple[str | None, int]:
-    """Send the objects the node lacks as one tar; returns (remote tar path or None, bytes sent)."""
+def upload_missing(transport: Transport, files: list[SyncFile], cancel: threading.Event | None = None) -> int:
+    """Stream the objects the node lacks into its store (runctl receive); returns the bytes sent. Memory and
+    temporary space do not grow with the project or the node count: one block in flight per node. When
+    `cancel` is set the stream is cut at the next block (the node keeps only complete objects)."""
     node = transport.node
     unique = {f.sha256: f for f in files}
     missing = agent.call(transport, "have", node.workdir, request={"hashes": sorted(unique)})["missing"]
     if not missing:
-        return None, 0
-    with tempfile.NamedTemporaryFile(suffix=".tar", delete=False) as handle:
-        local_tar = handle.name
-        try:
-            with tarfile.open(fileobj=handle, mode="w") as tar:
-                for sha in missing:
-                    _add_unchanged(tar, unique[sha])
-        except BaseException:
-            os.unlink(local_tar)
-            raise
+        return 0
+    sent = {}
+
+    def produce(send) -> None:
+        def checked(block: bytes) -> None:
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("interrupted while sending the project")
+            send(block)
+
+        blocks = _Blocks(checked)
+        with tarfile.open(fileobj=blocks, mode="w|") as tar:
+            for sha in missing:
+                _add_unchanged(tar, unique[sha])
+        blocks.flush()
+        sent["bytes"] = blocks.total
+
     try:
-        remote = f"{node.workdir.rstrip('/')}/.nodectl/upload-{os.getpid()}-{node.name}.tar"
-        transport.put(local_tar, remote)
-        return remote, os.path.getsize(local_tar)
-    finally:
-        os.unlink(local_tar)
-
-
+        agent.call_stream(transport, "receive", node.workdir, produce=produce)
+    except agent.AgentError as exc:
+        corrupted = [unique[sha] for sha in missing if sha in str(exc)]
+        if corrupted:
+            raise _changed(corrupted[0]) from None
+        raise
+    return sent.get("bytes", 0)

@@ -14,11 +14,13 @@ import select
 import shlex
 import shutil
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Generic, Iterable, Sequence, TypeVar
+from typing import Callable, Generic, Iterable, Iterator, Sequence, TypeVar
 
 from nodectl import ssh
 from nodectl.inventory import Node
@@ -88,6 +90,12 @@ class Transport:
             timeout: float | None = None) -> CommandResult:
         raise NotImplementedError
 
+    def run_stream(self, argv: Sequence[str] | str, produce: Callable[[Callable[[bytes], None]], None], *,
+                   timeout: float | None = None) -> CommandResult:
+        """Run a command whose stdin `produce(write)` writes block by block (nothing held whole in memory);
+        `timeout` bounds each block's progress and the wait for the answer."""
+        raise NotImplementedError
+
     def put(self, local: str | os.PathLike, remote: str) -> None:
         raise NotImplementedError
 
@@ -118,6 +126,20 @@ class LocalTransport(Transport):
         return CommandResult(command, proc.returncode, proc.stdout.decode(errors="replace"),
                              proc.stderr.decode(errors="replace"))
 
+    def run_stream(self, argv, produce, *, timeout=None) -> CommandResult:
+        command = to_command(argv)
+        limit = timeout or self.options.command_timeout
+        proc = subprocess.Popen(["/bin/sh", "-c", command], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, cwd=_home())
+        try:
+            produce(proc.stdin.write)
+            out, err = proc.communicate(timeout=limit)  # closes stdin: the end of the stream
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        return CommandResult(command, proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
+
     def put(self, local, remote) -> None:
         target = Path(os.path.expanduser(remote))
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -140,8 +162,13 @@ class SSHTransport(Transport):
     def __init__(self, node: Node, options: TransportOptions) -> None:
         self.node, self.options = node, options
         self._connection = None
+        self._lock = threading.Lock()  # a poller thread and the main thread may both (re)connect
 
     def _connect(self):
+        with self._lock:
+            return self._connect_locked()
+
+    def _connect_locked(self):
         if self._connection is not None and self._connection.is_connected:
             return self._connection
         conn = ssh.connection(self.node.host, user=self.node.user, port=self.node.port,
@@ -178,20 +205,33 @@ class SSHTransport(Transport):
             return Unreachable(f"connection to {self.node.host} lost: {exc or exc.__class__.__name__}")
         return exc
 
-    def run(self, argv, *, stdin=None, timeout=None) -> CommandResult:
-        # Straight on the paramiko channel of fabric's connection: invoke's runner feeds a non-terminal
-        # in_stream one byte per 10 ms, which turns a 12 KB probe into two minutes.
-        command = to_command(argv)
-        limit = timeout or self.options.command_timeout
+    @contextmanager
+    def _channel(self, command: str) -> Iterator:
+        """An exec channel for one command; a broken connection becomes Unreachable, the channel is closed."""
         channel = self._session(command)
         try:
-            return CommandResult(command, *_exec(channel, command, stdin, limit))
+            yield channel
         except CommandTimeout:
             raise
         except Exception as exc:
             raise self._lost(exc) from None
         finally:
             channel.close()
+
+    def run(self, argv, *, stdin=None, timeout=None) -> CommandResult:
+        # Straight on the paramiko channel of fabric's connection: invoke's runner feeds a non-terminal
+        # in_stream one byte per 10 ms, which turns a 12 KB probe into two minutes.
+        command = to_command(argv)
+        with self._channel(command) as channel:
+            return CommandResult(command, *_exec(channel, command, stdin, timeout or self.options.command_timeout))
+
+    def run_stream(self, argv, produce, *, timeout=None) -> CommandResult:
+        command = to_command(argv)
+        limit = timeout or self.options.command_timeout
+        with self._channel(command) as channel:
+            produce(lambda block: _send(channel, block, limit))
+            channel.shutdown_write()
+            return CommandResult(command, *_finish(channel, limit))
 
     def put(self, local, remote) -> None:
         """Send a file over the exec channel (no sftp subsystem needed). It lands under a temporary name and is
@@ -202,19 +242,11 @@ class SSHTransport(Transport):
         command = (f"mkdir -p \"$(dirname {target})\" && umask 077 && head -c {size} > {partial} && "
                    f"[ \"$(wc -c < {partial})\" -eq {size} ] && mv -f {partial} {target} || "
                    f"{{ rm -f {partial}; echo 'upload incomplete' >&2; exit 1; }}")
-        channel = self._session(command)
-        try:
-            with open(local, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    _send(channel, block, self.options.command_timeout)
+        with self._channel(command) as channel, open(local, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                _send(channel, block, self.options.command_timeout)
             channel.shutdown_write()
             code, _, err = _finish(channel, self.options.command_timeout)
-        except CommandTimeout:
-            raise
-        except Exception as exc:
-            raise self._lost(exc) from None
-        finally:
-            channel.close()
         if code != 0:
             raise TransferError(f"sending {local} to {self.node.name}:{remote} failed (exit {code}): {err.strip()}")
 
@@ -225,16 +257,9 @@ class SSHTransport(Transport):
         source = quote_path(remote)
         command = f"size=$(wc -c < {source}) && printf '%s %s\\n' {marker} \"$size\" && exec cat {source}"
         Path(local).parent.mkdir(parents=True, exist_ok=True)
-        channel = self._session(command)
-        try:
+        with self._channel(command) as channel:
             received, expected = _receive_file(channel, marker.encode(), local, self.options.command_timeout)
             code = channel.recv_exit_status()
-        except CommandTimeout:
-            raise
-        except Exception as exc:
-            raise self._lost(exc) from None
-        finally:
-            channel.close()
         if expected is None or code != 0 or received != expected:
             Path(local).unlink(missing_ok=True)
             raise TransferError(f"fetching {self.node.name}:{remote} failed (exit {code}, {received} of "

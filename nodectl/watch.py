@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from rich.markup import escape
 
 from nodectl import agent
+from nodectl.poller import Poller
 from nodectl.runs import RunNode
 from nodectl.transport import Cluster, NodeResult
 
@@ -23,6 +24,7 @@ class Failure:
     time: float = 0.0
     detail: str = ""
     last_lines: str = ""
+    unresponsive: list = field(default_factory=list)   # nodes not answering when the failure was decided
 
     def describe(self) -> str:
         if self.kind == "rank":
@@ -65,14 +67,16 @@ def _guard(work):
     return wrapper
 
 
-def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float) -> dict[str, NodeResult]:
-    by_name = {rn.node.name: rn for rn in run_nodes}
+def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
+               skip: list[str] | tuple = ()) -> dict[str, NodeResult]:
+    """Stop the run on every node but those in `skip` (not answering: waiting on them would only delay)."""
+    by_name = {rn.node.name: rn for rn in run_nodes if rn.node.name not in skip}
 
     def work(transport):
         rn = by_name[transport.node.name]
         return agent.call(transport, "stop", rn.run_dir, request={"grace": grace}, timeout=grace + 30)
 
-    return {r.node.name: r for r in cluster.fan_out(_guard(work), [rn.node for rn in run_nodes])}
+    return {r.node.name: r for r in cluster.fan_out(_guard(work), [by_name[name].node for name in by_name])}
 
 
 def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int], lines: int) -> dict[int, dict]:
@@ -130,9 +134,21 @@ def finished_ok(states: dict[str, NodeResult]) -> bool:
     return len(answers) == len(states) and all((a.get("launcher_exit") or {}).get("code") == 0 for a in answers)
 
 
+LINE_MAX = 16 * 1024
+
+
+def latest_state(line: str) -> str:
+    """What a terminal would show of a line that redraws itself with \\r (tqdm): the text after the last \\r."""
+    line = line.rstrip("\r")
+    return line.rsplit("\r", 1)[-1] if "\r" in line else line
+
+
 @dataclass
 class LogStream:
-    """Complete lines of the followed ranks, prefixed and coloured per rank when following several."""
+    """Complete lines of the followed ranks, prefixed and coloured per rank when following several.
+
+    Memory per rank is bounded: an unfinished line keeps at most LINE_MAX characters (the rest is cut with a
+    marker) and a progress bar only its latest \\r state, which is shown once per poll when it changed."""
 
     console: object
     ranks: dict[int, str]                    # rank -> node name
@@ -140,6 +156,8 @@ class LogStream:
     offsets: dict[int, int] = field(default_factory=dict)
     partial: dict[int, str] = field(default_factory=dict)
     sink: object = None                      # callable(rank, line) instead of printing (--json)
+    cutting: set = field(default_factory=set)          # ranks inside an over-long line, until its newline
+    shown_progress: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.offsets = {rank: self.offsets.get(rank, 0) for rank in self.ranks}
@@ -149,17 +167,36 @@ class LogStream:
             logs = (result.value or {}).get("logs", {}) if result.ok else {}
             for rank_text, entry in logs.items():
                 rank = int(rank_text)
+                if entry.get("from", self.offsets.get(rank)) != self.offsets.get(rank):
+                    continue  # an answer to an older request: its text was already shown
                 self.offsets[rank] = entry["offset"]
-                text = self.partial.pop(rank, "") + entry["text"]
-                *lines, rest = text.split("\n")
-                if rest:
-                    self.partial[rank] = rest
-                for line in lines:
-                    self.emit(rank, line)
+                self.take(rank, entry["text"])
+
+    def take(self, rank: int, text: str) -> None:
+        *lines, rest = (self.partial.pop(rank, "") + text).split("\n")
+        for line in lines:
+            if rank in self.cutting:
+                self.cutting.discard(rank)
+                continue
+            state = latest_state(line)
+            if state != self.shown_progress.pop(rank, None) or "\r" not in line:
+                self.emit(rank, state)
+        if rank in self.cutting:
+            return
+        rest = latest_state(rest) if "\r" in rest else rest
+        if len(rest) > LINE_MAX:
+            self.emit(rank, rest[:LINE_MAX] + f" [line cut by nodectl after {LINE_MAX} characters]")
+            self.cutting.add(rank)
+        elif rest:
+            self.partial[rank] = rest
+            if "\r" in text and rest != self.shown_progress.get(rank):
+                self.shown_progress[rank] = rest
+                self.emit(rank, rest)
 
     def flush(self) -> None:
         for rank, rest in sorted(self.partial.items()):
-            self.emit(rank, rest)
+            if rest != self.shown_progress.get(rank):
+                self.emit(rank, rest)
         self.partial.clear()
 
     def emit(self, rank: int, line: str) -> None:
@@ -176,40 +213,64 @@ class LogStream:
 def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream | None, *, interval: float = 1.0,
                  lost_after: float = 15.0, stall_after: float | None = None,
                  restarts: int = 0) -> tuple[str, Failure | None]:
-    """Poll until the run succeeds ('succeeded') or something fails ('failed' with the first failure)."""
-    unreachable_since: dict[str, float] = {}
-    while True:
-        started = time.monotonic()
-        states = poll(cluster, run_nodes, stream.offsets if stream else None)
-        if stream:
-            stream.feed(states)
-        failures = rank_failures(states, restarts)
-        if failures:
-            return "failed", failures[0]
-        lost = _lost_node(states, unreachable_since, lost_after)
-        if lost:
-            return "failed", lost
-        stalled = _stalled_rank(states, stall_after)
-        if stalled:
-            return "failed", stalled
-        gone = _vanished(states)
-        if gone:
-            return "failed", gone
-        if finished_ok(states):
-            return "succeeded", None
-        time.sleep(max(0.0, interval - (time.monotonic() - started)))
+    """Watch until the run succeeds ('succeeded') or something fails ('failed' with the first failure).
+
+    Every node is polled by a thread of its own (nodectl/poller.py) and decisions use each node's latest answer,
+    so a node whose commands hang never delays what the others report; a node that has not answered properly
+    for `lost_after` seconds (unreachable, erroring, or hanging) is lost. The failure lists the nodes that were
+    not answering then (`unresponsive`), which the caller should not wait on when it stops the run."""
+    offsets = (lambda: dict(stream.offsets)) if stream else dict
+    seen: dict[str, int] = {}
+    last_good: dict[str, float] = {}
+    with Poller(cluster, run_nodes, offsets, interval, timeout=lost_after) as poller:
+        while True:
+            time.sleep(interval)
+            answers = poller.answers()
+            fresh = {name: a.result for name, a in answers.items() if seen.get(name) != a.seq}
+            seen.update({name: a.seq for name, a in answers.items()})
+            for name, a in answers.items():
+                if a.result.ok and "error" not in (a.result.value or {}):
+                    last_good[name] = a.at
+            if stream:
+                stream.feed(fresh)
+            outcome = _judge({name: a.result for name, a in answers.items()}, len(run_nodes), restarts, stall_after)
+            if outcome is None:
+                outcome = _lost_node(run_nodes, answers, last_good, poller.started, lost_after)
+            if outcome:
+                if isinstance(outcome, Failure):
+                    now = time.monotonic()
+                    outcome.unresponsive = [rn.node.name for rn in run_nodes
+                                            if now - last_good.get(rn.node.name, poller.started) > 3 * interval + 2]
+                    return "failed", outcome
+                return outcome, None
 
 
-def _lost_node(states, unreachable_since: dict, lost_after: float) -> Failure | None:
+def _judge(states: dict[str, NodeResult], nodes: int, restarts: int, stall_after) -> Failure | str | None:
+    """The first failure in the latest answers, "succeeded" when every node says so, else None."""
+    failures = rank_failures(states, restarts)
+    if failures:
+        return failures[0]
+    for check in (_stalled_rank(states, stall_after), _vanished(states)):
+        if check:
+            return check
+    return "succeeded" if len(states) == nodes and finished_ok(states) else None
+
+
+def _lost_node(run_nodes: list[RunNode], answers: dict, last_good: dict[str, float], started: float,
+               lost_after: float) -> Failure | None:
     now = time.monotonic()
-    for name, result in states.items():
-        if result.unreachable or (result.ok and "error" in (result.value or {})):
-            first = unreachable_since.setdefault(name, now)
-            if now - first >= lost_after:
-                detail = result.error or result.value.get("error")
-                return Failure("lost", name, detail=f"unreachable for {now - first:.0f}s ({detail})", time=first)
+    for rn in run_nodes:
+        name = rn.node.name
+        silent = now - last_good.get(name, started)
+        if silent < lost_after:
+            continue
+        answer = answers.get(name)
+        if answer is None or now - answer.at >= lost_after:
+            detail = f"no answer for {silent:.0f}s (its commands hang: a stuck login shell or file system?)"
         else:
-            unreachable_since.pop(name, None)
+            reason = answer.result.error or (answer.result.value or {}).get("error")
+            detail = f"unreachable for {silent:.0f}s ({reason})"
+        return Failure("lost", name, detail=detail, time=now - silent)
     return None
 
 

@@ -86,3 +86,43 @@ def test_cli_arguments_end_cleanly(tmp_path, args, command):
                           env=env, cwd=tmp_path, timeout=120)
     assert proc.returncode in (0, 1, 2, 3), proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_absurd_sizes_are_refused_at_once_with_exit_2(tmp_path):
+    import os
+    import time
+
+    from conftest import run_nodectl
+
+    env = {**os.environ, "HOME": str(tmp_path), "NODECTL_FORCE_CPU": "1"}
+    many = tmp_path / "many.yaml"
+    many.write_text("nodes:\n" + "".join(f"  - {{host: n{i}.example}}\n" for i in range(10_001)))
+    huge = tmp_path / "huge.yaml"
+    huge.write_text("nodes:\n  - {host: a}\n" + "# padding\n" * (1 << 20))
+    wide = tmp_path / "wide.yaml"
+    wide.write_text("nodes:\n  - {host: a, gpus: 30000000}\n")
+    cases = [["-i", str(many), "env-dump"], ["-i", str(huge), "env-dump"], ["-i", str(wide), "env-dump"],
+             ["launch", "--gpus", "30000000", "--dry-run"], ["tail", "-n", "10000000", "rank0"]]
+    for args in cases:
+        started = time.monotonic()
+        result = run_nodectl(args, env=env, cwd=tmp_path)
+        assert result.exit_code == 2 and "Traceback" not in result.output, (args, result.output[-500:])
+        assert time.monotonic() - started < 30, args
+
+
+def test_a_full_local_disk_is_a_message_not_a_traceback(tmp_path):
+    import os
+
+    from conftest import run_nodectl
+
+    full = tmp_path / "full"
+    full.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tiny", str(full)]).returncode:
+        pytest.skip("needs root to mount a tiny tmpfs")
+    try:
+        env = {**os.environ, "HOME": str(tmp_path), "NODECTL_FORCE_CPU": "1"}
+        result = run_nodectl(["env-dump", "--nodes", "3", "-o", str(full)], env=env, cwd=tmp_path)
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output[-1500:]
+        assert "the local disk is full" in result.stderr
+    finally:
+        subprocess.run(["umount", str(full)])

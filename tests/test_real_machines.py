@@ -78,6 +78,10 @@ def test_node1_has_no_sftp_and_files_still_travel_both_ways(ssh_cluster, project
     collected = run_nodectl(["collect"], env=ssh_cluster.env(), cwd=project)
     assert collected.exit_code == 0, collected.output
     assert "rank=1" in (project / "runs" / run_id / "nodes" / "node1" / "logs" / "rank1.log").read_text()
+    # torchrun's own logs stay in the run folder, not in the node's /tmp forever
+    assert (node.workdir / "runs" / run_id / "torchelastic").is_dir()
+    listing = ssh_cluster.on_node(1, "ls -a /tmp")
+    assert listing.returncode == 0 and "torchelastic_" not in listing.stdout, listing
 
 
 def test_launch_config_sends_the_recipe_with_the_run(ssh_cluster, project):
@@ -122,10 +126,10 @@ def test_ctrl_c_during_sync_exits_130_and_leaves_nothing_on_the_nodes(ssh_cluste
     proc = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", inventory, "launch", "--skip-preflight",
                              "--sync-limit", "1024", "--", "train.py"], env=env, cwd=project,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    stores = [n.workdir / ".nodectl" for n in ssh_cluster.nodes[:2]]
+    stores = [n.workdir / ".nodectl" / "objects" for n in ssh_cluster.nodes[:2]]
 
-    def uploading():
-        return any(p.name.startswith("upload-") for store in stores if store.is_dir() for p in store.iterdir())
+    def uploading():  # an object is arriving: it lands under a temporary name first
+        return any(p.name.endswith(".tmp") for store in stores if store.is_dir() for p in store.iterdir())
 
     try:
         wait_for(uploading, timeout=120, interval=0.02)
@@ -140,7 +144,7 @@ def test_ctrl_c_during_sync_exits_130_and_leaves_nothing_on_the_nodes(ssh_cluste
     assert run_processes(run_id) == []
     for node in ssh_cluster.nodes[:2]:
         assert not (node.workdir / "runs" / run_id / "state" / "pgid").exists()   # never started
-        leftovers = [p.name for p in (node.workdir / ".nodectl").iterdir() if p.name.startswith("upload-")]
+        leftovers = [p.name for p in node.workdir.rglob("*") if p.name.endswith(".tmp") or "upload-" in p.name]
         assert leftovers == [], leftovers
     manifest = json.loads((project / "runs" / run_id / "manifest.json").read_text())
     assert manifest["state"] == "interrupted"
@@ -430,3 +434,71 @@ def test_a_node_that_resets_the_connection_is_one_line_not_a_traceback(tmp_path)
                              env={**os.environ, "HOME": str(tmp_path)})
     assert result.exit_code == 3, result.output
     assert "Traceback" not in result.stderr and "127.0.0.45" in result.stderr
+
+
+HANG_PYTHON = '''#!/bin/sh
+# A node whose commands hang while TCP stays up (a login shell stuck on a hung NFS home): once ~/hang exists,
+# every new interpreter nodectl starts there blocks.
+[ -e "$HOME/hang" ] && exec sleep 1717
+exec /opt/venv/bin/python "$@"
+'''
+
+
+def _kill_hung_sleeps() -> None:
+    import psutil
+
+    for proc in psutil.process_iter(["cmdline"]):
+        if (proc.info["cmdline"] or [])[:2] == ["sleep", "1717"]:
+            proc.kill()
+
+
+def test_a_hung_node_never_delays_a_failure_elsewhere_and_is_lost_after_the_grace(ssh_cluster, project):
+    env = ssh_cluster.env()
+    python = ssh_cluster.node_file(1, "hanging-python", HANG_PYTHON, mode=0o755)
+    marker = ssh_cluster.nodes[1].home_dir / "hang"
+    overrides = {0: {"env": {"FAIL_RANK": "0", "FAIL_AFTER": "3", "SLEEP": "120"}},
+                 1: {"python": python, "env": {"SLEEP": "120"}}}
+    inventory = str(ssh_cluster.inventory(indices=[0, 1], node_overrides=overrides))
+    proc = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", inventory, "--connect-timeout", "3", "launch",
+                             "--skip-preflight", "--grace", "1", "--", "train.py"], env=env, cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_id = wait_for(lambda: (project / "runs").is_dir() and latest_run_id(project))
+        log = ssh_cluster.nodes[0].workdir / "runs" / run_id / "logs" / "rank0.log"
+        wait_for(lambda: log.exists() and "ARGS=" in log.read_text(), timeout=60, interval=0.1)
+        marker.write_text("")            # from now on node1's commands hang
+        exit_file = ssh_cluster.nodes[0].workdir / "runs" / run_id / "state" / "rank0.exit"
+        wait_for(exit_file.exists, timeout=60, interval=0.05)
+        failed_at = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        reported = time.monotonic() - failed_at
+    finally:
+        proc.kill()
+        marker.unlink(missing_ok=True)
+        _kill_hung_sleeps()
+    kill_leftovers(run_id)
+    assert proc.returncode == 1, err[-2000:]
+    assert "rank 0 on node node0 failed (exit code 7)" in err
+    assert "node1 is not answering" in err
+    assert reported < 8, reported      # was 30-50 s: every poll waited for the hung node
+
+    # the hung node alone: declared lost after the same grace as an unreachable one (connect timeout + 5 s)
+    overrides = {0: {"env": {"SLEEP": "120"}}, 1: {"python": python, "env": {"SLEEP": "120"}}}
+    inventory = str(ssh_cluster.inventory(indices=[0, 1], node_overrides=overrides))
+    proc = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", inventory, "--connect-timeout", "3", "launch",
+                             "--skip-preflight", "--grace", "1", "--", "train.py"], env=env, cwd=project,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        run_id = wait_for(lambda: latest_run_id(project) != run_id and latest_run_id(project))
+        wait_for(lambda: len(run_processes(run_id)) >= 8, timeout=60)
+        marker.write_text("")
+        hung_at = time.monotonic()
+        out, err = proc.communicate(timeout=120)
+        detected = time.monotonic() - hung_at
+    finally:
+        proc.kill()
+        marker.unlink(missing_ok=True)
+        _kill_hung_sleeps()
+    kill_leftovers(run_id)
+    assert proc.returncode == 1 and "node node1 was lost: no answer for" in err, err[-2000:]
+    assert 8 <= detected < 20, detected

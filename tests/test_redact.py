@@ -14,3 +14,46 @@ def test_ordinary_values_kept_and_url_credentials_masked():
     assert redact_value("HF_ENDPOINT", "https://user:hunter2@hf.example/x") == "https://***@hf.example/x"
     assert redact_value("PIP_INDEX_URL", "https://tok@pypi.example/simple") == "https://***@pypi.example/simple"
     assert redact_value("HTTP_PROXY", "http://proxy:3128") == "http://proxy:3128"
+
+
+# Real formats (made-up values of the right shape). Each must be hidden whatever the variable is called.
+TOKEN_SHAPES = {
+    "GitHub classic PAT": "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8",
+    "GitHub fine-grained PAT": "github_pat_11ABCDEFG0123456789_abcdefghijklmnopqrstuvwxyz0123456789ABCDEFGHIJ",
+    "GitHub app token": "ghs_" + "0123456789abcdefghijABCDEFGHIJ0123",
+    "GitLab PAT": "glpat-" + "abcdefghij0123456789",
+    "Hugging Face": "hf_" + "aBcDeFgHiJkLmNoPqRsTuVwXyZ012345",
+    "OpenAI": "sk-proj-" + "Abc123Def456Ghi789Jkl012Mno345Pqr678",
+    "Slack bot": "xoxb-" + "123456789012-1234567890123-AbCdEfGhIjKlMnOpQrStUvWx",
+    "AWS access key id": "AKIA" + "IOSFODNN7EXAMPLE",
+    "AWS session key id": "ASIA" + "Y34FZKBOKMUTVV7A",
+    "Google API key": "AIza" + "SyA-1234567890abcdefghijklmnopqrstu",
+    "JWT": "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U",
+    "PEM private key": "-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjEAAAAA\n-----END OPENSSH PRIVATE KEY-----",
+}
+
+
+def test_token_shaped_values_are_hidden_under_any_name():
+    for label, value in TOKEN_SHAPES.items():
+        assert redact_value("UNREMARKABLE_SETTING", value) == "***", label
+        assert redact_value("ARG", f"--token={value}") == "***", label
+
+
+def test_connection_strings_keep_their_shape_with_secrets_masked():
+    azure = ("DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=c2VjcmV0a2V5c2VjcmV0a2V5==;"
+             "EndpointSuffix=core.windows.net")
+    assert redact_value("STORAGE", azure) == ("DefaultEndpointsProtocol=https;AccountName=acct;AccountKey=***;"
+                                              "EndpointSuffix=core.windows.net")
+    assert redact_value("DB", "Server=db;Database=x;User Id=u;Password=hunter2;") == \
+        "Server=db;Database=x;User Id=u;Password=***;"
+    assert redact_value("BLOB", "https://a.blob.example/c?sv=2020&sig=abcDEF123%3D") == \
+        "https://a.blob.example/c?sv=2020&sig=***"
+    assert redact_value("DATABASE_URL", "postgres://app:hunter2@db:5432/x") == "postgres://***@db:5432/x"
+
+
+def test_names_that_say_secret_in_other_words():
+    for name in ("GITHUB_PAT", "DOCKER_AUTH_CONFIG", "AZURE_STORAGE_CONNECTION_STRING", "SSH_PASSPHRASE",
+                 "SENTRY_DSN", "OPENAI_APIKEY"):
+        assert redact_value(name, "plain-looking") == "***", name
+    for name in ("GIT_AUTHOR_NAME", "PATH", "PYTHONPATH", "NCCL_IB_HCA", "OMP_NUM_THREADS"):
+        assert redact_value(name, "/usr/bin:mlx5_0") == "/usr/bin:mlx5_0", name

@@ -112,3 +112,31 @@ def test_port_in_time_wait_counts_as_free_like_for_the_tcp_store():
         client.close()
     time.sleep(0.1)
     assert runctl.cmd_port([str(port)], {})["free"]
+
+
+
+def test_store_and_run_files_are_private_whatever_the_source_mode(tmp_path, monkeypatch):
+    import hashlib
+    import io
+    import types
+
+    secret, script = b"aws_secret_access_key = abc\n", b"#!/bin/sh\necho hi\n"
+    upload = io.BytesIO()
+    with tarfile.open(fileobj=upload, mode="w|") as tar:
+        for data in (secret, script):
+            info = tarfile.TarInfo(hashlib.sha256(data).hexdigest())
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    workdir, run_dir = tmp_path / "work", tmp_path / "work" / "runs" / "r1"
+    monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=io.BytesIO(upload.getvalue())))
+    assert runctl.cmd_receive([str(workdir)], {}) == {"received": 2, "bytes": len(secret) + len(script)}
+    request = {"workdir": str(workdir), "run_dir": str(run_dir), "rendered": {},
+               "files": [{"path": "code/credentials.ini", "sha256": hashlib.sha256(secret).hexdigest(), "mode": 0o644},
+                         {"path": "code/bin/run.sh", "sha256": hashlib.sha256(script).hexdigest(), "mode": 0o755}]}
+    runctl.cmd_prepare([], request)
+    store = workdir / ".nodectl" / "objects"
+    assert oct(store.stat().st_mode & 0o777) == "0o700"
+    assert {oct(p.stat().st_mode & 0o777) for p in store.iterdir()} == {"0o600"}
+    assert oct((run_dir / "code" / "credentials.ini").stat().st_mode & 0o777) == "0o600"
+    assert oct((run_dir / "code" / "bin" / "run.sh").stat().st_mode & 0o777) == "0o700"
+    assert oct(run_dir.stat().st_mode & 0o777) == "0o700"

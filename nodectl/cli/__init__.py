@@ -1,6 +1,7 @@
 """The `nodectl` command group. Each command lives in its own module and is registered here explicitly."""
 from __future__ import annotations
 
+import errno
 import logging
 import os
 
@@ -8,7 +9,7 @@ import click
 
 from nodectl import __version__
 from nodectl.cli.context import AppContext
-from nodectl.errors import EXIT_INTERRUPTED, install_signal_handlers
+from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, install_signal_handlers
 from nodectl.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, TransportOptions
 
 
@@ -37,6 +38,13 @@ class NodectlGroup(click.Group):
         except (click.Abort, KeyboardInterrupt):
             click.echo("interrupted", err=True)
             raise SystemExit(EXIT_INTERRUPTED) from None
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            where = f" writing {exc.filename}" if exc.filename else ""
+            click.echo(f"Error: the local disk is full{where}; free space (or point NODECTL_RUNS elsewhere) and "
+                       f"run the command again", err=True)
+            raise SystemExit(EXIT_FAILED) from None
 
 
 @click.group(cls=NodectlGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -15,6 +15,7 @@ from rich.syntax import Syntax
 from nodectl import sync
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import node_selection
+from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, INTERRUPTED, UsageError,
                             ignore_signals_while_cleaning)
 from nodectl.launch import settle_master_port, shared_workdirs, start_run
@@ -59,7 +60,7 @@ def _print_dry_run(app: AppContext, plan: LaunchPlan, rendered) -> None:
 
 @click.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @node_selection
-@click.option("--gpus", type=click.IntRange(min=1), help="Ranks per node (default: the inventory's gpus).")
+@click.option("--gpus", type=click.IntRange(1, MAX_RANKS_PER_NODE), help="Ranks per node (default: the inventory's gpus).")
 @click.option("--config", type=click.Path(exists=True, dir_okay=False), help="Recipe for the built-in trainer.")
 @click.option("--sync", "sync_dir", type=click.Path(file_okay=False), default=".", show_default=True,
               help="Folder copied to each node's run folder (.gitignore respected).")
@@ -270,8 +271,11 @@ def _watch(app, run: Run, plan: LaunchPlan, cluster, follow: str, grace: float, 
 
 def _fail(app, run: Run, plan: LaunchPlan, cluster, run_nodes, failure, grace: float) -> None:
     app.err.print(f"[red]{escape(failure.describe())}[/]; stopping the run on every node")
-    stopped = stop_nodes(cluster, run_nodes, grace)
-    if failure.rank is not None:
+    for name in failure.unresponsive:
+        app.err.print(f"{escape(name)} is not answering: its processes may still run; when it is back: "
+                      f"nodectl stop --run {plan.run_id}")
+    stopped = stop_nodes(cluster, run_nodes, grace, skip=failure.unresponsive)
+    if failure.rank is not None and failure.node not in failure.unresponsive:
         rn = next(rn for rn in run_nodes if failure.rank in rn.ranks)
         logs = tail_lines(cluster, rn, [failure.rank], 20)
         failure.last_lines = logs.get(failure.rank, {}).get("text", "")

@@ -5,6 +5,7 @@ import click
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import node_selection
+from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
 from nodectl.preflight.render import print_report
 from nodectl.preflight.run import run_preflight, save
@@ -13,7 +14,7 @@ from nodectl.preflight.run import run_preflight, save
 @click.command("preflight")
 @click.argument("inventory_path", metavar="[INVENTORY]", required=False)
 @node_selection
-@click.option("--gpus", type=click.IntRange(min=1), help="Ranks per node the launch will use.")
+@click.option("--gpus", type=click.IntRange(1, MAX_RANKS_PER_NODE), help="Ranks per node the launch will use.")
 @click.option("--quick", "depth", flag_value="quick", help="Skip the collective test.")
 @click.option("--full", "depth", flag_value="full", help="Collective sizes up to 4 GiB.")
 @click.pass_obj

@@ -13,6 +13,8 @@ from nodectl.errors import EXIT_UNREACHABLE, UsageError
 from nodectl.runs import Run, RunNode
 from nodectl.watch import LogStream, poll, tail_lines
 
+MAX_TAIL_LINES = 100_000
+
 
 def resolve_target(run: Run, target: str) -> dict[int, str]:
     """rank<R>, node<K> (node rank), a node name, or all -> {global rank: node name}."""
@@ -38,7 +40,8 @@ def _collected(run: Run, node: str, rank: int) -> Path:
 @click.command("tail")
 @click.argument("target")
 @click.option("-f", "--follow", is_flag=True, help="Keep printing new lines until the run ends.")
-@click.option("-n", "--lines", type=click.IntRange(min=0), default=20, show_default=True)
+@click.option("-n", "--lines", type=click.IntRange(0, MAX_TAIL_LINES), default=20, show_default=True,
+              help=f"Lines per rank (at most {MAX_TAIL_LINES:,}; collect brings whole logs).")
 @run_option
 @click.pass_obj
 def command(app: AppContext, target: str, follow: bool, lines: int, run_id: str | None) -> None:

@@ -23,4 +23,5 @@ cd "$RUN_DIR/code" || exit 97
   --master-port=29500 \
   --max-restarts=0 \
   --monitor-interval=0.5 \
+  --log-dir="$RUN_DIR/torchelastic" \
   "$RUN_DIR/lib/rankexec.py" train.py --lr 3e-4

@@ -1,0 +1,72 @@
+"""Watching every node of a run at once, each at its own pace.
+
+One thread per node asks its runctl for the run's state in a loop. A node whose commands hang while TCP stays
+up (a login shell stuck on a hung NFS home) only ages its own answer: the others keep being polled every
+interval, so a failure on a healthy node is seen within a second or two, and the hung node is declared lost
+after the same grace as an unreachable one.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from nodectl import agent
+from nodectl.runs import RunNode
+from nodectl.transport import Cluster, NodeResult
+
+
+@dataclass
+class Answer:
+    result: NodeResult
+    at: float          # time.monotonic() when it came back
+    seq: int
+
+
+class Poller:
+    def __init__(self, cluster: Cluster, run_nodes: list[RunNode], offsets: Callable[[], dict[int, int]],
+                 interval: float, timeout: float) -> None:
+        self.cluster, self.run_nodes, self.offsets = cluster, run_nodes, offsets
+        self.interval, self.timeout = interval, timeout
+        self.started = time.monotonic()
+        self._answers: dict[str, Answer] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(rn,), daemon=True, name=f"poll-{rn.node.name}")
+                         for rn in run_nodes]
+
+    def __enter__(self) -> "Poller":
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()  # a thread stuck on a hung node ends with its command's timeout; nobody waits for it
+
+    def _loop(self, run_node: RunNode) -> None:
+        transport, seq = self.cluster.transport(run_node.node), 0
+        while not self._stop.is_set():
+            began = time.monotonic()
+            wanted = {str(r): o for r, o in self.offsets().items() if r in run_node.ranks}
+            try:
+                value = agent.call(transport, "poll", run_node.run_dir, request={"offsets": wanted},
+                                   timeout=self.timeout)
+                result = NodeResult(run_node.node, value=value)
+            except agent.AgentError as exc:
+                result = NodeResult(run_node.node, value={"error": str(exc)})
+            except Exception as exc:  # Unreachable, CommandTimeout, a broken connection: this node's news only
+                result = NodeResult(run_node.node, error=str(exc) or exc.__class__.__name__,
+                                    unreachable=True)
+            seq += 1
+            with self._lock:
+                self._answers[run_node.node.name] = Answer(result, time.monotonic(), seq)
+            self._stop.wait(max(0.0, self.interval - (time.monotonic() - began)))
+
+    def answers(self) -> dict[str, Answer]:
+        with self._lock:
+            return dict(self._answers)
+
+    def silent_for(self, name: str, answer: Answer | None) -> float:
+        """Seconds since this node last answered at all (or since polling began)."""
+        return time.monotonic() - (answer.at if answer else self.started)
