@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sshcluster import SSHCluster  # noqa: E402
+from sshcluster import NODE_PYTHON, SSHCluster  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "launchers" / "probe.py"
@@ -29,7 +29,7 @@ def ssh_options(cluster: SSHCluster) -> list[str]:
 
 
 def probe_command(node) -> str:
-    return f"{sys.executable} - {node.workdir}"
+    return f"{NODE_PYTHON} - {node.workdir_setting}"
 
 
 def time_nodectl(cluster: SSHCluster, inventory: Path, count: int) -> float:
@@ -44,12 +44,12 @@ def time_nodectl(cluster: SSHCluster, inventory: Path, count: int) -> float:
 
 def time_pdsh(cluster: SSHCluster, count: int) -> float:
     hosts = ",".join(n.address for n in cluster.nodes[:count])
-    # pdsh's ssh module takes ssh options through PDSH_SSH_ARGS. pdsh forwards no stdin, so it runs the probe
-    # from its path (the loopback "nodes" share this file system); nodectl also ships it over stdin each time.
+    # pdsh's ssh module takes ssh options through PDSH_SSH_ARGS. pdsh forwards no stdin, so it runs a copy of the
+    # probe placed on every node beforehand (not timed); nodectl ships it over stdin each time.
     env = {**cluster.env(), "PDSH_SSH_ARGS": " ".join(ssh_options(cluster)) + " %h",
            "PDSH_RCMD_TYPE": "ssh"}
     started = time.perf_counter()
-    proc = subprocess.run(["pdsh", "-R", "ssh", "-f", "64", "-w", hosts, f"{sys.executable} {PROBE} /tmp"],
+    proc = subprocess.run(["pdsh", "-R", "ssh", "-f", "64", "-w", hosts, f"{NODE_PYTHON} ~/probe.py /tmp"],
                           stdin=subprocess.DEVNULL, env=env, capture_output=True, text=True, timeout=300)
     elapsed = time.perf_counter() - started
     if proc.stdout.count('"probe_version"') != count:
@@ -79,6 +79,8 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="nodectl-fanout-"))
     cluster = SSHCluster(root, count=max(args.sizes), first_octet=100).start()
     cluster.trust_host_keys()
+    for index in range(len(cluster.nodes)):  # the nodes see none of this machine's files
+        cluster.node_file(index, "probe.py", PROBE.read_text())
     rows = []
     try:
         for size in args.sizes:

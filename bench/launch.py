@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from launch_helpers import run_processes  # noqa: E402
-from sshcluster import SSHCluster  # noqa: E402
+from sshcluster import NODE_PYTHON, SSHCluster  # noqa: E402
 
 SCRIPT = """\
 import os, time
@@ -60,21 +60,21 @@ def time_nodectl(cluster: SSHCluster, inventory: Path, project: Path, size: int)
 
 
 def time_reference(cluster: SSHCluster, project: Path, size: int, port: int) -> float:
-    """The script users write today: one ssh per node, nohup torchrun in the background, logs to a file."""
-    folder = project / f"ref-{port}"
-    folder.mkdir()
+    """The script users write today: one ssh per node, nohup torchrun in the background, logs to a file. The
+    script was copied to every node beforehand (not timed: the reference is spared its scp)."""
+    folder = f"~/ref-{port}"
     ssh = ["ssh", "-i", str(cluster.identity), "-p", str(cluster.port), "-o", "BatchMode=yes",
            "-o", f"UserKnownHostsFile={cluster.home / '.ssh' / 'known_hosts'}"]
     started = time.perf_counter()
     procs = []
     for rank, node in enumerate(cluster.nodes[:size]):
-        remote = (f"cd {project} && nohup {sys.executable} -m torch.distributed.run --nnodes={size} "
+        remote = (f"mkdir -p {folder} && nohup {NODE_PYTHON} -m torch.distributed.run --nnodes={size} "
                   f"--node-rank={rank} --nproc-per-node=1 --master-addr={cluster.nodes[0].address} "
                   f"--master-port={port} bench_script.py > {folder}/rank{rank}.log 2>&1 < /dev/null &")
         procs.append(subprocess.Popen([*ssh, f"root@{node.address}", remote], env=cluster.env()))
     for proc in procs:
         proc.wait(timeout=120)
-    wait_lines([folder / f"rank{r}.log" for r in range(size)])
+    wait_lines([node.host_path(f"{folder}/rank{r}.log") for r, node in enumerate(cluster.nodes[:size])])
     elapsed = time.perf_counter() - started
     subprocess.run(["pkill", "-f", f"master-port={port}"], capture_output=True)
     return elapsed
@@ -105,6 +105,8 @@ def main() -> None:
     project = root / "project"
     project.mkdir()
     (project / "bench_script.py").write_text(SCRIPT)
+    for index in range(len(cluster.nodes)):  # for the reference, which has no sync of its own
+        cluster.node_file(index, "bench_script.py", SCRIPT)
     try:
         for size in args.sizes:
             inventory = cluster.inventory(root / f"hosts{size}.yaml", count=size, env={"HOLD": "120"})

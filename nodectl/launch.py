@@ -43,14 +43,18 @@ def settle_master_port(plan: LaunchPlan, cluster: Cluster) -> LaunchPlan:
 
 
 def shared_workdirs(plan: LaunchPlan, cluster: Cluster) -> frozenset[str]:
-    """Names of nodes whose workdir is the same storage as another node's (an NFS home): their run folders get
-    a per-node subfolder. Nodes that cannot be asked are left to the start, which reports them."""
+    """Names of nodes whose workdir is the same storage as another node's (an NFS home) and whose planned run
+    folders would therefore collide: they need a per-node subfolder. Empty when the folders are apart already
+    (several local "nodes" of one machine are planned apart). Nodes that cannot be asked are left to the start,
+    which reports them."""
     results = cluster.fan_out(lambda t: agent.call(t, "identity", t.node.workdir), [np.node for np in plan.nodes])
     seen: dict[str, list[str]] = {}
     for result in results:
         if result.ok:
             seen.setdefault(result.value["identity"], []).append(result.node.name)
-    return frozenset(name for names in seen.values() if len(names) > 1 for name in names)
+    shared = {name for names in seen.values() if len(names) > 1 for name in names}
+    run_dirs = [np.run_dir for np in plan.nodes if np.node.name in shared]
+    return frozenset(shared) if len(set(run_dirs)) < len(run_dirs) else frozenset()
 
 
 def _node_json(plan: LaunchPlan, node_plan: NodePlan) -> str:

@@ -24,7 +24,7 @@ class Failure:
     time: float = 0.0
     detail: str = ""
     last_lines: str = ""
-    unresponsive: list = field(default_factory=list)   # nodes not answering when the failure was decided
+    unresponsive: list = field(default_factory=list)   # nodes not answering lately when the failure was decided
 
     def describe(self) -> str:
         if self.kind == "rank":
@@ -67,20 +67,26 @@ def _guard(work):
     return wrapper
 
 
+SLOW_NODE_WAIT = 5.0   # seconds beyond the grace a node that was not answering gets to confirm a stop
+
+
 def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
-               skip: list[str] | tuple = ()) -> dict[str, NodeResult]:
-    """Stop the run on every node but those in `skip` (not answering: waiting on them would only delay)."""
-    by_name = {rn.node.name: rn for rn in run_nodes if rn.node.name not in skip}
+               slow: list[str] | tuple = ()) -> dict[str, NodeResult]:
+    """Stop the run on every node. Nodes in `slow` (not answering lately) get only SLOW_NODE_WAIT seconds beyond
+    the grace: a hung node must not hold up the report; its result then says it did not answer."""
+    by_name = {rn.node.name: rn for rn in run_nodes}
 
     def work(transport):
         rn = by_name[transport.node.name]
-        return agent.call(transport, "stop", rn.run_dir, request={"grace": grace}, timeout=grace + 30)
+        wait = SLOW_NODE_WAIT if rn.node.name in slow else 30
+        return agent.call(transport, "stop", rn.run_dir, request={"grace": grace}, timeout=grace + wait)
 
-    return {r.node.name: r for r in cluster.fan_out(_guard(work), [by_name[name].node for name in by_name])}
+    return {r.node.name: r for r in cluster.fan_out(_guard(work), [rn.node for rn in run_nodes])}
 
 
-def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int], lines: int) -> dict[int, dict]:
-    result = cluster.fan_out(_guard(lambda t: agent.call(t, "tail", run_node.run_dir,
+def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int], lines: int,
+               timeout: float = 30) -> dict[int, dict]:
+    result = cluster.fan_out(_guard(lambda t: agent.call(t, "tail", run_node.run_dir, timeout=timeout,
                                                          request={"ranks": ranks, "lines": lines})),
                              [run_node.node])[0]
     if not result.ok or "logs" not in (result.value or {}):
@@ -218,7 +224,7 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
     Every node is polled by a thread of its own (nodectl/poller.py) and decisions use each node's latest answer,
     so a node whose commands hang never delays what the others report; a node that has not answered properly
     for `lost_after` seconds (unreachable, erroring, or hanging) is lost. The failure lists the nodes that were
-    not answering then (`unresponsive`), which the caller should not wait on when it stops the run."""
+    not answering lately (`unresponsive`): the caller gives those only a short wait when it stops the run."""
     offsets = (lambda: dict(stream.offsets)) if stream else dict
     seen: dict[str, int] = {}
     last_good: dict[str, float] = {}

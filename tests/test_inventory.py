@@ -52,7 +52,7 @@ def test_select_first_n_after_exclude():
 
 
 @pytest.mark.parametrize("text,needle,line", [
-    ("nodes:\n  - host: a\n    gpus: eight\n", "nodes[0].gpus: a positive integer", 3),
+    ("nodes:\n  - host: a\n    gpus: eight\n", "nodes[0].gpus: an integer 1-1024", 3),
     ("nodes:\n  - host: a\n  - host: b\n    colour: red\n", "nodes[1].colour: unknown key", 4),
     ("nodes:\n  - host: a\n  - host: a\n", "duplicate node name 'a'", 3),
     ("nodes:\n  - name: x\n", "nodes[0].host", 2),

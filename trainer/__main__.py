@@ -24,6 +24,10 @@ def main(argv: list[str] | None = None) -> int:
         from .loop import train
 
         train(recipe)
+        import torch.distributed as dist
+
+        if dist.is_initialized():  # no rank tears down its process group while another still uses it: gloo
+            dist.barrier()         # aborted a rank at exit ("terminate called without an active exception")
     except (ConfigError, DataError) as exc:
         if rank == 0:  # every rank reached the same verdict before any collective; one of them says it
             print(f"recipe error: {exc}", file=sys.stderr, flush=True)

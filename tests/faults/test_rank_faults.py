@@ -79,7 +79,9 @@ def test_controller_killed_the_run_goes_on_and_a_new_shell_manages_it(ssh_cluste
         assert len(run_processes(run_id)) >= 4  # the ranks live on
         status = run_nodectl(["--json", "status"], env=env, cwd=project)
         assert {r["state"] for r in status.json()["ranks"]} == {"running"}
-        assert "rank 1 up" in run_nodectl(["tail", "rank1"], env=env, cwd=project).stdout
+        # from a new shell: the rank may still be importing torch, so wait for its line
+        wait_for(lambda: "rank 1 up" in run_nodectl(["tail", "rank1"], env=env, cwd=project).stdout, timeout=60,
+                 interval=1)
         assert run_nodectl(["stop", "--grace", "1"], env=env, cwd=project).exit_code == 0
         assert run_processes(run_id) == []
     finally:

@@ -1,0 +1,158 @@
+"""Sending a project to N nodes: nodectl against pdcp and a parallel scp, side by side in one run, on N loopback
+SSH nodes that share nothing with this machine (tests/sshcluster.py), with the controller's peak memory.
+
+    python bench/sync.py --nodes 32 --mb 200 --repeats 2
+
+  * nodectl: `nodectl launch --skip-preflight --detach` of a script that exits at once: the whole sync (content
+    hashes, the store check, the streamed tar, the run folder on every node) plus the detached start. Each
+    repeat starts from empty node stores, so every byte is sent again.
+  * pdcp -r (pdsh's copy, fan-out N) and `scp -r` to every node at once: copy only.
+Peak RSS: the nodectl process (or pdcp, or the sum of the scp processes), sampled every 50 ms.
+Needs openssh-server and pdsh (apt-get install pdsh); runs as root.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from sshcluster import SSHCluster  # noqa: E402
+
+
+def ssh_options(cluster: SSHCluster) -> list[str]:
+    return ["-i", str(cluster.identity), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes",
+            "-o", f"UserKnownHostsFile={cluster.home / '.ssh' / 'known_hosts'}"]
+
+
+class PeakRSS:
+    """The largest resident set of a process and its children, sampled while it runs."""
+
+    def __init__(self, pids) -> None:
+        self.pids, self.peak, self._stop = pids, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for pid in self.pids():
+                try:
+                    process = psutil.Process(pid)
+                    total += sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+                except psutil.Error:
+                    continue
+            self.peak = max(self.peak, total)
+            self._stop.wait(0.05)
+
+    def __enter__(self) -> "PeakRSS":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def fresh_nodes(cluster: SSHCluster, count: int) -> None:
+    for node in cluster.nodes[:count]:
+        for folder in (node.workdir, node.home_dir / "pdcp", node.home_dir / "scp"):
+            shutil.rmtree(folder, ignore_errors=True)
+        (node.home_dir / "pdcp").mkdir()
+
+
+def time_nodectl(cluster: SSHCluster, inventory: Path, project: Path, count: int, size: int) -> tuple[float, int]:
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", str(inventory), "launch", "--skip-preflight",
+                             "--detach", "--sync-limit", "100000", "--", "quick.py"], cwd=project, env=cluster.env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with PeakRSS(lambda: [proc.pid]) as rss:
+        out, err = proc.communicate(timeout=1200)
+    elapsed = time.perf_counter() - started
+    run_id = sorted(p.name for p in (project / "runs").iterdir() if p.name[0].isdigit())[-1]
+    arrived = [n.workdir / "runs" / run_id / "code" / "payload.bin" for n in cluster.nodes[:count]]
+    if proc.returncode or not all(p.is_file() and p.stat().st_size == size for p in arrived):
+        raise RuntimeError(f"nodectl did not deliver everywhere: {err[-1500:]}")
+    return elapsed, rss.peak
+
+
+def time_pdcp(cluster: SSHCluster, project: Path, count: int, size: int) -> tuple[float, int]:
+    hosts = ",".join(n.address for n in cluster.nodes[:count])
+    env = {**cluster.env(), "PDSH_SSH_ARGS": " ".join(ssh_options(cluster) + ["-p", str(cluster.port)]) + " %h",
+           "PDSH_RCMD_TYPE": "ssh"}
+    started = time.perf_counter()
+    proc = subprocess.Popen(["pdcp", "-R", "ssh", "-f", str(count), "-w", hosts, "-r", str(project / "code"),
+                             "/root/pdcp/"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with PeakRSS(lambda: [proc.pid]) as rss:
+        out, err = proc.communicate(timeout=1200)
+    elapsed = time.perf_counter() - started
+    arrived = [n.home_dir / "pdcp" / "code" / "payload.bin" for n in cluster.nodes[:count]]
+    if proc.returncode or not all(p.is_file() and p.stat().st_size == size for p in arrived):
+        raise RuntimeError(f"pdcp did not deliver everywhere: {err[-1500:]}")
+    return elapsed, rss.peak
+
+
+def time_scp(cluster: SSHCluster, project: Path, count: int, size: int) -> tuple[float, int]:
+    started = time.perf_counter()
+    procs = [subprocess.Popen(["scp", "-q", "-r", *ssh_options(cluster), "-P", str(cluster.port),
+                               str(project / "code"), f"root@{node.address}:/root/scp"], env=cluster.env(),
+                              stderr=subprocess.PIPE) for node in cluster.nodes[:count]]
+    with PeakRSS(lambda: [p.pid for p in procs if p.poll() is None]) as rss:
+        codes = [p.wait(timeout=1200) for p in procs]
+    elapsed = time.perf_counter() - started
+    arrived = [n.home_dir / "scp" / "payload.bin" for n in cluster.nodes[:count]]
+    if any(codes) or not all(p.is_file() and p.stat().st_size == size for p in arrived):
+        raise RuntimeError(f"scp did not deliver everywhere: {[p.stderr.read()[-300:] for p in procs if p.returncode]}")
+    return elapsed, rss.peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nodes", type=int, default=32)
+    parser.add_argument("--mb", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    if not shutil.which("pdcp"):
+        sys.exit("pdcp is not installed (apt-get install pdsh)")
+    root = Path(tempfile.mkdtemp(prefix="nodectl-sync-"))
+    project = root / "project"
+    (project / "code").mkdir(parents=True)
+    size = args.mb << 20
+    with open(project / "code" / "payload.bin", "wb") as handle:  # incompressible, like weights or data
+        block = os.urandom(1 << 20)
+        for i in range(args.mb):
+            handle.write(bytes([i % 256]) + block[1:])
+    (project / "quick.py").write_text("print('started')\n")
+    cluster = SSHCluster(root / "cluster", count=args.nodes, first_octet=120).start()
+    cluster.trust_host_keys()
+    inventory = cluster.inventory(root / "hosts.yaml")
+    results: dict[str, list] = {"nodectl": [], "pdcp": [], "scp": []}
+    try:
+        for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits all three alike
+            for name, run in (("nodectl", lambda: time_nodectl(cluster, inventory, project, args.nodes, size)),
+                              ("pdcp", lambda: time_pdcp(cluster, project, args.nodes, size)),
+                              ("scp", lambda: time_scp(cluster, project, args.nodes, size))):
+                fresh_nodes(cluster, args.nodes)
+                results[name].append(run())
+                print(f"   {name}: {results[name][-1][0]:.1f}s, peak RSS {results[name][-1][1] >> 20} MiB", flush=True)
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    medians = {name: statistics.median(t for t, _ in runs) for name, runs in results.items()}
+    best = min(medians["pdcp"], medians["scp"])
+    print(f"\n{args.mb} MiB to {args.nodes} nodes, median of {args.repeats} (machine: {os.cpu_count()} cores):")
+    for name, runs in results.items():
+        print(f"   {name:8} {medians[name]:6.1f}s  {medians[name] / best:5.2f}x the faster reference  "
+              f"peak RSS {max(r for _, r in runs) >> 20} MiB")
+
+
+if __name__ == "__main__":
+    main()
