@@ -78,7 +78,7 @@ def time_nodectl(cluster: SSHCluster, inventory: Path, project: Path, count: int
         out, err = proc.communicate(timeout=1200)
     elapsed = time.perf_counter() - started
     run_id = sorted(p.name for p in (project / "runs").iterdir() if p.name[0].isdigit())[-1]
-    arrived = [n.workdir / "runs" / run_id / "code" / "payload.bin" for n in cluster.nodes[:count]]
+    arrived = [n.workdir / "runs" / run_id / "code" / "code" / "payload.bin" for n in cluster.nodes[:count]]
     if proc.returncode or not all(p.is_file() and p.stat().st_size == size for p in arrived):
         raise RuntimeError(f"nodectl did not deliver everywhere: {err[-1500:]}")
     return elapsed, rss.peak

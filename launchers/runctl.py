@@ -105,8 +105,11 @@ def cmd_prepare(args: list, request: dict) -> dict:
         if os.path.commonpath([real_run_dir, os.path.realpath(target)]) != real_run_dir:
             raise ValueError(f"path {entry['path']!r} leaves the run folder")
         os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
-        with open(os.path.join(store, entry["sha256"]), "rb") as source:
-            _, tmp = _private_copy(source, target, executable=bool(entry.get("mode", 0) & 0o111))
+        mode = 0o700 if entry.get("mode", 0) & 0o111 else 0o600
+        tmp = f"{target}.{os.getpid()}.tmp"
+        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode))  # private before any byte lands
+        shutil.copyfile(os.path.join(store, entry["sha256"]), tmp)  # in-kernel copy; the store was hash-checked
+        os.chmod(tmp, mode)
         os.replace(tmp, target)
     for name, spec in request["rendered"].items():
         _write(os.path.join(run_dir, name), spec["text"], spec["mode"])

@@ -229,7 +229,13 @@ class SSHTransport(Transport):
         command = to_command(argv)
         limit = timeout or self.options.command_timeout
         with self._channel(command) as channel:
-            produce(lambda block: _send(channel, block, limit))
+            try:
+                produce(lambda block: _send(channel, block, limit))
+            except (EOFError, OSError):
+                if not channel.exit_status_ready():
+                    raise
+                # the command ended before reading everything: its own answer says why
+                return CommandResult(command, *_finish(channel, limit))
             channel.shutdown_write()
             return CommandResult(command, *_finish(channel, limit))
 
