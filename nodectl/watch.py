@@ -24,7 +24,6 @@ class Failure:
     time: float = 0.0
     detail: str = ""
     last_lines: str = ""
-    unresponsive: list = field(default_factory=list)   # nodes not answering lately when the failure was decided
 
     def describe(self) -> str:
         if self.kind == "rank":
@@ -67,19 +66,17 @@ def _guard(work):
     return wrapper
 
 
-SLOW_NODE_WAIT = 5.0   # seconds beyond the grace a node that was not answering gets to confirm a stop
+STOP_SLACK = 10.0   # seconds beyond the grace a node gets to confirm a stop (runctl needs at most grace + ~6)
 
 
-def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
-               slow: list[str] | tuple = ()) -> dict[str, NodeResult]:
-    """Stop the run on every node. Nodes in `slow` (not answering lately) get only SLOW_NODE_WAIT seconds beyond
-    the grace: a hung node must not hold up the report; its result then says it did not answer."""
+def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float) -> dict[str, NodeResult]:
+    """Stop the run on every node, waiting at most grace + STOP_SLACK on each: a hung node must not hold up the
+    report; its result then says it did not answer."""
     by_name = {rn.node.name: rn for rn in run_nodes}
 
     def work(transport):
         rn = by_name[transport.node.name]
-        wait = SLOW_NODE_WAIT if rn.node.name in slow else 30
-        return agent.call(transport, "stop", rn.run_dir, request={"grace": grace}, timeout=grace + wait)
+        return agent.call(transport, "stop", rn.run_dir, request={"grace": grace}, timeout=grace + STOP_SLACK)
 
     return {r.node.name: r for r in cluster.fan_out(_guard(work), [rn.node for rn in run_nodes])}
 
@@ -223,8 +220,7 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
 
     Every node is polled by a thread of its own (nodectl/poller.py) and decisions use each node's latest answer,
     so a node whose commands hang never delays what the others report; a node that has not answered properly
-    for `lost_after` seconds (unreachable, erroring, or hanging) is lost. The failure lists the nodes that were
-    not answering lately (`unresponsive`): the caller gives those only a short wait when it stops the run."""
+    for `lost_after` seconds (unreachable, erroring, or hanging) is lost."""
     offsets = (lambda: dict(stream.offsets)) if stream else dict
     seen: dict[str, int] = {}
     last_good: dict[str, float] = {}
@@ -243,12 +239,7 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
             if outcome is None:
                 outcome = _lost_node(run_nodes, answers, last_good, poller.started, lost_after)
             if outcome:
-                if isinstance(outcome, Failure):
-                    now = time.monotonic()
-                    outcome.unresponsive = [rn.node.name for rn in run_nodes
-                                            if now - last_good.get(rn.node.name, poller.started) > 3 * interval + 2]
-                    return "failed", outcome
-                return outcome, None
+                return ("failed", outcome) if isinstance(outcome, Failure) else (outcome, None)
 
 
 def _judge(states: dict[str, NodeResult], nodes: int, restarts: int, stall_after) -> Failure | str | None:

@@ -22,7 +22,7 @@ from nodectl.launch import settle_master_port, shared_workdirs, start_run
 from nodectl.plan import LaunchPlan, build_plan
 from nodectl.render import render_plan
 from nodectl.runs import Run, create_run, git_revision, open_run
-from nodectl.watch import SLOW_NODE_WAIT, LogStream, poll, stop_nodes, tail_lines, wait_for_end
+from nodectl.watch import STOP_SLACK, LogStream, poll, stop_nodes, tail_lines, wait_for_end
 
 
 def _check_command(args: tuple[str, ...], files: list[sync.SyncFile], sync_dir: str) -> tuple[str, ...]:
@@ -271,15 +271,14 @@ def _watch(app, run: Run, plan: LaunchPlan, cluster, follow: str, grace: float, 
 
 def _fail(app, run: Run, plan: LaunchPlan, cluster, run_nodes, failure, grace: float) -> None:
     app.err.print(f"[red]{escape(failure.describe())}[/]; stopping the run on every node")
-    stopped = stop_nodes(cluster, run_nodes, grace, slow=failure.unresponsive)
+    stopped = stop_nodes(cluster, run_nodes, grace)
     for name, result in stopped.items():
         if not result.ok or "error" in (result.value or {}):
             app.err.print(f"{escape(name)} is not answering: its processes may still run; when it is back: "
                           f"nodectl stop --run {plan.run_id}")
     if failure.rank is not None:
         rn = next(rn for rn in run_nodes if failure.rank in rn.ranks)
-        slow = rn.node.name in failure.unresponsive
-        logs = tail_lines(cluster, rn, [failure.rank], 20, timeout=SLOW_NODE_WAIT if slow else 30)
+        logs = tail_lines(cluster, rn, [failure.rank], 20, timeout=STOP_SLACK)
         failure.last_lines = logs.get(failure.rank, {}).get("text", "")
     left = {name: (r.value or {}).get("left") for name, r in stopped.items() if r.ok}
     run.update(state="failed", ended=time.time(),
