@@ -30,14 +30,28 @@ def agent_path(workdir: str) -> str:
 MISSING = "NODECTL-RUNCTL-MISSING"
 
 
+def _invocation(node, command: str, args: tuple[str, ...]) -> str:
+    return " ".join([quote_path(node.python), quote_path(agent_path(node.workdir)), shlex.quote(command),
+                     *(quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args)])
+
+
+def _answer(node, command: str, result) -> dict:
+    """runctl's JSON answer (after any login banner), or the reason there is none."""
+    answer = last_json(result.stdout)
+    if answer is None:
+        raise AgentError(explain_failure(node, f"`runctl {command}`", result))
+    if answer.get("error"):
+        raise AgentError(f"{node.name}: {answer['error']}")
+    return answer
+
+
 def call(transport: Transport, command: str, *args: str, request: dict | None = None,
          timeout: float = AGENT_TIMEOUT) -> dict:
     """Run one runctl subcommand on the node, installing runctl first if this version is not there yet."""
     node = transport.node
     path = agent_path(node.workdir)
     body = json.dumps(request or {})
-    invocation = " ".join([quote_path(node.python), quote_path(path), shlex.quote(command),
-                           *(quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args)])
+    invocation = _invocation(node, command, args)
     # Usually one round trip. Only when this version of runctl is not on the node yet (the marker comes back;
     # a login banner may come with it) does a second command install it from stdin, and a third repeat the call.
     result = transport.run(f"if [ -f {quote_path(path)} ]; then {invocation}; else echo {MISSING}; fi",
@@ -45,27 +59,14 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
     if MISSING in result.stdout.splitlines():
         _install(transport, path, timeout)
         result = transport.run(invocation, stdin=body, timeout=timeout)
-    answer = last_json(result.stdout)
-    if answer is None:
-        raise AgentError(explain_failure(node, f"`runctl {command}`", result))
-    if answer.get("error"):
-        raise AgentError(f"{node.name}: {answer['error']}")
-    return answer
+    return _answer(node, command, result)
 
 
 def call_stream(transport: Transport, command: str, *args: str, produce, timeout: float = AGENT_TIMEOUT) -> dict:
     """Like `call`, for a subcommand that reads a stream (produce(write) writes it); runctl must be installed
     already (any earlier `call` installs it)."""
-    node = transport.node
-    invocation = " ".join([quote_path(node.python), quote_path(agent_path(node.workdir)), shlex.quote(command),
-                           *(quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args)])
-    result = transport.run_stream(invocation, produce, timeout=timeout)
-    answer = last_json(result.stdout)
-    if answer is None:
-        raise AgentError(explain_failure(node, f"`runctl {command}`", result))
-    if answer.get("error"):
-        raise AgentError(f"{node.name}: {answer['error']}")
-    return answer
+    result = transport.run_stream(_invocation(transport.node, command, args), produce, timeout=timeout)
+    return _answer(transport.node, command, result)
 
 
 def _install(transport: Transport, path: str, timeout: float) -> None:
