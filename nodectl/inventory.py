@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import yaml
 
+from nodectl import hostlist
 from nodectl.errors import InventoryError, UsageError
 
 NODE_KEYS = {"user", "port", "identity_file", "gpus", "device", "python", "workdir", "env", "transport"}
@@ -65,12 +66,23 @@ class Inventory:
     master_port: int | None = None
     builtin: bool = False
 
-    def select(self, count: int | None = None, exclude: tuple[str, ...] = ()) -> "Inventory":
-        """The first `count` nodes after dropping `exclude` (names or hosts), in node-rank order."""
-        unknown = [x for x in exclude if not any(x in (n.name, n.host) for n in self.nodes)]
-        if unknown:
-            raise UsageError(f"--exclude names no node of {self.source}: {', '.join(unknown)}; "
-                             f"nodes are {', '.join(n.name for n in self.nodes)}")
+    def select(self, count: int | tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()) -> "Inventory":
+        """The first `count` nodes after dropping `exclude` (names or hosts), in node-rank order; or, where
+        `count` is a tuple of names, hosts or ranges, those nodes (still in node-rank order)."""
+        exclude = tuple(name for item in exclude for name in hostlist.expand(item))
+        if isinstance(count, tuple):
+            count = tuple(name for item in count for name in hostlist.expand(item))
+        for option, names in (("--exclude", exclude), ("--nodes", count if isinstance(count, tuple) else ())):
+            unknown = [x for x in names if not any(x in (n.name, n.host) for n in self.nodes)]
+            if unknown:
+                raise UsageError(f"{option} names no node of {self.source}: {hostlist.fold(unknown)}; "
+                                 f"nodes are {hostlist.fold([n.name for n in self.nodes])}")
+        if isinstance(count, tuple):
+            kept = [n for n in self.nodes if (n.name in count or n.host in count)
+                    and n.name not in exclude and n.host not in exclude]
+            if not kept:
+                raise UsageError("--nodes and --exclude leave no node")
+            return replace(self, nodes=tuple(kept))
         if self.builtin and count and count > len(self.nodes):
             return builtin_inventory(count=count, template=self.nodes[0])
         kept = [n for n in self.nodes if n.name not in exclude and n.host not in exclude]
@@ -243,12 +255,21 @@ class _Parser:
         defaults = doc.get("defaults") or {}
         if not isinstance(defaults, dict):
             self.fail("defaults", "a mapping of node settings", doc, "defaults")
+        for key in defaults:
+            if key not in NODE_KEYS:
+                hint = " (host, name and addr belong to each node)" if key in ("host", "name", "addr") else ""
+                self.fail(f"defaults.{key}", f"unknown key{hint}; expected one of {', '.join(sorted(NODE_KEYS))}",
+                          defaults, key)
         self.settings(defaults, "defaults")
         raw_nodes = doc.get("nodes")
         if not isinstance(raw_nodes, list) or not raw_nodes:
             self.fail("nodes", "a non-empty list of nodes, each with a 'host:'", doc, "nodes")
         if len(raw_nodes) > MAX_NODES:
             self.fail("nodes", f"at most {MAX_NODES} nodes, got {len(raw_nodes)}", doc, "nodes")
+        raw_nodes = [one for index, raw in enumerate(raw_nodes) for one in self.expand(raw, index, doc)]
+        if len(raw_nodes) > MAX_NODES:
+            self.fail("nodes", f"at most {MAX_NODES} nodes, got {len(raw_nodes)} once ranges are expanded", doc,
+                      "nodes")
         nodes, names = [], set()
         for index, raw in enumerate(raw_nodes):
             node = self.node(raw, index, defaults, doc)
@@ -257,6 +278,29 @@ class _Parser:
             names.add(node.name)
             nodes.append(node)
         return Inventory(nodes=tuple(nodes), source=self.source, master_port=master_port)
+
+    def expand(self, raw: Any, index: int, doc: dict) -> list[Any]:
+        """`host: gpu[01-16]` is sixteen nodes; `name:` and `addr:` then hold a range of the same length (or are
+        left out). Each copy keeps the entry's line numbers for later messages."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("host"), str) or "[" not in raw["host"]:
+            return [raw]
+        try:
+            lists = {key: hostlist.expand(raw[key]) for key in ("host", "name", "addr")
+                     if isinstance(raw.get(key), str)}
+        except UsageError as exc:
+            self.fail(f"nodes[{index}].host", str(exc), raw, "host")
+        count = len(lists["host"])
+        for key, names in lists.items():
+            if len(names) != count:
+                self.fail(f"nodes[{index}].{key}", f"a range of {count} names like host's (or no {key}:), "
+                          f"got {len(names)}", raw, key)
+        copies = []
+        for i in range(count):
+            copy = _LineMap(raw)
+            copy.line, copy.key_lines = getattr(raw, "line", None), getattr(raw, "key_lines", {})
+            copy.update({key: names[i] for key, names in lists.items()})
+            copies.append(copy)
+        return copies
 
     def node(self, raw: Any, index: int, defaults: dict, doc: dict) -> Node:
         where = f"nodes[{index}]"

@@ -55,6 +55,7 @@ class LaunchPlan:
     config: str | None
     max_restarts: int = 0
     attempt: int = 0
+    overrides: tuple[str, ...] = ()  # the built-in trainer's --set section.key=value, in order
     created: float = field(default_factory=time.time)
 
     @property
@@ -137,6 +138,7 @@ def _cuda_devices(plan_nodes: list[tuple[Node, int]], visible: str | None) -> di
 
 def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ...], sync_dir: str,
                config: str | None = None, run_id: str | None = None, max_restarts: int = 0,
+               overrides: tuple[str, ...] = (),
                facts: Mapping[str, dict] | None = None, shared_workdirs: frozenset[str] = frozenset()) -> LaunchPlan:
     """Decide ranks, addresses, ports, folders and environments. Reads no node (only this process's
     CUDA_VISIBLE_DEVICES, for local nodes); `facts` are probe reports from the preflight that just ran, when
@@ -152,7 +154,8 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
     if builtin:
         # The recipe travels with the run (config/<name> in the run folder; ranks start in code/): the
         # controller's path means nothing on a node.
-        command = ("-m", BUILTIN_TRAINER_MODULE, *(("--config", f"../config/{Path(config).name}") if config else ()))
+        command = ("-m", BUILTIN_TRAINER_MODULE, *(("--config", f"../config/{Path(config).name}") if config else ()),
+                   *(word for assignment in overrides for word in ("--set", assignment)))
     per_node = [(n, gpus or n.gpus or 1) for n in nodes]
     homes = [(n.host, n.port, n.user, n.workdir) for n in nodes]
     port, chosen = _pick_port(inventory)
@@ -177,7 +180,7 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
     return LaunchPlan(run_id=run_id, nodes=tuple(node_plans), backend="gloo" if devices == {"cpu"} else "nccl",
                       master_addr=nodes[0].addr, master_port=port, port_was_chosen=chosen, command=tuple(command),
                       sync_dir=os.path.abspath(sync_dir), builtin_trainer=builtin, config=config,
-                      max_restarts=max_restarts)
+                      max_restarts=max_restarts, overrides=tuple(overrides))
 
 
 def with_port(plan: LaunchPlan, port: int) -> LaunchPlan:

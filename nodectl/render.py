@@ -82,8 +82,9 @@ def _render_node(environment: jinja2.Environment, name: str, plan: LaunchPlan, n
     context = {"plan": plan, "np": np, "version": __version__}
     try:
         launch = environment.get_template(name).render(**context)
-        env_text = environment.get_template(ENV_TEMPLATE).render(env=dict(np.env), **context)
-        redacted = environment.get_template(ENV_TEMPLATE).render(env=redact_env(dict(np.env)), **context)
+        env = {**np.env, "NODECTL_ATTEMPT": str(plan.attempt)}  # 0, then 1, 2, ... for --resume and restarts
+        env_text = environment.get_template(ENV_TEMPLATE).render(env=env, **context)
+        redacted = environment.get_template(ENV_TEMPLATE).render(env=redact_env(env), **context)
     except jinja2.UndefinedError as exc:
         raise UsageError(f"template {name}: {exc.message} (undefined variable)") from None
     except jinja2.TemplateError as exc:

@@ -24,6 +24,7 @@ class Failure:
     time: float = 0.0
     detail: str = ""
     last_lines: str = ""
+    processes_left: dict = field(default_factory=dict)
 
     def describe(self) -> str:
         if self.kind == "rank":
@@ -91,10 +92,8 @@ def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int], lines: int
     return {int(rank): entry for rank, entry in result.value["logs"].items()}
 
 
-def rank_failures(states: dict[str, NodeResult], restarts: int = 0) -> list[Failure]:
-    """Ranks that exited non-zero, and torchruns that failed without any rank failing, oldest first. With
-    torchrun restarts allowed, a failed rank is torchrun's to restart: only a torchrun that gave up counts
-    (reported with the rank that failed last on that node)."""
+def rank_failures(states: dict[str, NodeResult]) -> list[Failure]:
+    """Ranks that exited non-zero, and torchruns that failed without any rank failing, oldest first."""
     failures = []
     for name, result in states.items():
         answer = result.value if result.ok else None
@@ -103,12 +102,9 @@ def rank_failures(states: dict[str, NodeResult], restarts: int = 0) -> list[Fail
         failed_ranks = [Failure("rank", name, rank["rank"], rank["exit"]["code"], rank["exit"].get("time", 0))
                         for rank in answer["ranks"] if rank.get("exit") and rank["exit"].get("code") not in (0, None)]
         launcher = answer.get("launcher_exit")
-        launcher_failed = launcher and launcher.get("code") not in (0, None)
-        if restarts and failed_ranks:
-            failures += [max(failed_ranks, key=lambda f: f.time)] if launcher_failed else []
-        elif failed_ranks:
+        if failed_ranks:
             failures += failed_ranks
-        elif launcher_failed:
+        elif launcher and launcher.get("code") not in (0, None):
             failures.append(Failure("launcher", name, None, launcher["code"], launcher.get("time", 0),
                                     "(see logs/launcher.log on the node)"))
     return sorted(failures, key=lambda f: (f.time, f.rank if f.rank is not None else 1 << 30))
@@ -214,8 +210,7 @@ class LogStream:
 
 
 def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream | None, *, interval: float = 1.0,
-                 lost_after: float = 15.0, stall_after: float | None = None,
-                 restarts: int = 0) -> tuple[str, Failure | None]:
+                 lost_after: float = 15.0, stall_after: float | None = None) -> tuple[str, Failure | None]:
     """Watch until the run succeeds ('succeeded') or something fails ('failed' with the first failure).
 
     Every node is polled by a thread of its own (nodectl/poller.py) and decisions use each node's latest answer,
@@ -235,16 +230,16 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
                     last_good[name] = a.at
             if stream:
                 stream.feed(fresh)
-            outcome = _judge({name: a.result for name, a in answers.items()}, len(run_nodes), restarts, stall_after)
+            outcome = _judge({name: a.result for name, a in answers.items()}, len(run_nodes), stall_after)
             if outcome is None:
                 outcome = _lost_node(run_nodes, answers, last_good, poller.started, lost_after)
             if outcome:
                 return ("failed", outcome) if isinstance(outcome, Failure) else (outcome, None)
 
 
-def _judge(states: dict[str, NodeResult], nodes: int, restarts: int, stall_after) -> Failure | str | None:
+def _judge(states: dict[str, NodeResult], nodes: int, stall_after) -> Failure | str | None:
     """The first failure in the latest answers, "succeeded" when every node says so, else None."""
-    failures = rank_failures(states, restarts)
+    failures = rank_failures(states)
     if failures:
         return failures[0]
     for check in (_stalled_rank(states, stall_after), _vanished(states)):

@@ -16,7 +16,7 @@ total = torch.tensor([rank + 1.0]); dist.all_reduce(total)
 print(f"rank={rank} world={dist.get_world_size()} node={os.environ['NODECTL_NODE_RANK']} sum={total.item():g}",
       flush=True)
 print("ARGS=" + repr(sys.argv[1:]), flush=True)
-restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+restart = int(os.environ.get("NODECTL_ATTEMPT", "0"))
 if os.environ.get("FAIL_RANK") == str(rank) and restart < int(os.environ.get("FAIL_TIMES", "1000")):
     time.sleep(float(os.environ.get("FAIL_AFTER", "1")))
     print("rank is failing on purpose", flush=True)

@@ -51,8 +51,37 @@ def test_select_first_n_after_exclude():
         inv.select(exclude=("nope",))
 
 
+def test_host_ranges_expand_with_padding_and_names_alongside():
+    inv = parse_inventory("defaults: {gpus: 4}\nnodes:\n  - host: 10.0.0.[9-11]\n    name: gpu[08-10]\n"
+                          "  - host: login\n  - host: rack[1-2]-n[1,3]\n", "hosts.yaml")
+    assert [(n.name, n.host, n.index) for n in inv.nodes][:4] == [
+        ("gpu08", "10.0.0.9", 0), ("gpu09", "10.0.0.10", 1), ("gpu10", "10.0.0.11", 2), ("login", "login", 3)]
+    assert [n.name for n in inv.nodes][4:] == ["rack1-n1", "rack1-n3", "rack2-n1", "rack2-n3"]
+    assert all(n.gpus == 4 for n in inv.nodes)
+    assert [n.name for n in inv.select(("gpu[09-10]", "rack2-n1")).nodes] == ["gpu09", "gpu10", "rack2-n1"]
+    assert [n.name for n in inv.select(2, exclude=("gpu[08-09]",)).nodes] == ["gpu10", "login"]
+    with pytest.raises(UsageError, match=r"--nodes names no node of hosts.yaml: gpu\[11-12\]"):
+        inv.select(("gpu11", "gpu12"))
+
+
+def test_hostlist_expands_splits_and_folds():
+    from nodectl.hostlist import expand, expand_list, fold
+
+    assert expand("n[01-03,7]") == ["n01", "n02", "n03", "n7"]
+    assert expand_list("a,n[1,3-4],b") == ["a", "n1", "n3", "n4", "b"]
+    assert fold(["n01", "n02", "n03", "n05", "login", "gpu1", "gpu2"]) == "n[01-03,05],gpu[1-2],login"
+    for bad in ("n[3-1]", "n[a-b]", "n[1-2", "n[0-99999]"):
+        with pytest.raises(UsageError, match="host range"):
+            expand(bad)
+
+
 @pytest.mark.parametrize("text,needle,line", [
     ("nodes:\n  - host: a\n    gpus: eight\n", "nodes[0].gpus: an integer 1-1024", 3),
+    ("defaults:\n  gpu: 8\nnodes: [{host: a}]\n", "defaults.gpu: unknown key", 2),
+    ("defaults:\n  host: x\nnodes: [{host: a}]\n", "host, name and addr belong to each node", 2),
+    ("nodes:\n  - host: n[1-3]\n    name: m[1-2]\n", "nodes[0].name: a range of 3 names", 3),
+    ("nodes:\n  - host: n[2-1]\n", "runs backwards", 2),
+    ("nodes:\n  - host: n[1-2]\n  - host: n2\n", "duplicate node name 'n2'", 3),
     ("nodes:\n  - host: a\n  - host: b\n    colour: red\n", "nodes[1].colour: unknown key", 4),
     ("nodes:\n  - host: a\n  - host: a\n", "duplicate node name 'a'", 3),
     ("nodes:\n  - name: x\n", "nodes[0].host", 2),

@@ -281,23 +281,6 @@ def test_run_state_is_right_and_runs_are_found_from_any_folder(ssh_cluster, proj
         kill_leftovers(run_id)
 
 
-def test_with_restarts_allowed_a_failed_rank_is_torchruns_to_restart():
-    """The watcher rule --max-restarts needs (it stopped the run before torchrun could restart the rank): a rank
-    failure counts only once torchrun itself gave up. (An end-to-end restart test was flaky in CI: torchrun gave
-    up once after one restart under load; see the issue note.)"""
-    from nodectl.transport import NodeResult
-    from nodectl.watch import rank_failures
-
-    def states(launcher_exit):
-        ranks = [{"rank": 0, "exit": {"code": -15, "time": 2.0}}, {"rank": 1, "exit": {"code": 7, "time": 1.0}}]
-        return {"node0": NodeResult(None, value={"ranks": ranks, "launcher_exit": launcher_exit})}
-
-    assert rank_failures(states(None), restarts=1) == []                   # torchrun is restarting them
-    assert [f.rank for f in rank_failures(states(None), restarts=0)] == [1, 0]   # fail-fast: the first failure
-    gave_up = rank_failures(states({"code": 1, "time": 3.0}), restarts=1)
-    assert len(gave_up) == 1 and gave_up[0].rank == 0 and gave_up[0].code == -15
-
-
 def test_a_home_shared_by_two_nodes_gives_each_its_own_run_folder(tmp_path_factory, tmp_path):
     cluster = make_cluster(tmp_path_factory, 2, first_octet=40, specs={1: NodeSpec(share_home_with=0)})
     cluster.trust_host_keys()

@@ -148,8 +148,10 @@ def _set_override(document: dict, assignment: str) -> None:
 DEMO_RECIPE = Path(__file__).with_name("demo.yaml")
 
 
-def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
-    """The recipe at `path` (the built-in demo recipe when None) with `section.key=value` overrides."""
+def load_recipe(path: str | None, overrides: list[str] = (), node_files: bool = True) -> Recipe:
+    """The recipe at `path` (the built-in demo recipe when None) with `section.key=value` overrides.
+    node_files=False skips the checks of model and data paths, which name files on the nodes (nodectl checks
+    a recipe on the controller before any node is touched)."""
     path = path or str(DEMO_RECIPE)
     document: Any = {}
     if path:
@@ -175,11 +177,11 @@ def load_recipe(path: str | None, overrides: list[str] = ()) -> Recipe:
                 raise ConfigError(f"{section}.{key}: unknown key; expected one of {', '.join(known)}")
         built[section] = SECTIONS[section](**{k: _coerce(section, known[k], v) for k, v in values.items()})
     recipe = Recipe(**built)
-    _check(recipe)
+    _check(recipe, node_files)
     return recipe
 
 
-def _check(recipe: Recipe) -> None:
+def _check(recipe: Recipe, node_files: bool = True) -> None:
     positive = {"train.steps": recipe.train.steps, "train.micro_batch_size": recipe.train.micro_batch_size,
                 "train.grad_accum": recipe.train.grad_accum, "data.max_length": recipe.data.max_length,
                 "lora.r": recipe.lora.r, "train.log_every": recipe.train.log_every,
@@ -199,6 +201,8 @@ def _check(recipe: Recipe) -> None:
         raise ConfigError(f"model.compile_numerics: expected eager or fused, got {recipe.model.compile_numerics!r}")
     if not 0 <= recipe.lora.dropout < 1:
         raise ConfigError(f"lora.dropout: expected 0 <= dropout < 1, got {recipe.lora.dropout}")
+    if not node_files:
+        return
     if recipe.model.path != "demo" and not (Path(os.path.expanduser(recipe.model.path)) / "config.json").is_file():
         raise ConfigError(f"model.path: {recipe.model.path} has no config.json (a local Hugging Face model "
                           f"folder is expected; nothing is downloaded)")

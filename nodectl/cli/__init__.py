@@ -21,9 +21,58 @@ def quiet_libraries() -> None:
         logging.getLogger("paramiko").propagate = False
 
 
+GLOBAL_FLAGS = {"-q", "--quiet", "--json", "--accept-new-host-keys", "-v", "--verbose"}
+GLOBAL_VALUED = {"-i", "--inventory", "--connect-timeout", "--fanout"}
+
+
+def _global_option(args: list[str], i: int) -> int:
+    """How many words at args[i] form a global option (0 if none): `--json`, `-vv`, `-i FILE`, `--fanout=8`."""
+    word = args[i]
+    name = word.split("=", 1)[0]
+    if word in GLOBAL_FLAGS or (len(word) > 1 and word.startswith("-v") and set(word[1:]) == {"v"}):
+        return 1
+    if name in GLOBAL_VALUED and name.startswith("--") and "=" in word:
+        return 1
+    if word in GLOBAL_VALUED:
+        return 2 if i + 1 < len(args) else 1
+    return 0
+
+
+def hoist_global_options(args: list[str], commands: dict[str, click.Command]) -> list[str]:
+    """`nodectl tail rank0 --json` means `nodectl --json tail rank0`: global options given after the command name
+    move in front of it. Only up to `--`, and for commands that pass their arguments on (launch, exec) only up to
+    their first argument: what follows belongs to the user's program."""
+    i = 0
+    while i < len(args) and args[i].startswith("-"):
+        i += max(1, _global_option(args, i))
+    if i >= len(args) or args[i] not in commands:
+        return args
+    command = commands[args[i]]
+    interspersed = command.context_settings.get("allow_interspersed_args", command.allow_interspersed_args)
+    valued = {name for p in command.params if isinstance(p, click.Option) and not p.is_flag and not p.count
+              for name in p.opts}
+    head, rest, moved, j = args[:i + 1], [], [], i + 1
+    while j < len(args):
+        word = args[j]
+        if word == "--" or (not interspersed and not word.startswith("-")):
+            rest.extend(args[j:])
+            break
+        taken = _global_option(args, j)
+        if taken:
+            moved.extend(args[j:j + taken])
+        else:
+            taken = 2 if word in valued else 1
+            rest.extend(args[j:j + taken])
+        j += taken
+    return moved + head + rest
+
+
 class NodectlGroup(click.Group):
     """Click turns Ctrl-C into "Aborted!" and exit 1; nodectl says it was interrupted and exits 130 (SPEC §2),
-    after the command has stopped whatever it started."""
+    after the command has stopped whatever it started. Global options are accepted after the command too."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoist_global_options(list(args), self.commands))
 
     def main(self, *args, **kwargs):
         install_signal_handlers()

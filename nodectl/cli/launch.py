@@ -21,6 +21,7 @@ from nodectl.errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, INT
 from nodectl.launch import settle_master_port, shared_workdirs, start_run
 from nodectl.plan import LaunchPlan, build_plan
 from nodectl.render import render_plan
+from nodectl.resources import resource_dir
 from nodectl.runs import Run, create_run, git_revision, open_run
 from nodectl.watch import STOP_SLACK, LogStream, poll, stop_nodes, tail_lines, wait_for_end
 
@@ -36,13 +37,22 @@ def _check_command(args: tuple[str, ...], files: list[sync.SyncFile], sync_dir: 
     script = Path(args[0])
     root = Path(sync_dir).resolve()
     absolute = (script if script.is_absolute() else Path.cwd() / script).resolve()
+    synced = {f.path for f in files}
     if absolute.is_relative_to(root):
         relative = absolute.relative_to(root).as_posix()
+    elif not script.is_absolute() and f"code/{script.as_posix()}" in synced:
+        return (script.as_posix(), *args[1:])  # named relative to the synced folder
     else:
-        relative = script.as_posix()
-    if f"code/{relative}" not in {f.path for f in files}:
-        raise UsageError(f"script {args[0]!r} is not in the synced folder {sync_dir} (or .gitignore excludes it)")
-    return (relative, *args[1:])
+        raise UsageError(f"script {args[0]!r} is outside the synced folder {root}: only that folder reaches the "
+                         f"nodes; move the script there or sync its folder (--sync DIR)")
+    if f"code/{relative}" in synced:
+        return (relative, *args[1:])
+    if absolute.is_dir():
+        raise UsageError(f"script {args[0]!r} is a folder; name a Python file, or a module with -m package.module")
+    if not absolute.exists():
+        raise UsageError(f"script {args[0]!r} does not exist (looked for {absolute})")
+    raise UsageError(f"script {args[0]!r} is excluded from the sync by .gitignore in {root}, so the nodes would not "
+                     f"have it; un-ignore it or sync another folder")
 
 
 def _print_dry_run(app: AppContext, plan: LaunchPlan, rendered) -> None:
@@ -75,22 +85,33 @@ def _print_dry_run(app: AppContext, plan: LaunchPlan, rendered) -> None:
 @click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="torchrun's --max-restarts.")
+              help="After a failure, stop the run everywhere and start it again as its next attempt, up to N times "
+                   "(the built-in trainer continues from its latest checkpoint). Needs an attached launch.")
 @click.option("--stall-after", type=click.FloatRange(min=1), default=None,
               help="Stop the run when a live rank's heartbeat is older than this many seconds.")
+@click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
+              help="Override one value of the built-in trainer's recipe (repeatable), e.g. --set train.steps=200.")
 @click.option("--resume", "resume_run", metavar="RUN",
               help="Relaunch RUN's plan as its next attempt (the built-in trainer continues from its checkpoint).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit, template, dry_run, skip_preflight,
-            detach, follow, grace, max_restarts, stall_after, resume_run, command) -> None:
+            detach, follow, grace, max_restarts, stall_after, overrides, resume_run, command) -> None:
     """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
     previous = None
+    if max_restarts and detach:
+        raise UsageError("--max-restarts needs an attached launch: nodectl itself watches the run and restarts it "
+                         "(drop --detach)")
     if resume_run:
-        previous, inventory, gpus, command, config, sync_dir, max_restarts = _resume_args(app, resume_run, command,
-                                                                                          config, max_restarts)
+        previous, inventory, gpus, command, config, sync_dir, max_restarts, overrides = _resume_args(
+            app, resume_run, command, config, max_restarts, overrides)
     else:
         inventory = app.inventory().select(nodes, exclude)
+    if command and (config or overrides):
+        raise UsageError(f"{'--config' if config else '--set'} is for the built-in trainer's recipe; your script "
+                         f"takes its own options after its name: nodectl launch -- {command[0]} ...")
+    if not command:
+        _check_recipe(config, overrides)
     files = sync.project_files(sync_dir, sync_limit * 2**20)
     command = tuple(command) if previous else _check_command(tuple(command), files, sync_dir)
     config = os.path.abspath(config) if config else None
@@ -100,7 +121,7 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
 
         facts, preflight = quick_gate(app, inventory, gpus)
     options = dict(gpus=gpus, command=command, sync_dir=sync_dir, config=config, max_restarts=max_restarts,
-                   facts=facts, run_id=previous.run_id if previous else None)
+                   overrides=tuple(overrides), facts=facts, run_id=previous.run_id if previous else None)
     plan = _attempt(build_plan(inventory, **options), previous)
     files = files + sync.nodectl_files(plan.builtin_trainer, config)
     rendered = render_plan(plan, template)
@@ -125,9 +146,42 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
             if detach:
                 _detached(app, run, plan)
                 return
-            _watch(app, run, plan, cluster, follow, grace, stall_after)
+            restarts_left = plan.max_restarts
+            while (failure := _watch(app, run, plan, cluster, follow, grace, stall_after)) and restarts_left:
+                restarts_left -= 1
+                app.err.print(f"[yellow]restarting run {plan.run_id}[/] as attempt {plan.attempt + 1} after: "
+                              f"{escape(failure.describe())} ({restarts_left} restart(s) left)")
+                plan = settle_master_port(replace(plan, attempt=plan.attempt + 1), cluster)
+                rendered = render_plan(plan, template)
+                run = _record_attempt(run, plan, rendered, app)
+                _start(app, run, plan, rendered, cluster, files, grace)
+            if failure:
+                _report_failure(app, run, plan, failure)
         except KeyboardInterrupt:
             _interrupted(app, run, plan, cluster, grace)
+
+
+def _check_recipe(config: str | None, overrides: tuple[str, ...]) -> None:
+    """The built-in trainer's recipe, checked here before any node is touched (dry runs too): a typo is exit 2
+    now, not a failure on every rank later. Model and data paths name files on the nodes; the ranks check those."""
+    recipes = _trainer_config()
+    try:
+        recipes.load_recipe(config, list(overrides), node_files=False)
+    except recipes.ConfigError as exc:
+        raise UsageError(f"recipe error: {exc}") from None
+
+
+def _trainer_config():
+    """trainer/config.py, the recipe's one definition (plain Python and yaml: no torch), from nodectl's resources."""
+    import importlib.util
+
+    name = "nodectl._trainer_config"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, resource_dir("trainer") / "config.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
 
 
 def _attempt(plan: LaunchPlan, previous: Run | None) -> LaunchPlan:
@@ -166,7 +220,8 @@ def _refuse_if_running(app: AppContext, previous: Run) -> None:
                          f"(nodectl stop --run {previous.run_id}), then --resume it")
 
 
-def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | None, max_restarts: int):
+def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | None, max_restarts: int,
+                 overrides: tuple[str, ...]):
     """What --resume relaunches: the recorded nodes (with today's inventory settings), ranks, command, config."""
     previous = open_run(run_id)
     manifest = previous.manifest()
@@ -184,13 +239,16 @@ def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | Non
     if plan["builtin_trainer"]:
         recorded = ()
         config = config or plan.get("config")
-    return previous, inventory, gpus, recorded, config, plan["sync_dir"], max_restarts or plan.get("max_restarts", 0)
+    overrides = overrides or tuple(plan.get("overrides") or ())
+    return (previous, inventory, gpus, recorded, config, plan["sync_dir"], max_restarts or plan.get("max_restarts", 0),
+            overrides)
 
 
 def _record_attempt(previous: Run, plan: LaunchPlan, rendered, app: AppContext) -> Run:
     manifest = previous.manifest()
     history = manifest.get("attempts", []) + [{"attempt": manifest.get("attempt", 0), "state": manifest.get("state"),
-                                                "started": manifest.get("started"), "ended": manifest.get("ended")}]
+                                                "started": manifest.get("started"), "ended": manifest.get("ended"),
+                                                "failure": manifest.get("failure")}]
     previous.update(attempt=plan.attempt, state="starting", attempts=history, ended=None,
                     started=time.time(), plan=plan.to_json(), failure=None)
     for r in rendered:
@@ -249,7 +307,8 @@ def _interrupted(app, run: Run, plan: LaunchPlan, cluster, grace: float) -> None
     raise SystemExit(EXIT_INTERRUPTED)
 
 
-def _watch(app, run: Run, plan: LaunchPlan, cluster, follow: str, grace: float, stall_after) -> None:
+def _watch(app, run: Run, plan: LaunchPlan, cluster, follow: str, grace: float, stall_after):
+    """Follow the run to its end: None when it succeeded, else its first failure (the run stopped everywhere)."""
     run_nodes = run.nodes()
     ranks = {rank: rn.node.name for rn in run_nodes for rank in rn.ranks}
     followed = ranks if follow == "all" else {0: ranks[0]}
@@ -257,19 +316,21 @@ def _watch(app, run: Run, plan: LaunchPlan, cluster, follow: str, grace: float, 
     stream = LogStream(console, followed, prefixed=follow == "all")
     try:
         outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=app.transport_options.connect_timeout + 5,
-                                        stall_after=stall_after, restarts=plan.max_restarts)
+                                        stall_after=stall_after)
     finally:
         stream.flush()
     if outcome == "succeeded":
         run.update(state="succeeded", ended=time.time())
         app.info(f"run {plan.run_id} succeeded")
         if app.json:
-            app.emit_json({"run_id": plan.run_id, "state": "succeeded"})
-        return
-    _fail(app, run, plan, cluster, run_nodes, failure, grace)
+            app.emit_json({"run_id": plan.run_id, "state": "succeeded", "attempt": plan.attempt})
+        return None
+    _stop_failed(app, run, plan, cluster, run_nodes, failure, grace)
+    return failure
 
 
-def _fail(app, run: Run, plan: LaunchPlan, cluster, run_nodes, failure, grace: float) -> None:
+def _stop_failed(app, run: Run, plan: LaunchPlan, cluster, run_nodes, failure, grace: float) -> None:
+    """Fail-fast: stop the run on every node, keep the failing rank's last lines, record the failure."""
     app.err.print(f"[red]{escape(failure.describe())}[/]; stopping the run on every node")
     stopped = stop_nodes(cluster, run_nodes, grace)
     for name, result in stopped.items():
@@ -280,13 +341,17 @@ def _fail(app, run: Run, plan: LaunchPlan, cluster, run_nodes, failure, grace: f
         rn = next(rn for rn in run_nodes if failure.rank in rn.ranks)
         logs = tail_lines(cluster, rn, [failure.rank], 20, timeout=STOP_SLACK)
         failure.last_lines = logs.get(failure.rank, {}).get("text", "")
-    left = {name: (r.value or {}).get("left") for name, r in stopped.items() if r.ok}
+    failure.processes_left = {name: (r.value or {}).get("left") for name, r in stopped.items() if r.ok}
     run.update(state="failed", ended=time.time(),
                failure={"kind": failure.kind, "node": failure.node, "rank": failure.rank, "code": failure.code,
                         "detail": failure.detail, "description": failure.describe()})
+
+
+def _report_failure(app, run: Run, plan: LaunchPlan, failure) -> None:
     if app.json:
-        app.emit_json({"run_id": plan.run_id, "state": "failed", "failure": run.manifest()["failure"],
-                       "last_lines": failure.last_lines, "processes_left": left})
+        app.emit_json({"run_id": plan.run_id, "state": "failed", "attempt": plan.attempt,
+                       "failure": run.manifest()["failure"], "last_lines": failure.last_lines,
+                       "processes_left": failure.processes_left})
     else:
         app.err.print(f"[bold red]run {plan.run_id} failed:[/] {escape(failure.describe())}")
         if failure.last_lines:

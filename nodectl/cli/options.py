@@ -3,13 +3,42 @@ from __future__ import annotations
 
 import click
 
+from nodectl import hostlist
+from nodectl.errors import UsageError
+
 
 def _split_names(ctx, param, value: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(name.strip() for item in value for name in item.split(",") if name.strip())
+    try:
+        return tuple(name for item in value for name in hostlist.expand_list(item))
+    except UsageError as exc:
+        raise click.BadParameter(str(exc)) from None
+
+
+class NodeCount(click.ParamType):
+    """--nodes: a count (the first N nodes) or names, hosts and ranges (`gpu[01-04],login`)."""
+    name = "N|NAMES"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, (int, tuple)):
+            return value
+        text = str(value).strip()
+        if text.isdigit():
+            if int(text) < 1:
+                self.fail(f"must be at least 1, got {text}", param, ctx)
+            return int(text)
+        try:
+            names = tuple(hostlist.expand_list(text))
+        except UsageError as exc:
+            self.fail(str(exc), param, ctx)
+        if not names:
+            self.fail("a node count or node names", param, ctx)
+        return names
 
 
 def node_selection(fn):
-    """--nodes N and --exclude NAME,... (SPEC §1: the first N nodes after the excluded ones)."""
-    fn = click.option("--exclude", multiple=True, callback=_split_names, metavar="NAME,...",
-                      help="Leave these nodes out (names or hosts).")(fn)
-    return click.option("--nodes", type=click.IntRange(min=1), help="Use the first N nodes.")(fn)
+    """--nodes N|NAMES and --exclude NAMES (SPEC §1: the first N nodes after the excluded ones; names and
+    host ranges select those nodes, in node-rank order)."""
+    fn = click.option("--exclude", multiple=True, callback=_split_names, metavar="NAMES",
+                      help="Leave these nodes out (names, hosts or ranges like gpu[03-04]).")(fn)
+    return click.option("--nodes", type=NodeCount(),
+                        help="The first N nodes, or these nodes (names, hosts or ranges like gpu[01-08]).")(fn)

@@ -52,7 +52,7 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
     with app.cluster_for(run_nodes) as cluster:
         states = poll(cluster, run_nodes)
         rows = rank_rows(states, run_nodes, stall_after)
-        failures = rank_failures(states, run.manifest()["plan"].get("max_restarts", 0))
+        failures = rank_failures(states)
         first = failures[0] if failures else None
         if first and first.rank is not None:
             rn = next(rn for rn in run_nodes if first.rank in rn.ranks)

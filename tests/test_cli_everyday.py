@@ -1,0 +1,99 @@
+"""Everyday command-line behaviour a pdsh/torchrun user expects: global options anywhere, recipes checked before
+any node is touched, `--set` passed to the built-in trainer, one message per script mistake, host ranges."""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from conftest import run_nodectl
+
+UNREACHABLE = "nodes:\n  - host: 192.0.2.1\n    name: far\n    device: cpu\n"  # TEST-NET-1: never answers
+
+
+@pytest.fixture
+def project(tmp_path):
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    (tmp_path / "hosts.yaml").write_text(UNREACHABLE)
+    (tmp_path / "local.yaml").write_text("nodes:\n  - host: localhost\n    transport: local\n    device: cpu\n")
+    return tmp_path
+
+
+def env_for(tmp_path) -> dict:
+    return {**os.environ, "HOME": str(tmp_path), "NODECTL_FORCE_CPU": "1", "NODECTL_STATE_DIR": str(tmp_path / "st")}
+
+
+def test_global_options_work_after_the_command_but_not_inside_the_users_arguments(project):
+    env = env_for(project)
+    after = run_nodectl(["launch", "--dry-run", "-i", "local.yaml", "--json", "--", "train.py", "--json", "-v"],
+                        env=env, cwd=project)
+    assert after.exit_code == 0, after.stderr
+    document = after.json()  # --json reached nodectl: stdout is one JSON document
+    assert document["plan"]["command"] == ["train.py", "--json", "-v"]  # the script's own --json stayed its own
+    listed = run_nodectl(["runs", "--json"], env=env, cwd=project)
+    assert listed.exit_code == 0 and listed.json()["runs"] == []
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--set", "train.stepz=3"], "recipe error: train.stepz: unknown key"),
+    (["--set", "train.steps=0"], "recipe error: train.steps: expected a positive integer"),
+    (["--set", "steps=3"], "expected section.key=value"),
+    (["--config", "hosts.yaml"], "recipe error: nodes: unknown section"),
+])
+def test_a_bad_recipe_is_refused_before_any_node_is_touched(project, args, message):
+    """hosts.yaml names a node that never answers: reaching for it would take the connect timeout and exit 3."""
+    started = time.monotonic()
+    result = run_nodectl(["launch", *args], env=env_for(project), cwd=project)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 15
+    assert not (project / "runs").exists()
+
+
+def test_set_reaches_the_built_in_trainer_and_is_kept_for_resume(project):
+    result = run_nodectl(["-i", "local.yaml", "--json", "launch", "--dry-run", "--set", "train.steps=7",
+                          "--set", "lora.r=4"], env=env_for(project), cwd=project)
+    assert result.exit_code == 0, result.stderr
+    plan = result.json()["plan"]
+    assert plan["command"][-4:] == ["--set", "train.steps=7", "--set", "lora.r=4"]
+    assert plan["overrides"] == ["train.steps=7", "lora.r=4"]
+    mixed = run_nodectl(["-i", "local.yaml", "launch", "--dry-run", "--set", "train.steps=7", "--", "train.py"],
+                        env=env_for(project), cwd=project)
+    assert mixed.exit_code == 2 and "your script takes its own options" in mixed.stderr
+
+
+def test_each_script_mistake_gets_its_own_message(project, tmp_path_factory):
+    (project / "ignored").mkdir()
+    (project / "ignored" / "run.py").write_text("print(1)\n")
+    (project / ".gitignore").write_text("ignored/\n")
+    outside = tmp_path_factory.mktemp("elsewhere") / "run.py"
+    outside.write_text("print(1)\n")
+    cases = {"nope.py": "does not exist", "ignored": "is a folder", "ignored/run.py": "excluded from the sync by "
+             ".gitignore", str(outside): "is outside the synced folder"}
+    for script, message in cases.items():
+        result = run_nodectl(["-i", "local.yaml", "launch", "--dry-run", "--", script], env=env_for(project),
+                             cwd=project)
+        assert result.exit_code == 2 and message in result.stderr, (script, result.stderr)
+
+
+def test_nodes_and_exclude_take_names_and_ranges(project):
+    (project / "many.yaml").write_text("defaults: {device: cpu, gpus: 1}\nnodes:\n  - host: 10.9.0.[1-4]\n"
+                                       "    name: gpu[01-04]\n")
+    env = env_for(project)
+
+    def nodes_of(*args):
+        result = run_nodectl(["-i", "many.yaml", "--json", "launch", "--dry-run", *args, "--", "train.py"], env=env,
+                             cwd=project)
+        assert result.exit_code == 0, result.stderr
+        return [entry["node"]["name"] for entry in result.json()["plan"]["nodes"]]
+
+    assert nodes_of("--nodes", "gpu[02-03]") == ["gpu02", "gpu03"]
+    assert nodes_of("--nodes", "2", "--exclude", "gpu[01,03]") == ["gpu02", "gpu04"]
+    assert nodes_of("--nodes", "10.9.0.4,gpu01") == ["gpu01", "gpu04"]  # node-rank order, hosts work too
+    wrong = run_nodectl(["-i", "many.yaml", "launch", "--dry-run", "--nodes", "gpu[04-06]", "--", "train.py"],
+                        env=env, cwd=project)
+    assert wrong.exit_code == 2 and "--nodes names no node of many.yaml: gpu[05-06]" in wrong.stderr
+    assert json.loads(run_nodectl(["-i", "many.yaml", "--json", "launch", "--dry-run", "--", "train.py"], env=env,
+                                  cwd=project).stdout)["plan"]["nodes"][3]["node"]["host"] == "10.9.0.4"
