@@ -282,18 +282,21 @@ class _Parser:
     def expand(self, raw: Any, index: int, doc: dict) -> list[Any]:
         """`host: gpu[01-16]` is sixteen nodes; `name:` and `addr:` then hold a range of the same length (or are
         left out). Each copy keeps the entry's line numbers for later messages."""
-        if not isinstance(raw, dict) or not isinstance(raw.get("host"), str) or "[" not in raw["host"]:
+        ranged = [key for key in ("host", "name", "addr") if isinstance(raw, dict) and isinstance(raw.get(key), str)
+                  and "[" in raw[key]]
+        if not ranged:
             return [raw]
-        try:
-            lists = {key: hostlist.expand(raw[key]) for key in ("host", "name", "addr")
-                     if isinstance(raw.get(key), str)}
-        except UsageError as exc:
-            self.fail(f"nodes[{index}].host", str(exc), raw, "host")
-        count = len(lists["host"])
+        lists = {}
+        for key in ranged:
+            try:
+                lists[key] = hostlist.expand(raw[key])
+            except UsageError as exc:
+                self.fail(f"nodes[{index}].{key}", str(exc), raw, key)
+        count = len(lists[ranged[0]])
         for key, names in lists.items():
             if len(names) != count:
-                self.fail(f"nodes[{index}].{key}", f"a range of {count} names like host's (or no {key}:), "
-                          f"got {len(names)}", raw, key)
+                self.fail(f"nodes[{index}].{key}", f"a range of {count} names like {ranged[0]}'s, got {len(names)}",
+                          raw, key)
         copies = []
         for i in range(count):
             copy = _LineMap(raw)

@@ -79,7 +79,7 @@ def test_hostlist_expands_splits_and_folds():
     ("nodes:\n  - host: a\n    gpus: eight\n", "nodes[0].gpus: an integer 1-1024", 3),
     ("defaults:\n  gpu: 8\nnodes: [{host: a}]\n", "defaults.gpu: unknown key", 2),
     ("defaults:\n  host: x\nnodes: [{host: a}]\n", "host, name and addr belong to each node", 2),
-    ("nodes:\n  - host: n[1-3]\n    name: m[1-2]\n", "nodes[0].name: a range of 3 names", 3),
+    ("nodes:\n  - host: n[1-3]\n    name: m[1-2]\n", "nodes[0].name: a range of 3 names like host", 3),
     ("nodes:\n  - host: n[2-1]\n", "runs backwards", 2),
     ("nodes:\n  - host: n[1-2]\n  - host: n2\n", "duplicate node name 'n2'", 3),
     ("nodes:\n  - host: a\n  - host: b\n    colour: red\n", "nodes[1].colour: unknown key", 4),

@@ -119,9 +119,10 @@ def main(ctx: click.Context, inventory, verbose, quiet, as_json, accept_new_host
 
 
 def _register() -> None:
-    from nodectl.cli import collect, env_dump, launch, preflight, report, runs, stacks, status, stop, tail
+    from nodectl.cli import (collect, env_dump, exec_cmd, launch, preflight, report, runs, stacks, status, stop,
+                             tail)
 
-    for module in (preflight, env_dump, launch, tail, status, stacks, stop, collect, runs, report):
+    for module in (preflight, env_dump, launch, exec_cmd, tail, status, stacks, stop, collect, runs, report):
         main.add_command(module.command)
 
 
