@@ -27,7 +27,10 @@ def write_atomic(path: str, text: str) -> None:
 
 def main() -> int:
     run_dir, rank = os.environ["NODECTL_RUN_DIR"], os.environ["RANK"]
-    env = dict(os.environ, NODECTL_STACK_FILE=f"{run_dir}/stacks/rank{rank}.txt")
+    env = dict(os.environ, NODECTL_STACK_FILE=f"{run_dir}/stacks/rank{rank}.txt",
+               NODECTL_METRICS=f"{run_dir}/metrics/rank{rank}.jsonl")
+    lib = os.path.dirname(os.path.abspath(__file__))  # nodectl_metrics.py, after the program's own paths
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), lib) if p)
     exit_file = f"{run_dir}/state/rank{rank}.exit"
     if os.path.exists(exit_file):  # torchrun restarted this rank (--max-restarts): keep the earlier exit aside
         os.replace(exit_file, f"{exit_file}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', 'prev')}")

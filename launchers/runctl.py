@@ -21,7 +21,7 @@ import sys
 import tarfile
 import time
 
-STATE_DIRS = ("code", "lib", "logs", "state", "heartbeat", "stacks", "output", "flight", "timing")
+STATE_DIRS = ("code", "lib", "logs", "state", "heartbeat", "stacks", "output", "flight", "timing", "metrics")
 READ_LIMIT = 256 * 1024
 
 
@@ -292,6 +292,36 @@ def _next_newline(handle, position: int):
         position += len(block)
 
 
+GPU_FIELDS = ("index", "utilization.gpu", "memory.used", "memory.total", "temperature.gpu", "power.draw")
+GPU_KEYS = ("index", "util", "mem_used_mib", "mem_total_mib", "temp_c", "power_w")
+
+
+def gpu_sample() -> dict:
+    """Every GPU of the node through nvidia-smi (part of every driver install): {"gpus": [...]} or {"error": ...}."""
+    try:
+        proc = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10)
+    except FileNotFoundError:
+        return {"error": "nvidia-smi not found (no NVIDIA driver on this node)"}
+    except subprocess.TimeoutExpired:
+        return {"error": "nvidia-smi did not answer within 10 s"}
+    if proc.returncode != 0:
+        return {"error": f"nvidia-smi failed: {(proc.stderr or proc.stdout).strip()[:200]}"}
+    gpus = []
+    for line in proc.stdout.splitlines():
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != len(GPU_KEYS):
+            continue
+        row = {}
+        for key, cell in zip(GPU_KEYS, cells):
+            try:
+                row[key] = int(cell) if key == "index" else float(cell)
+            except ValueError:  # [N/A], [Not Supported]
+                row[key] = None
+        gpus.append(row)
+    return {"gpus": gpus}
+
+
 def cmd_poll(args: list, request: dict) -> dict:
     """The node's state for one run, plus new log text for the ranks asked for (from their offsets)."""
     run_dir, now = os.path.expanduser(args[0]), time.time()
@@ -307,6 +337,8 @@ def cmd_poll(args: list, request: dict) -> dict:
     for rank, offset in (request.get("offsets") or {}).items():
         new_offset, text = _read_from(os.path.join(run_dir, "logs", f"rank{rank}.log"), int(offset))
         answer["logs"][rank] = {"from": int(offset), "offset": new_offset, "text": text}
+    if request.get("gpus"):
+        answer["gpu_sample"] = gpu_sample()
     return answer
 
 

@@ -38,8 +38,24 @@ def load_collected(run_folder: Path) -> dict:
         for timing in sorted((node / "timing").glob("rank*.jsonl")) if (node / "timing").is_dir() else []:
             data["timing"][int(timing.stem[4:])] = _jsonl(timing)
     if not data["metrics"]:
-        raise UsageError(f"run {run_folder.name}: no metrics.jsonl was collected (not a built-in trainer run?)")
+        data["metrics"], data["custom"] = _reported(nodes), True
+    if not data["metrics"]:
+        raise UsageError(f"run {run_folder.name}: no metrics were collected: the built-in trainer writes them, and "
+                         f"your own script can with nodectl_metrics.report(step=..., loss=...) (see the README)")
     return data
+
+
+def _reported(nodes: Path) -> list[dict]:
+    """What a user's script reported through nodectl_metrics (metrics/rank<R>.jsonl), rank 0's view: the same
+    keys as the built-in trainer's where they mean the same (tokens_per_s is per rank, so per GPU)."""
+    for node in sorted(p for p in nodes.iterdir() if p.is_dir()):
+        rows = _jsonl(node / "metrics" / "rank0.jsonl")
+        if rows:
+            for row in rows:
+                if "tokens_per_s" in row:
+                    row.setdefault("tokens_per_s_per_gpu", row["tokens_per_s"])
+            return [row for row in rows if isinstance(row.get("step"), int)]
+    return []
 
 
 def _last_per_step(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -89,6 +105,13 @@ def render(data: dict, out: Path) -> list[Path]:
     figure("memory", "peak GPU memory", "GB", [("max allocated", *_last_per_step(metrics, "max_memory_gb"))])
     figure("step_time", "step time per rank (straggler check)", "seconds",
            [(f"rank {rank}", *_last_per_step(rows, "step_time_s")) for rank, rows in sorted(data["timing"].items())])
+    if data.get("custom"):
+        ignored = {"step", "time", "loss", "eval_loss", "tokens", "tokens_per_s", "tokens_per_s_per_gpu"}
+        keys = sorted({k for row in metrics for k, v in row.items() if k not in ignored
+                       and isinstance(v, (int, float)) and not isinstance(v, bool)})
+        for key in keys[:12]:
+            figure(f"metric_{''.join(c if c.isalnum() or c in '_-' else '_' for c in key)}", key, key,
+                   [(key, *_last_per_step(metrics, key))])
     util = []
     for node, rows in data["telemetry"].items():
         if rows:

@@ -110,7 +110,7 @@ def nodectl_files(builtin_trainer: bool, config: str | None, launchers_needed: t
     what runs."""
     launchers = resource_dir("launchers")
     files = [SyncFile(f"lib/{name}", launchers / name, _hash(launchers / name), 0o644, (launchers / name).stat().st_size)
-             for name in ("rankexec.py", *launchers_needed)]
+             for name in ("rankexec.py", "nodectl_metrics.py", *launchers_needed)]
     if builtin_trainer:
         files += _tree(resource_dir("trainer"), "lib/trainer")
     if config:

@@ -47,13 +47,16 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def poll(cluster: Cluster, run_nodes: list[RunNode], offsets: dict[int, int] | None = None) -> dict[str, NodeResult]:
+def poll(cluster: Cluster, run_nodes: list[RunNode], offsets: dict[int, int] | None = None,
+         gpus: bool = False) -> dict[str, NodeResult]:
+    """Every node's state of the run (and new log text from `offsets`; with `gpus`, an nvidia-smi sample)."""
     by_name = {rn.node.name: rn for rn in run_nodes}
 
     def work(transport):
         rn = by_name[transport.node.name]
         wanted = {str(r): o for r, o in (offsets or {}).items() if r in rn.ranks}
-        return agent.call(transport, "poll", rn.run_dir, request={"offsets": wanted}, timeout=30)
+        request = {"offsets": wanted, **({"gpus": True} if gpus else {})}
+        return agent.call(transport, "poll", rn.run_dir, request=request, timeout=30)
 
     return {r.node.name: r for r in cluster.fan_out(_guard(work), [rn.node for rn in run_nodes])}
 

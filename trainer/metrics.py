@@ -79,7 +79,7 @@ class Reporter:
                   flush=True)
 
     def log(self, record: dict) -> None:
-        self.last = {"loss": record.get("loss")}
+        self.last = {"loss": record.get("loss"), "tokens_per_s": record.get("tokens_per_s_per_gpu")}
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()

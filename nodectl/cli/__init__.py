@@ -120,9 +120,9 @@ def main(ctx: click.Context, inventory, verbose, quiet, as_json, accept_new_host
 
 def _register() -> None:
     from nodectl.cli import (collect, env_dump, exec_cmd, launch, preflight, report, runs, stacks, status, stop,
-                             tail)
+                             tail, top)
 
-    for module in (preflight, env_dump, launch, exec_cmd, tail, status, stacks, stop, collect, runs, report):
+    for module in (preflight, env_dump, launch, exec_cmd, tail, status, top, stacks, stop, collect, runs, report):
         main.add_command(module.command)
 
 

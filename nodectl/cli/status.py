@@ -1,4 +1,4 @@
-"""`nodectl status`: per node and rank: running / exited(code) / stalled / lost, heartbeat age, last step."""
+"""`nodectl status`: per node and rank: running / exited(code) / stalled / lost, heartbeat age, last step and loss."""
 from __future__ import annotations
 
 import click
@@ -25,10 +25,16 @@ def rank_rows(states: dict, run_nodes, stall_after: float) -> list[dict]:
     return rows
 
 
+def _number(value):
+    """A heartbeat is written by the user's program: only real numbers are shown as numbers."""
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value else None
+
+
 def _rank_state(rank: dict, answer: dict, stall_after: float) -> dict:
     heartbeat = rank.get("heartbeat") or {}
     age = rank.get("heartbeat_age")
-    row = {"heartbeat_age": age, "step": heartbeat.get("step"), "pid": rank.get("pid")}
+    row = {"heartbeat_age": age, "step": heartbeat.get("step"), "loss": _number(heartbeat.get("loss")),
+           "tokens_per_s": _number(heartbeat.get("tokens_per_s")), "pid": rank.get("pid")}
     if rank.get("exit"):
         row["state"], row["exit_code"] = f"exited({rank['exit']['code']})", rank["exit"]["code"]
     elif rank.get("alive"):
@@ -64,7 +70,7 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
                        "first_failure": first.__dict__ if first else None})
     else:
         table = Table(title=f"run {run.run_id} ({state})", title_justify="left")
-        for column in ("node", "rank", "state", "heartbeat", "step", "pid"):
+        for column in ("node", "rank", "state", "heartbeat", "step", "loss", "pid"):
             table.add_column(column)
         colour = {"running": "green", "stalled": "yellow", "lost": "red", "starting": "cyan"}
         for row in rows:
@@ -72,7 +78,8 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
             shade = colour.get(state, "green" if state == "exited(0)" else "red")
             age = row.get("heartbeat_age")
             table.add_row(row["node"], str(row["rank"]), f"[{shade}]{state}[/]",
-                          "-" if age is None else f"{age:.0f}s ago", str(row.get("step") or "-"), str(row.get("pid") or "-"))
+                          "-" if age is None else f"{age:.0f}s ago", str(row.get("step") or "-"),
+                          "-" if row.get("loss") is None else f"{row['loss']:.4f}", str(row.get("pid") or "-"))
         app.out.print(table)
         if first:
             app.out.print(f"[red]first failure:[/] {escape(first.describe())}")

@@ -1,0 +1,99 @@
+"""`nodectl top`: a live table of every node and rank of a run (state, step, loss, tokens/s, heartbeat age) with
+its GPU's utilisation, memory, temperature and power (nvidia-smi on the node), updated in place."""
+from __future__ import annotations
+
+import time
+
+import click
+from rich.live import Live
+from rich.table import Table
+
+from nodectl.cli.context import AppContext
+from nodectl.cli.runs_cmds import opened, refresh_state, run_option
+from nodectl.cli.status import rank_rows
+from nodectl.runs import FINAL_STATES, Run
+from nodectl.watch import poll
+
+
+def _gpu_of_ranks(run: Run) -> dict[int, tuple[str, int]]:
+    """Global rank -> (node, GPU index as nvidia-smi numbers it): local rank i uses the i-th of the node's
+    CUDA_VISIBLE_DEVICES (when it lists indices), else GPU i."""
+    out = {}
+    for entry in run.manifest().get("plan", {}).get("nodes", []):
+        visible = (entry.get("env") or {}).get("CUDA_VISIBLE_DEVICES", "")
+        indices = [int(x) for x in visible.split(",")] if visible and all(
+            x.strip().isdigit() for x in visible.split(",")) else None
+        for local, rank in enumerate(entry.get("ranks", [])):
+            out[rank] = (entry["node"]["name"], indices[local] if indices and local < len(indices) else local)
+    return out
+
+
+def snapshot(run: Run, cluster, run_nodes, stall_after: float) -> dict:
+    states = poll(cluster, run_nodes, gpus=True)
+    rows = rank_rows(states, run_nodes, stall_after)
+    gpus = {}
+    for name, result in states.items():
+        sample = (result.value or {}).get("gpu_sample") if result.ok else None
+        gpus[name] = {g["index"]: g for g in (sample or {}).get("gpus", [])}
+    placement = _gpu_of_ranks(run)
+    for row in rows:
+        node, index = placement.get(row["rank"], (row["node"], None))
+        row["gpu"] = gpus.get(node, {}).get(index)
+    state = refresh_state(run, states)
+    manifest = run.manifest()
+    return {"run_id": run.run_id, "state": state, "attempt": manifest.get("attempt", 0),
+            "elapsed_s": round(time.time() - manifest["started"], 1) if manifest.get("started") else None,
+            "ranks": rows}
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def render(snap: dict) -> Table:
+    title = f"run {snap['run_id']} ({snap['state']}, attempt {snap['attempt']}"
+    title += f", {snap['elapsed_s']:.0f}s)" if snap.get("elapsed_s") is not None else ")"
+    table = Table(title=title, title_justify="left")
+    for column in ("node", "rank", "state", "step", "loss", "tok/s", "beat", "gpu", "util", "mem GiB", "temp",
+                   "power"):
+        table.add_column(column, justify="left" if column in ("node", "state") else "right", no_wrap=True)
+    colour = {"running": "green", "stalled": "yellow", "lost": "red", "starting": "cyan"}
+    for row in snap["ranks"]:
+        gpu = row.get("gpu") or {}
+        shade = colour.get(row["state"], "green" if row["state"] == "exited(0)" else "red")
+        memory = (f"{gpu['mem_used_mib'] / 1024:.1f}/{gpu['mem_total_mib'] / 1024:.0f}"
+                  if gpu.get("mem_used_mib") is not None and gpu.get("mem_total_mib") else "-")
+        table.add_row(row["node"], str(row["rank"]), f"[{shade}]{row['state']}[/]", _cell(row.get("step"), ""),
+                      _cell(row.get("loss"), ".4f"), _cell(row.get("tokens_per_s"), ",.0f"),
+                      _cell(row.get("heartbeat_age"), ".0f") + ("s" if row.get("heartbeat_age") is not None else ""),
+                      _cell(gpu.get("index"), ""), _cell(gpu.get("util"), ".0f") + ("%" if gpu.get("util") is not None
+                                                                                    else ""),
+                      memory, _cell(gpu.get("temp_c"), ".0f") + ("C" if gpu.get("temp_c") is not None else ""),
+                      _cell(gpu.get("power_w"), ".0f") + ("W" if gpu.get("power_w") is not None else ""))
+    return table
+
+
+@click.command("top")
+@run_option
+@click.option("--interval", type=click.FloatRange(min=0.5), default=2.0, show_default=True,
+              help="Seconds between updates.")
+@click.option("--once", is_flag=True, help="Print one table (or, with --json, one document) and exit.")
+@click.option("--stall-after", type=click.FloatRange(min=0), default=300.0, show_default=True,
+              help="Call a live rank stalled when its heartbeat is older than this (seconds).")
+@click.pass_obj
+def command(app: AppContext, run_id: str | None, interval: float, once: bool, stall_after: float) -> None:
+    """A live view of every rank of a run; ends by itself when the run ends (Ctrl-C leaves earlier)."""
+    run = opened(app, run_id)
+    run_nodes = run.nodes()
+    with app.cluster_for(run_nodes) as cluster:
+        if once or app.json or not app.out.is_terminal:
+            snap = snapshot(run, cluster, run_nodes, stall_after)
+            app.emit_json(snap) if app.json else app.out.print(render(snap))
+            return
+        with Live(console=app.out, auto_refresh=False) as live:
+            while True:
+                snap = snapshot(run, cluster, run_nodes, stall_after)
+                live.update(render(snap), refresh=True)
+                if snap["state"] in FINAL_STATES:
+                    return
+                time.sleep(interval)
