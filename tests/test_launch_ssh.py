@@ -118,7 +118,7 @@ def test_max_restarts_starts_the_whole_run_again_after_a_failure(ssh_cluster, pr
 def test_sigint_stops_attached_launch_and_detach_status_stop(ssh_cluster, project):
     env = ssh_cluster.env()
     args = nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "1", "--grace", "2", "--", "train.py",
-                        SLEEP="120")
+                        env={"SLEEP": "120"})
     proc = subprocess.Popen([sys.executable, "-m", "nodectl", *args], env=env, cwd=project,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_id = wait_for(lambda: (project / "runs").is_dir() and any((project / "runs").iterdir())
@@ -151,7 +151,7 @@ def test_sigint_stops_attached_launch_and_detach_status_stop(ssh_cluster, projec
 def test_two_runs_at_once_stop_one_leaves_the_other(ssh_cluster, project):
     env = ssh_cluster.env()
     base = nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "1", "--detach", "--", "train.py",
-                        SLEEP="120")
+                        env={"SLEEP": "120"})
     first = run_nodectl(base, env=env, cwd=project)
     time.sleep(1.1)  # run ids carry the second they started
     second = run_nodectl(base, env=env, cwd=project)
