@@ -97,3 +97,37 @@ def test_nodes_and_exclude_take_names_and_ranges(project):
     assert wrong.exit_code == 2 and "--nodes names no node of many.yaml: gpu[05-06]" in wrong.stderr
     assert json.loads(run_nodectl(["-i", "many.yaml", "--json", "launch", "--dry-run", "--", "train.py"], env=env,
                                   cwd=project).stdout)["plan"]["nodes"][3]["node"]["host"] == "10.9.0.4"
+
+
+def test_waits_past_the_node_count_show_what_is_running(tmp_path):
+    """preflight's bar sat on a finished "2/2" for the whole collective test; a phase now names the wait."""
+    import io
+
+    from rich.console import Console
+
+    from nodectl.cli.context import AppContext
+
+    screen = io.StringIO()
+    app = AppContext(err=Console(file=screen, force_terminal=True, width=120))
+    with app.node_progress("probing nodes", 2) as advance:
+        advance(None)
+        advance(None)
+        advance.phase("all-reduce test on 2 node(s)")
+        time.sleep(0.3)
+    assert "all-reduce test on 2 node(s)" in screen.getvalue()
+
+
+def test_tables_do_not_wrap_when_piped(project):
+    long_name = "n" * 60
+    (project / "wide.yaml").write_text(f"nodes:\n  - host: localhost\n    name: {long_name}\n    transport: local\n"
+                                       f"    device: cpu\n")
+    env = {k: v for k, v in env_for(project).items() if k != "COLUMNS"}
+    result = run_nodectl(["-i", "wide.yaml", "launch", "--dry-run", "--", "train.py"], env=env, cwd=project)
+    assert result.exit_code == 0
+    assert f"---- {long_name}: launch.sh ----" in result.stdout.splitlines()
+    dump = run_nodectl(["-i", "wide.yaml", "env-dump", "-o", str(project / "dump")], env=env, cwd=project)
+    assert dump.exit_code == 0, dump.stderr
+    row = next(line for line in dump.stdout.splitlines() if long_name in line)  # 80 columns cut it in 4-letter bits
+    import torch
+
+    assert torch.__version__ in row  # the whole row, the node's torch version included, on one line

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -14,6 +15,15 @@ from nodectl.inventory import Inventory, load_inventory, resolve_inventory_path
 from nodectl.transport import Cluster, NodeResult, TransportOptions
 
 
+PIPED_WIDTH = 1000
+
+
+def _piped_width() -> int | None:
+    """On a terminal, its width; piped (grep, a file, a CI log), tables keep their rows on one line instead of
+    wrapping at rich's default 80 columns. COLUMNS, where set, wins."""
+    return None if sys.stdout.isatty() or os.environ.get("COLUMNS") else PIPED_WIDTH
+
+
 @dataclass
 class AppContext:
     inventory_option: str | None = None
@@ -21,7 +31,7 @@ class AppContext:
     quiet: bool = False
     json: bool = False
     transport_options: TransportOptions = field(default_factory=TransportOptions)
-    out: Console = field(default_factory=lambda: Console(highlight=False, soft_wrap=True))
+    out: Console = field(default_factory=lambda: Console(highlight=False, soft_wrap=True, width=_piped_width()))
     err: Console = field(default_factory=lambda: Console(stderr=True, highlight=False, soft_wrap=True))
 
     def inventory(self, positional: str | None = None) -> Inventory:
@@ -38,13 +48,22 @@ class AppContext:
         if not self.quiet:
             self.err.print(message)
 
+    def heading(self, text: str) -> None:
+        """A section title: a rule across the terminal, or one short line when piped."""
+        if self.out.is_terminal:
+            self.out.rule(text, align="left", characters="-")
+        else:
+            self.out.print(f"---- {text} ----")
+
     def emit_json(self, document: Any) -> None:
         sys.stdout.write(json.dumps(document, indent=2, default=str, sort_keys=False) + "\n")
         sys.stdout.flush()
 
     @contextmanager
     def node_progress(self, label: str, total: int) -> Iterator:
-        """A progress bar on stderr over `total` nodes; yields the callback that advances it."""
+        """A progress bar on stderr over `total` nodes; yields the callback that advances it. Its `phase(label)`
+        starts a step that is not counted in nodes (a collective test): the bar pulses with that label and the
+        elapsed time keeps running, so no wait sits on a finished "2/2"."""
         progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=self.err, transient=True,
                             disable=self.quiet or not self.err.is_terminal)
@@ -54,4 +73,8 @@ class AppContext:
             def advance(result: NodeResult) -> None:
                 progress.advance(task)
 
+            def phase(text: str) -> None:
+                progress.update(task, description=text, total=None, completed=0)
+
+            advance.phase = phase
             yield advance

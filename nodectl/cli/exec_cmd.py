@@ -110,7 +110,7 @@ def _print_group(app: AppContext, g: dict) -> None:
         app.out.print(f"[bold red]{escape(nodes)}[/]: {what}: {escape(g['error'])}")
         return
     status = "" if g["exit"] == 0 else f" [red](exit {g['exit']}{': ' + g['error'] if g.get('error') else ''})[/]"
-    app.out.rule(f"[bold]{escape(nodes)}[/]{status}", align="left", characters="-")
+    app.heading(f"[bold]{escape(nodes)}[/]{status}")
     if g["stdout"]:
         app.out.print(g["stdout"].rstrip("\n"), markup=False, highlight=False)
     if g["stderr"]:

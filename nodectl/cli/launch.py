@@ -61,9 +61,9 @@ def _print_dry_run(app: AppContext, plan: LaunchPlan, rendered) -> None:
                                                            for r in rendered}})
         return
     for r in rendered:
-        app.out.rule(f"{r.node}: launch.sh")
+        app.heading(f"{escape(r.node)}: launch.sh")
         app.out.print(Syntax(r.launch, "bash", word_wrap=True) if app.out.is_terminal else r.launch, markup=False)
-        app.out.rule(f"{r.node}: env.sh (mode 0600 on the node; secrets shown as ***)")
+        app.heading(f"{escape(r.node)}: env.sh (mode 0600 on the node; secrets shown as ***)")
         app.out.print(r.env_redacted, markup=False, highlight=False)
     app.info(f"dry run: {plan.nnodes} node(s), world size {plan.world_size}; nothing was started")
 

@@ -35,7 +35,7 @@ def command(app: AppContext, run_id: str | None) -> None:
         app.emit_json({"run_id": run.run_id, "stacks": gathered})
     else:
         for rank in sorted(gathered):
-            app.out.rule(f"rank {rank} on {gathered[rank]['node']}")
+            app.heading(f"rank {rank} on {escape(gathered[rank]['node'])}")
             app.out.print(gathered[rank].get("text") or f"no stack: {gathered[rank].get('error')}",
                           markup=False, highlight=False)
         app.info(f"saved under {folder}/")

@@ -130,6 +130,8 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
     reports = {r.node.name: r.value for r in probed if r.ok and "error" not in r.value}
     unreachable = {r.node.name: r.error for r in probed if r.unreachable}
     results = [_probe_failure(r) for r in probed if r.node.name not in reports]
+    phase = getattr(on_probe, "phase", lambda text: None)
+    phase("P2P and port checks")
     extras = _facts(cluster, inventory, reports, inventory.master_port)
     port = (extras.pop("_port", None) or {}).get("port")
     expect = Expectation(gpus=gpus, master_port=port, master_addr=inventory.nodes[0].addr)
@@ -142,6 +144,7 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
     report = PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick)
     if not quick and not unreachable and not report.failed:
         ib = any(r.get("infiniband") for r in reports.values())
+        phase(f"all-reduce test on {len(inventory.nodes)} node(s)")
         result, transports, failure, run_id = run_collective(inventory, cluster, gpus=gpus, full=full,
                                                              connect_timeout=connect_timeout)
         report.results += judge_collective(result, transports, ib, len(inventory.nodes), failure)
@@ -149,6 +152,7 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
         if transports:
             report.collective = {**(result or {}), "transports": transports}
         if full and len(inventory.nodes) > 2:
+            phase("node-pair bandwidth tests")
             pairs = run_pairs(inventory, cluster, gpus=gpus, connect_timeout=connect_timeout)
             report.results += judge_pairs(pairs)
             report.collective = {**(report.collective or {}), "pairs": pairs}
