@@ -56,21 +56,26 @@ def test_kill9_a_rank_then_resume_logs_the_same_losses_and_report(ssh_cluster, t
     assert straight.exit_code == 0, straight.output[-2000:]
     run_a = sorted(p.name for p in (project / "runs").iterdir() if p.name[0].isdigit())[-1]
 
-    detached = run_nodectl(base + ["--detach"], env=env, cwd=project)
-    assert detached.exit_code == 0, detached.output
-    run_b = sorted(p.name for p in (project / "runs").iterdir() if p.name[0].isdigit())[-1]
+    # Run B: rank 1 is killed with SIGKILL at step 12; --max-restarts makes nodectl stop the run everywhere and
+    # start it again as attempt 1, which continues from the latest complete checkpoint.
+    import subprocess
+    import sys
+
+    attached = subprocess.Popen([sys.executable, "-m", "nodectl", *base, "--max-restarts", "1"], env=env, cwd=project,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run_b = wait_for(lambda: next((p.name for p in (project / "runs").iterdir() if p.name[0].isdigit()
+                                   and p.name != run_a), None))
     heartbeat = ssh_cluster.nodes[1].workdir / "runs" / run_b / "heartbeat" / "rank1.json"
     try:
         wait_for(lambda: heartbeat.exists() and json.loads(heartbeat.read_text())["step"] >= 12, timeout=120,
                  interval=0.05)
-        victim = trainer_pid(run_b, 1)
-        victim.send_signal(signal.SIGKILL)
-        assert run_nodectl(["stop", "--run", run_b, "--grace", "2"], env=env, cwd=project).exit_code == 0
-        resumed = run_nodectl(["-i", str(inventory), "launch", "--skip-preflight", "--resume", run_b], env=env,
-                              cwd=project, timeout=300)
-        assert resumed.exit_code == 0, resumed.output[-2000:]
-        assert "resuming at step" in resumed.stdout
+        trainer_pid(run_b, 1).send_signal(signal.SIGKILL)
+        out, err = attached.communicate(timeout=300)
+        assert attached.returncode == 0, err[-3000:]
+        assert "restarting run" in err and "rank 1 on node node1 failed (killed by SIGKILL)" in err
+        assert "resuming at step" in out
     finally:
+        attached.kill()
         kill_leftovers(run_b)
     node_dir = ssh_cluster.nodes[0].workdir / "runs" / run_b
     assert (node_dir / "attempts" / "0" / "logs" / "rank0.log").is_file()
@@ -80,12 +85,23 @@ def test_kill9_a_rank_then_resume_logs_the_same_losses_and_report(ssh_cluster, t
     assert [a[s] for s in range(1, 41)] == [b[s] for s in range(1, 41)]  # bit for bit, resume point included
     manifest = json.loads((project / "runs" / run_b / "manifest.json").read_text())
     assert manifest["attempt"] == 1 and manifest["state"] == "succeeded"
+    assert manifest["attempts"][0]["state"] == "failed"
+
+    # Train a finished run further: --resume with a recipe override continues from its last checkpoint.
+    more = run_nodectl(["-i", str(inventory), "launch", "--skip-preflight", "--resume", run_b, "--set",
+                        "train.steps=45"], env=env, cwd=project, timeout=300)
+    kill_leftovers(run_b)
+    assert more.exit_code == 0, more.output[-2000:]
+    assert "resuming at step 40" in more.stdout
+    assert sorted(losses(node_dir / "output" / "metrics.jsonl")) == list(range(1, 46))
+    assert json.loads((project / "runs" / run_b / "manifest.json").read_text())["plan"]["overrides"] == \
+        ["train.steps=45"]
 
     assert run_nodectl(["collect", "--run", run_b], env=env, cwd=project).exit_code == 0
     report = run_nodectl(["--json", "report", run_b], env=env, cwd=project)
     assert report.exit_code == 0, report.output
     document = report.json()
-    assert document["summary"]["steps"] == 40 and document["summary"]["end_reason"] == "completed 40 steps"
+    assert document["summary"]["steps"] == 45 and document["summary"]["end_reason"] == "completed 45 steps"
     import matplotlib.image
 
     image = matplotlib.image.imread(project / "runs" / run_b / "report" / "loss.png")

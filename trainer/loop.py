@@ -169,7 +169,8 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
         reason, aside = None, time.perf_counter()  # evaluation and saving are not training time
         if evaluates:
             reason = stopper.update(step + 1, run_eval(step + 1))
-        if recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0 and not last:
+        if recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0:  # the last one too:
+            # a finished run can be trained further (launch --resume RUN --set train.steps=MORE)
             started = time.perf_counter()
             saved_to = resume.save(model, optimizer, step + 1, out_dir / "checkpoints", ctx.device,
                                    recipe.train.keep_checkpoints)
