@@ -61,6 +61,28 @@ def redact_env(env: dict) -> dict:
     return {name: redact_value(name, str(value)) for name, value in env.items()}
 
 
+def _secret_option(word: str) -> bool:
+    return word.startswith("-") and is_secret_name(word.lstrip("-").replace("-", "_"))
+
+
+def redact_args(args) -> list:
+    """A command line as it may be shown or stored: the value of a secret-named option (`--hf-token X`,
+    `--api-key=X`) and any token-shaped argument become '***'."""
+    out, hide_next = [], False
+    for arg in args:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+        elif arg.startswith("-") and "=" in arg and _secret_option(arg.split("=", 1)[0]):
+            out.append(arg.split("=", 1)[0] + "=" + REDACTED)
+        elif _secret_option(arg):
+            out.append(arg)
+            hide_next = True
+        else:
+            out.append(redact_text(arg))
+    return out
+
+
 def _section(report: dict, key: str, fn) -> None:
     try:
         report[key] = fn()

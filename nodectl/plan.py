@@ -82,9 +82,11 @@ class LaunchPlan:
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> dict:
-        from nodectl.secrets import redact_env
+        from nodectl.secrets import redact_args, redact_env
 
         data = asdict(self)
+        data["command"] = redact_args(data["command"])
+        data["overrides"] = redact_args(data["overrides"])
         for entry in data["nodes"]:
             entry["env"] = redact_env(entry["env"])
             entry["node"]["env"] = redact_env(entry["node"]["env"])

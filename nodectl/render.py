@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jinja2
@@ -17,7 +17,7 @@ from nodectl import __version__
 from nodectl.errors import UsageError
 from nodectl.plan import LaunchPlan, NodePlan
 from nodectl.resources import resource_dir
-from nodectl.secrets import redact_env
+from nodectl.secrets import redact_args, redact_env
 from nodectl.transport import quote_path
 
 LAUNCH_TEMPLATE = "launch_node.sh.j2"
@@ -31,6 +31,7 @@ class RenderedNode:
     launch: str        # launch.sh
     env: str           # env.sh, with real values: only ever written 0600 on the node
     env_redacted: str  # what may be shown or stored locally
+    launch_redacted: str = ""  # launch.sh with secret-looking arguments as '***': what is shown or stored locally
 
 
 def _quote(value) -> str:
@@ -82,6 +83,8 @@ def _render_node(environment: jinja2.Environment, name: str, plan: LaunchPlan, n
     context = {"plan": plan, "np": np, "version": __version__}
     try:
         launch = environment.get_template(name).render(**context)
+        shown = replace(plan, command=tuple(redact_args(plan.command)))
+        launch_redacted = environment.get_template(name).render(**{**context, "plan": shown})
         env = {**np.env, "NODECTL_ATTEMPT": str(plan.attempt)}  # 0, then 1, 2, ... for --resume and restarts
         env_text = environment.get_template(ENV_TEMPLATE).render(env=env, **context)
         redacted = environment.get_template(ENV_TEMPLATE).render(env=redact_env(env), **context)
@@ -89,4 +92,5 @@ def _render_node(environment: jinja2.Environment, name: str, plan: LaunchPlan, n
         raise UsageError(f"template {name}: {exc.message} (undefined variable)") from None
     except jinja2.TemplateError as exc:
         raise UsageError(f"template {name}: {exc}") from None
-    return RenderedNode(node=np.node.name, launch=launch, env=env_text, env_redacted=redacted)
+    return RenderedNode(node=np.node.name, launch=launch, env=env_text, env_redacted=redacted,
+                        launch_redacted=launch_redacted)

@@ -15,7 +15,8 @@ def _load_probe():
 
 
 _probe = _load_probe()
-REDACTED, is_secret_name, redact_env, redact_value, redact_text = (
-    _probe.REDACTED, _probe.is_secret_name, _probe.redact_env, _probe.redact_value, _probe.redact_text)
+REDACTED, is_secret_name, redact_args, redact_env, redact_value, redact_text = (
+    _probe.REDACTED, _probe.is_secret_name, _probe.redact_args, _probe.redact_env, _probe.redact_value,
+    _probe.redact_text)
 
-__all__ = ["REDACTED", "is_secret_name", "redact_env", "redact_text", "redact_value"]
+__all__ = ["REDACTED", "is_secret_name", "redact_args", "redact_env", "redact_text", "redact_value"]

@@ -27,10 +27,13 @@ def nodectl_args(cluster, *args, count=2, **inventory):
 
 def test_plain_script_two_nodes_two_ranks_args_intact(ssh_cluster, project, tmp_path):
     canary = tmp_path / "injected"
-    tricky = ["with space", f"$(touch {canary})", f"`touch {canary}`", "it's \"quoted\"", "semi;colon"]
+    token = "hf_" + "Q7x" * 10
+    tricky = ["with space", f"$(touch {canary})", f"`touch {canary}`", "it's \"quoted\"", "semi;colon",
+              "--hf-token", token]
     result = run_nodectl(nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "2", "--",
                                       "train.py", *tricky), env=ssh_cluster.env(), cwd=project)
     assert result.exit_code == 0, result.output
+    assert "an argument looks like a secret" in result.stderr
     assert "rank=0 world=4 node=0 sum=10" in result.stdout
     run_id = latest_run_id(project)
     for rank in range(4):
@@ -40,6 +43,12 @@ def test_plain_script_two_nodes_two_ranks_args_intact(ssh_cluster, project, tmp_
         assert f"rank={rank} world=4 node={rank // 2}" in tail.stdout
         assert f"ARGS={tricky!r}" in tail.stdout
     assert not canary.exists()
+    local = project / "runs" / run_id
+    stored = [(local / "manifest.json").read_text()] + [p.read_text() for p in (local / "scripts").iterdir()]
+    assert all(token not in text for text in stored) and '"***"' in stored[0]  # the rank got it; nothing kept it
+    assert token in (ssh_cluster.nodes[0].workdir / "runs" / run_id / "launch.sh").read_text()
+    again = run_nodectl(nodectl_args(ssh_cluster, "launch", "--resume", run_id), env=ssh_cluster.env(), cwd=project)
+    assert again.exit_code == 2 and "held a secret" in again.stderr
     node_dir = ssh_cluster.nodes[1].workdir / "runs" / run_id
     assert (node_dir / "code" / "train.py").is_file() and not (node_dir / "code" / "data").exists()
     assert oct((node_dir / "env.sh").stat().st_mode & 0o777) == "0o600"

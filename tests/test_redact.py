@@ -57,3 +57,12 @@ def test_names_that_say_secret_in_other_words():
         assert redact_value(name, "plain-looking") == "***", name
     for name in ("GIT_AUTHOR_NAME", "PATH", "PYTHONPATH", "NCCL_IB_HCA", "OMP_NUM_THREADS"):
         assert redact_value(name, "/usr/bin:mlx5_0") == "/usr/bin:mlx5_0", name
+
+
+def test_secret_arguments_are_masked_by_option_name_and_by_shape():
+    from nodectl.secrets import redact_args
+
+    args = ["train.py", "--hf-token", "abc123", "--api-key=plain", "--lr", "3e-4", "--note",
+            "ghp_" + "A" * 36, "--db", "postgres://u:pw@h/db", "--max-grad-norm", "1.0", "--out", "dir"]
+    assert redact_args(args) == ["train.py", "--hf-token", "***", "--api-key=***", "--lr", "3e-4", "--note", "***",
+                                 "--db", "postgres://***@h/db", "--max-grad-norm", "1.0", "--out", "dir"]

@@ -21,6 +21,7 @@ from nodectl.errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, INT
 from nodectl.launch import settle_master_port, shared_workdirs, start_run
 from nodectl.plan import LaunchPlan, build_plan
 from nodectl.render import render_plan
+from nodectl.secrets import REDACTED, redact_args
 from nodectl.resources import resource_dir
 from nodectl.runs import Run, create_run, git_revision, open_run
 from nodectl.watch import STOP_SLACK, LogStream, poll, stop_nodes, tail_lines, wait_for_end
@@ -57,12 +58,14 @@ def _check_command(args: tuple[str, ...], files: list[sync.SyncFile], sync_dir: 
 
 def _print_dry_run(app: AppContext, plan: LaunchPlan, rendered) -> None:
     if app.json:
-        app.emit_json({"plan": plan.to_json(), "scripts": {r.node: {"launch.sh": r.launch, "env.sh": r.env_redacted}
+        app.emit_json({"plan": plan.to_json(), "scripts": {r.node: {"launch.sh": r.launch_redacted,
+                                                                    "env.sh": r.env_redacted}
                                                            for r in rendered}})
         return
     for r in rendered:
         app.heading(f"{escape(r.node)}: launch.sh")
-        app.out.print(Syntax(r.launch, "bash", word_wrap=True) if app.out.is_terminal else r.launch, markup=False)
+        app.out.print(Syntax(r.launch_redacted, "bash", word_wrap=True) if app.out.is_terminal else r.launch_redacted,
+                      markup=False)
         app.heading(f"{escape(r.node)}: env.sh (mode 0600 on the node; secrets shown as ***)")
         app.out.print(r.env_redacted, markup=False, highlight=False)
     app.info(f"dry run: {plan.nnodes} node(s), world size {plan.world_size}; nothing was started")
@@ -114,6 +117,10 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
         _check_recipe(config, overrides)
     files = sync.project_files(sync_dir, sync_limit * 2**20)
     command = tuple(command) if previous else _check_command(tuple(command), files, sync_dir)
+    if redact_args(command) != list(command):
+        app.err.print("[yellow]warning:[/] an argument looks like a secret: it is shown and stored as ***, but on "
+                      "the nodes it sits on the command line, visible to every user there (ps); pass it through "
+                      "the inventory's env: instead")
     config = os.path.abspath(config) if config else None
     facts, preflight = {}, None
     if not skip_preflight and not dry_run:
@@ -236,6 +243,9 @@ def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | Non
     inventory = replace(current, nodes=nodes)
     gpus = plan["nodes"][0]["nproc"]
     recorded = tuple(plan["command"])
+    if REDACTED in recorded and not plan["builtin_trainer"]:
+        raise UsageError(f"run {run_id}'s command held a secret, recorded as {REDACTED}, so it cannot be replayed; "
+                         f"launch it again with the secret in the inventory's env: (or the environment) instead")
     if plan["builtin_trainer"]:
         recorded = ()
         config = config or plan.get("config")
@@ -252,19 +262,19 @@ def _record_attempt(previous: Run, plan: LaunchPlan, rendered, app: AppContext) 
     previous.update(attempt=plan.attempt, state="starting", attempts=history, ended=None,
                     started=time.time(), plan=plan.to_json(), failure=None)
     for r in rendered:
-        (previous.folder / "scripts" / f"{r.node}.sh").write_text(r.launch)
+        (previous.folder / "scripts" / f"{r.node}.sh").write_text(r.launch_redacted)
         (previous.folder / "scripts" / f"{r.node}.env").write_text(r.env_redacted)
     app.info(f"run {plan.run_id}: attempt {plan.attempt} on {plan.nnodes} node(s)")
     return previous
 
 
 def _record(plan: LaunchPlan, rendered, source: str, app: AppContext) -> Run:
-    run = create_run(plan.to_json(), argv=["nodectl", *sys.argv[1:]], config_fingerprint=plan.fingerprint(),
+    run = create_run(plan.to_json(), argv=["nodectl", *redact_args(sys.argv[1:])], config_fingerprint=plan.fingerprint(),
                      inventory_source=source, git=git_revision(plan.sync_dir))
     scripts = run.folder / "scripts"
     scripts.mkdir()
     for r in rendered:
-        (scripts / f"{r.node}.sh").write_text(r.launch)
+        (scripts / f"{r.node}.sh").write_text(r.launch_redacted)
         (scripts / f"{r.node}.env").write_text(r.env_redacted)
     app.info(f"run {plan.run_id}: {plan.nnodes} node(s) x {plan.nodes[0].nproc} rank(s), backend {plan.backend}, "
              f"master {plan.master_addr}:{plan.master_port}")
