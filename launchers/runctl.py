@@ -68,6 +68,9 @@ def _private_copy(source, path: str, executable: bool = False) -> tuple:
     return digest.hexdigest(), tmp
 
 
+STREAM_BUFFER = 1 << 20  # tarfile's default of 10 KiB reads took a third of the receive time in system calls
+
+
 def cmd_receive(args: list, request: dict) -> dict:
     """Objects for the content-addressed store, as a tar stream on stdin (nothing of it is kept but the
     objects: no upload file that a broken connection could leave behind). Each object lands under a temporary
@@ -76,7 +79,7 @@ def cmd_receive(args: list, request: dict) -> dict:
     os.makedirs(store, mode=0o700, exist_ok=True)
     os.chmod(store, 0o700)
     count, size = 0, 0
-    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|") as tar:
+    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|", bufsize=STREAM_BUFFER) as tar:
         for member in tar:
             if not member.isfile() or "/" in member.name or member.name.startswith("."):
                 raise ValueError(f"unexpected entry {member.name!r} in the upload")
