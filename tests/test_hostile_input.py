@@ -67,7 +67,7 @@ def test_any_recipe_parses_or_raises_config_error(tmp_path_factory, document):
         assert str(exc)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.sampled_from(["--nodes", "0", "-1", "abc", "--gpus", "--exclude", ";", "$(x)", "--json",
                                  "--grace", "-5", "--follow", "nobody", "--run", "--", "x.py", "--dry-run"]),
                 max_size=5),

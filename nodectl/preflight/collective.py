@@ -99,8 +99,9 @@ def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, conne
         pair = (nodes[i], nodes[(i + 1) % len(nodes)])
         sub = replace(inventory, nodes=tuple(replace(n, index=k) for k, n in enumerate(pair)))
         limit = PAIR_GPU_MAX if pair[0].device == "cuda" else PAIR_CPU_MAX
+        # only the largest size: the pair's bandwidth is what finds a slow node, and each smaller size cost ~1 s
         result, _, failure, run_id = run_collective(sub, cluster, gpus=gpus, full=False,
-                                                    connect_timeout=connect_timeout, max_bytes=limit)
+                                                    connect_timeout=connect_timeout, max_bytes=limit, min_bytes=limit)
         entry = {"nodes": [n.name for n in pair], "run": run_id}
         if result and all(s["ok"] for s in result["sizes"]):
             entry["busbw_gbs"] = result["sizes"][-1]["busbw_gbs"]
@@ -112,7 +113,8 @@ def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, conne
 
 def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, full: bool,
                    connect_timeout: float, grace: float = 5.0,
-                   max_bytes: int | None = None) -> tuple[dict | None, dict[str, int], str | None, str]:
+                   max_bytes: int | None = None,
+                   min_bytes: int | None = None) -> tuple[dict | None, dict[str, int], str | None, str]:
     """(result, transports, failure, run id) of the all-reduce job on every selected node and rank."""
     gpu_run = inventory.nodes[0].device == "cuda"
     max_bytes = max_bytes or ((GPU_FULL_MAX if full else GPU_MAX) if gpu_run else CPU_MAX)
@@ -120,7 +122,8 @@ def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, 
         inventory = replace(inventory, nodes=tuple(replace(n, env={"NCCL_DEBUG": "INFO", **n.env})
                                                    for n in inventory.nodes))
     empty = tempfile.mkdtemp(prefix="nodectl-preflight-")
-    options = dict(gpus=gpus, command=("../lib/collective.py", "--max-bytes", str(max_bytes)), sync_dir=empty)
+    sweep = ("--max-bytes", str(max_bytes), *(("--min-bytes", str(min_bytes)) if min_bytes else ()))
+    options = dict(gpus=gpus, command=("../lib/collective.py", *sweep), sync_dir=empty)
     plan = build_plan(inventory, **options)
     shared = shared_workdirs(plan, cluster)
     if shared:
