@@ -116,10 +116,12 @@ class Run:
         document.setdefault("node_states", {}).setdefault(node, {}).update(fields)
         _write_json(self.manifest_path, document)
 
-    def nodes(self) -> list[RunNode]:
-        plan = self.manifest()["plan"]
+    def nodes(self, left_out: bool = False) -> list[RunNode]:
+        """The nodes of the run's current attempt; with `left_out`, also those a restart left out (their
+        processes may outlive the attempt that dropped them)."""
+        manifest = self.manifest()
         out = []
-        for entry in plan["nodes"]:
+        for entry in manifest["plan"]["nodes"] + (manifest.get("left_out", []) if left_out else []):
             node_fields = dict(entry["node"])
             node_fields["env"] = {}  # redacted in the manifest; not needed to reach the node
             out.append(RunNode(Node(**node_fields), entry["node_rank"], tuple(entry["ranks"]), entry["run_dir"]))

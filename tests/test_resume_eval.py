@@ -110,6 +110,20 @@ def test_kill9_a_rank_then_resume_logs_the_same_losses_and_report(ssh_cluster, t
     assert not list((project / "runs" / run_b / "nodes").glob("*/telemetry.jsonl"))  # no NVML on CPU: no file
 
 
+def test_a_checkpoint_continues_on_fewer_ranks_from_its_replica(tmp_path, demo_cache):
+    """What --exclude-failed needs: a node (and its shards) gone, the run goes on with the ranks that are left."""
+    common = ("train.log_every=1", "train.checkpoint_every=5", "lora.dropout=0.1")
+    two = torchrun(2, tmp_path / "out", demo_cache, "train.steps=10", *common)
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert (tmp_path / "out" / "checkpoints" / "ckpt-0000010" / "replica.pt").is_file()
+    one = torchrun(1, tmp_path / "out", demo_cache, "train.steps=20", *common)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert "checkpoint of 2 ranks resharded to 1" in one.stdout and "resuming at step 10" in one.stdout
+    steps = losses(tmp_path / "out" / "metrics.jsonl")
+    assert sorted(steps) == list(range(1, 21))
+    assert steps[11] < steps[1] * 0.9  # it continued training, not from the initial adapter
+
+
 def test_kill_during_checkpoint_write_resumes_the_previous_one(tmp_path, demo_cache, monkeypatch):
     common = ("train.steps=20", "train.log_every=1", "train.checkpoint_every=5", "lora.dropout=0.1")
     straight = torchrun(2, tmp_path / "a", demo_cache, *common)

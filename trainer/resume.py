@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 COMPLETE = "COMPLETE"
+REPLICA = "replica.pt"
 
 
 class ResumeError(Exception):
@@ -55,6 +56,24 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _full(value):
+    """The whole tensor behind a shard (a collective for DTensors: every rank calls it in the same order)."""
+    if hasattr(value, "full_tensor"):
+        return value.full_tensor().detach().cpu()
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _replica(model: nn.Module, optimizer) -> dict:
+    """The trainable state whole: what a run needs to continue on a different number of ranks, e.g. after
+    `launch --max-restarts --exclude-failed` dropped a node (whose shards went with it). LoRA state is small;
+    the frozen base is never part of it."""
+    params = {name: _full(p) for name, p in model.named_parameters() if p.requires_grad}
+    state = optimizer.state_dict()
+    return {"params": params, "param_groups": state["param_groups"],
+            "state": {index: {key: _full(value) for key, value in per_param.items()}
+                      for index, per_param in state["state"].items()}}
+
+
 def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.device, keep_last: int,
          extra: dict | None = None) -> Path:
     """Every rank calls this at the same step."""
@@ -69,11 +88,14 @@ def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.dev
         tmp.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     params = {name: _to_local(p) for name, p in model.named_parameters() if p.requires_grad}
+    replica = _replica(model, optimizer)  # collective; each node's first rank keeps a copy (REPLICA)
     error = None
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         torch.save({"params": params, "optimizer": _to_local(optimizer.state_dict()), "rng": _rng_state(device)},
                    tmp / f"rank{rank}.pt")
+        if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+            torch.save(replica, tmp / REPLICA)
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError or OSError
         error = f"rank {rank}: {exc}".splitlines()[0]
     crash = os.environ.get("NODECTL_TEST_CRASH_IN_CHECKPOINT")
@@ -117,8 +139,14 @@ def load(model: nn.Module, optimizer, checkpoint: Path, device: torch.device) ->
     meta = json.loads((checkpoint / COMPLETE).read_text())
     world, rank = dist.get_world_size(), dist.get_rank()
     if meta["world_size"] != world:
-        raise ResumeError(f"{checkpoint} was written by {meta['world_size']} ranks; this run has {world}. Resume "
-                          f"with the same nodes and --gpus, or start a new run")
+        if not (checkpoint / REPLICA).is_file():
+            raise ResumeError(f"{checkpoint} was written by {meta['world_size']} ranks; this run has {world} and "
+                              f"the checkpoint has no {REPLICA} to reshard from. Resume with the same nodes and "
+                              f"--gpus, or start a new run")
+        _load_replica(model, optimizer, checkpoint / REPLICA, device)
+        if rank == 0:
+            print(f"checkpoint of {meta['world_size']} ranks resharded to {world} from its {REPLICA}", flush=True)
+        return meta["step"]
     saved = torch.load(checkpoint / f"rank{rank}.pt", map_location="cpu", weights_only=False)
     by_name = dict(model.named_parameters())
     with torch.no_grad():
@@ -141,3 +169,33 @@ def load(model: nn.Module, optimizer, checkpoint: Path, device: torch.device) ->
     optimizer.load_state_dict(state)
     _set_rng_state(saved["rng"], device)
     return meta["step"]
+
+
+def _shard_like(value: torch.Tensor, param, device: torch.device) -> torch.Tensor:
+    """`value` (whole) laid out like `param`: this rank's shard as a DTensor, or the tensor itself."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        return distribute_tensor(value.to(device), param.device_mesh, param.placements)
+    return value.to(device)
+
+
+def _load_replica(model: nn.Module, optimizer, path: Path, device: torch.device) -> None:
+    """Continue on another number of ranks: every rank reads its node's whole copy and keeps its own shards.
+    The data split and random streams follow the new world (the steps go on; the losses are not the ones the
+    old world would have logged)."""
+    replica = torch.load(path, map_location="cpu", weights_only=False)
+    by_name = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, whole in replica["params"].items():
+            param = by_name[name]
+            shard = _shard_like(whole, param, device)
+            target = param.to_local() if hasattr(param, "to_local") else param
+            target.copy_(shard.to_local() if hasattr(shard, "to_local") else shard)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for index, per_param in replica["state"].items():
+        param = params[int(index)]
+        state[index] = {key: _shard_like(value, param, device) if isinstance(value, torch.Tensor) and value.dim() > 0
+                        else value for key, value in per_param.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": replica["param_groups"]})

@@ -16,7 +16,7 @@ from nodectl import sync
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import node_selection
 from nodectl.inventory import MAX_RANKS_PER_NODE
-from nodectl.errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, INTERRUPTED, UsageError,
+from nodectl.errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, INTERRUPTED, RunFailed, UsageError,
                             ignore_signals_while_cleaning)
 from nodectl.launch import settle_master_port, shared_workdirs, start_run
 from nodectl.plan import LaunchPlan, build_plan
@@ -90,6 +90,9 @@ def _print_dry_run(app: AppContext, plan: LaunchPlan, rendered) -> None:
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="After a failure, stop the run everywhere and start it again as its next attempt, up to N times "
                    "(the built-in trainer continues from its latest checkpoint). Needs an attached launch.")
+@click.option("--exclude-failed", is_flag=True,
+              help="With --max-restarts: before each restart, run the quick preflight on the run's nodes and "
+                   "leave out the ones that fail it or are lost; the run goes on with the rest.")
 @click.option("--stall-after", type=click.FloatRange(min=1), default=None,
               help="Stop the run when a live rank's heartbeat is older than this many seconds.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
@@ -99,9 +102,12 @@ def _print_dry_run(app: AppContext, plan: LaunchPlan, rendered) -> None:
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit, template, dry_run, skip_preflight,
-            detach, follow, grace, max_restarts, stall_after, overrides, resume_run, command) -> None:
+            detach, follow, grace, max_restarts, exclude_failed, stall_after, overrides, resume_run,
+            command) -> None:
     """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
     previous = None
+    if exclude_failed and not max_restarts:
+        raise UsageError("--exclude-failed decides which nodes a restart uses: give --max-restarts N too")
     if max_restarts and detach:
         raise UsageError("--max-restarts needs an attached launch: nodectl itself watches the run and restarts it "
                          "(drop --detach)")
@@ -158,9 +164,16 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
                 restarts_left -= 1
                 app.err.print(f"[yellow]restarting run {plan.run_id}[/] as attempt {plan.attempt + 1} after: "
                               f"{escape(failure.describe())} ({restarts_left} restart(s) left)")
-                plan = settle_master_port(replace(plan, attempt=plan.attempt + 1), cluster)
+                attempt = plan.attempt + 1
+                left_out = []
+                if exclude_failed:
+                    plan, left_out = _without_failed_nodes(app, plan, inventory, failure, cluster, gpus, options,
+                                                           shared)
+                plan = settle_master_port(replace(plan, attempt=attempt), cluster)
                 rendered = render_plan(plan, template)
                 run = _record_attempt(run, plan, rendered, app)
+                if left_out:  # `stop` still reaches them once they are back: their processes may live on
+                    run.update(left_out=run.manifest().get("left_out", []) + left_out)
                 _start(app, run, plan, rendered, cluster, files, grace)
             if failure:
                 _report_failure(app, run, plan, failure)
@@ -189,6 +202,36 @@ def _trainer_config():
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def _without_failed_nodes(app, plan: LaunchPlan, inventory, failure, cluster, gpus, options: dict,
+                          shared) -> tuple[LaunchPlan, list[dict]]:
+    """The plan for the next attempt without the nodes that fail the quick preflight now (or were lost): node
+    ranks closed up in inventory order, a new master if node 0 went. The built-in trainer continues from its
+    checkpoint's replica on the smaller world."""
+    from nodectl.preflight.run import run_preflight
+
+    current = replace(inventory, nodes=tuple(np.node for np in plan.nodes))
+    app.info(f"checking the {len(current.nodes)} node(s) of run {plan.run_id} before the restart (quick preflight)")
+    report = run_preflight(current, cluster, gpus=gpus, quick=True, full=False,
+                           connect_timeout=app.transport_options.connect_timeout)
+    bad = {name: why for name, why in report.unreachable.items()}
+    for result in report.failed:
+        bad.setdefault(result.node, f"{result.check}: {result.detail}")
+    if failure.kind == "lost":
+        bad.setdefault(failure.node, failure.detail)
+    kept = [node for node in current.nodes if node.name not in bad]
+    if not bad:
+        return plan, []
+    for name, why in bad.items():
+        app.err.print(f"[yellow]leaving out {escape(name)}[/]: {escape(str(why))}")
+    if not kept:
+        raise RunFailed(f"run {plan.run_id}: no node passed the check before the restart")
+    nodes = tuple(replace(node, index=i) for i, node in enumerate(kept))
+    names = {node.name for node in nodes}
+    left_out = [entry for entry in plan.to_json()["nodes"] if entry["node"]["name"] in bad]
+    return build_plan(replace(inventory, nodes=nodes), **{**options, "run_id": plan.run_id,
+                                                           "shared_workdirs": frozenset(shared) & names}), left_out
 
 
 def _attempt(plan: LaunchPlan, previous: Run | None) -> LaunchPlan:

@@ -20,7 +20,7 @@ from nodectl.watch import stop_nodes
 def command(app: AppContext, run_id: str | None, grace: float) -> None:
     """Stop a run on every node. Safe to repeat."""
     run = opened(app, run_id)
-    run_nodes = run.nodes()
+    run_nodes = run.nodes(left_out=True)
     with app.cluster_for(run_nodes) as cluster:
         results = stop_nodes(cluster, run_nodes, grace)
     summary, unreachable = {}, False
