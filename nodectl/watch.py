@@ -73,7 +73,8 @@ def _guard(work):
 STOP_SLACK = 10.0   # seconds beyond the grace a node gets to confirm a stop (runctl needs at most grace + ~6)
 
 
-def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float) -> dict[str, NodeResult]:
+def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
+               on_done=None) -> dict[str, NodeResult]:
     """Stop the run on every node, waiting at most grace + STOP_SLACK on each: a hung node must not hold up the
     report; its result then says it did not answer."""
     by_name = {rn.node.name: rn for rn in run_nodes}
@@ -82,7 +83,7 @@ def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float) -> dict
         rn = by_name[transport.node.name]
         return agent.call(transport, "stop", rn.run_dir, request={"grace": grace}, timeout=grace + STOP_SLACK)
 
-    return {r.node.name: r for r in cluster.fan_out(_guard(work), [rn.node for rn in run_nodes])}
+    return {r.node.name: r for r in cluster.fan_out(_guard(work), [rn.node for rn in run_nodes], on_done=on_done)}
 
 
 def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int], lines: int,

@@ -213,8 +213,9 @@ def _without_failed_nodes(app, plan: LaunchPlan, inventory, failure, cluster, gp
 
     current = replace(inventory, nodes=tuple(np.node for np in plan.nodes))
     app.info(f"checking the {len(current.nodes)} node(s) of run {plan.run_id} before the restart (quick preflight)")
-    report = run_preflight(current, cluster, gpus=gpus, quick=True, full=False,
-                           connect_timeout=app.transport_options.connect_timeout)
+    with app.node_progress("checking nodes", len(current.nodes)) as advance:
+        report = run_preflight(current, cluster, gpus=gpus, quick=True, full=False,
+                               connect_timeout=app.transport_options.connect_timeout, on_probe=advance)
     bad = {name: why for name, why in report.unreachable.items()}
     for result in report.failed:
         bad.setdefault(result.node, f"{result.check}: {result.detail}")
@@ -339,7 +340,8 @@ def _start(app, run: Run, plan: LaunchPlan, rendered, cluster, files, grace: flo
     for r in problems:
         app.err.print(f"[red]{escape(r.node.name)}[/]: {escape(r.error)}")
     app.err.print("stopping the nodes that had started")
-    stop_nodes(cluster, run.nodes(), grace)
+    with app.node_progress("stopping", plan.nnodes) as advance:
+        stop_nodes(cluster, run.nodes(), grace, on_done=advance)
     run.update(state="failed-to-start", ended=time.time(),
                failure={"kind": "start", "description": "; ".join(f"{r.node.name}: {r.error}" for r in problems)})
     if app.json:
@@ -352,7 +354,8 @@ def _interrupted(app, run: Run, plan: LaunchPlan, cluster, grace: float) -> None
     """Ctrl-C or SIGTERM at any phase after the run was recorded: stop whatever may have started, say so, 130."""
     ignore_signals_while_cleaning()
     app.err.print(f"interrupted: stopping run {plan.run_id} on every node")
-    stopped = stop_nodes(cluster, run.nodes(), grace)
+    with app.node_progress("stopping", plan.nnodes) as advance:
+        stopped = stop_nodes(cluster, run.nodes(), grace, on_done=advance)
     left = sum((r.value or {}).get("left", 0) for r in stopped.values() if r.ok)
     run.update(state="interrupted", ended=time.time())
     if app.json:
@@ -385,7 +388,8 @@ def _watch(app, run: Run, plan: LaunchPlan, cluster, follow: str, grace: float, 
 def _stop_failed(app, run: Run, plan: LaunchPlan, cluster, run_nodes, failure, grace: float) -> None:
     """Fail-fast: stop the run on every node, keep the failing rank's last lines, record the failure."""
     app.err.print(f"[red]{escape(failure.describe())}[/]; stopping the run on every node")
-    stopped = stop_nodes(cluster, run_nodes, grace)
+    with app.node_progress("stopping", len(run_nodes)) as advance:
+        stopped = stop_nodes(cluster, run_nodes, grace, on_done=advance)
     for name, result in stopped.items():
         if not result.ok or "error" in (result.value or {}):
             app.err.print(f"{escape(name)} is not answering: its processes may still run; when it is back: "

@@ -19,8 +19,10 @@ def command(app: AppContext, run_id: str | None) -> None:
     run_nodes = {rn.node.name: rn for rn in run.nodes()}
     folder = run.folder / "stacks"
     folder.mkdir(exist_ok=True)
-    with app.cluster_for(run_nodes.values()) as cluster:
-        results = cluster.fan_out(lambda t: agent.call(t, "stacks", run_nodes[t.node.name].run_dir, timeout=120))
+    with app.cluster_for(run_nodes.values()) as cluster, \
+            app.node_progress("gathering stacks", len(run_nodes)) as advance:
+        results = cluster.fan_out(lambda t: agent.call(t, "stacks", run_nodes[t.node.name].run_dir, timeout=120),
+                                  on_done=advance)
     gathered, unreachable = {}, False
     for result in results:
         if not result.ok:

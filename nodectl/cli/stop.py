@@ -21,8 +21,8 @@ def command(app: AppContext, run_id: str | None, grace: float) -> None:
     """Stop a run on every node. Safe to repeat."""
     run = opened(app, run_id)
     run_nodes = run.nodes(left_out=True)
-    with app.cluster_for(run_nodes) as cluster:
-        results = stop_nodes(cluster, run_nodes, grace)
+    with app.cluster_for(run_nodes) as cluster, app.node_progress("stopping", len(run_nodes)) as advance:
+        results = stop_nodes(cluster, run_nodes, grace, on_done=advance)
     summary, unreachable = {}, False
     for name, result in results.items():
         answer = result.value if result.ok else None

@@ -14,9 +14,10 @@ def quick_gate(app, inventory: Inventory, gpus: int | None) -> tuple[dict, dict]
         app.info("preflight: reusing a passing report from the last 10 minutes")
         return cached["reports"], cached
     app.info("preflight (quick): probing every node; --skip-preflight skips this")
-    with app.cluster(inventory) as cluster:
+    with app.cluster(inventory) as cluster, app.node_progress("preflight: probing nodes",
+                                                               len(inventory.nodes)) as advance:
         report = run_preflight(inventory, cluster, gpus=gpus, quick=True, full=False,
-                               connect_timeout=app.transport_options.connect_timeout)
+                               connect_timeout=app.transport_options.connect_timeout, on_probe=advance)
     save(report, inventory, gpus)
     if report.unreachable or report.failed:
         print_report(app.err, report)
