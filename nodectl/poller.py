@@ -14,7 +14,7 @@ from typing import Callable
 
 from nodectl import agent
 from nodectl.runs import RunNode
-from nodectl.transport import Cluster, NodeResult
+from nodectl.transport import Cluster, CommandTimeout, NodeResult
 
 
 @dataclass
@@ -22,6 +22,7 @@ class Answer:
     result: NodeResult
     at: float          # time.monotonic() when it came back
     seq: int
+    hung: bool = False  # the command timed out: the node is up but its commands hang
 
 
 class Poller:
@@ -49,6 +50,7 @@ class Poller:
         while not self._stop.is_set():
             began = time.monotonic()
             wanted = {str(r): o for r, o in self.offsets().items() if r in run_node.ranks}
+            hung = False
             try:
                 value = agent.call(transport, "poll", run_node.run_dir, request={"offsets": wanted},
                                    timeout=self.timeout)
@@ -58,9 +60,10 @@ class Poller:
             except Exception as exc:  # Unreachable, CommandTimeout, a broken connection: this node's news only
                 result = NodeResult(run_node.node, error=str(exc) or exc.__class__.__name__,
                                     unreachable=True)
+                hung = isinstance(exc, CommandTimeout)
             seq += 1
             with self._lock:
-                self._answers[run_node.node.name] = Answer(result, time.monotonic(), seq)
+                self._answers[run_node.node.name] = Answer(result, time.monotonic(), seq, hung)
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - began)))
 
     def answers(self) -> dict[str, Answer]:

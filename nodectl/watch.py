@@ -261,7 +261,7 @@ def _lost_node(run_nodes: list[RunNode], answers: dict, last_good: dict[str, flo
         if silent < lost_after:
             continue
         answer = answers.get(name)
-        if answer is None or now - answer.at >= lost_after:
+        if answer is None or now - answer.at >= lost_after or answer.hung:
             detail = f"no answer for {silent:.0f}s (its commands hang: a stuck login shell or file system?)"
         else:
             reason = answer.result.error or (answer.result.value or {}).get("error")
