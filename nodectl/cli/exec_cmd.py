@@ -36,14 +36,16 @@ def after_marker(text: str) -> str:
     return rest if found else text
 
 
-def group(results: list[NodeResult]) -> list[dict]:
-    """Nodes with the same outcome (exit code, stdout, stderr, or the same error) in one group, first seen first."""
+def group(results: list[NodeResult], timeout: float) -> list[dict]:
+    """Nodes with the same outcome (exit code, stdout, stderr, or the same error) in one group, first seen first.
+    Exit 124 is the node's `timeout` stopping the command."""
     groups: dict[tuple, dict] = {}
     for r in results:
         if r.ok:
             stdout, stderr = after_marker(r.value.stdout), after_marker(r.value.stderr)
             key = ("ran", r.value.exit_code, stdout, stderr)
-            entry = {"exit": r.value.exit_code, "stdout": stdout, "stderr": stderr, "error": None}
+            stopped = f"timed out after {timeout:g}s (stopped)" if r.value.exit_code == 124 else None
+            entry = {"exit": r.value.exit_code, "stdout": stdout, "stderr": stderr, "error": stopped}
         else:
             key = ("error", r.unreachable, r.error)
             entry = {"exit": None, "stdout": "", "stderr": "", "error": r.error, "unreachable": r.unreachable}
@@ -83,14 +85,11 @@ def command(app: AppContext, nodes, exclude, timeout, forward_stdin, command) ->
     with app.cluster(inventory) as cluster, app.node_progress("running", len(inventory.nodes)) as advance:
         results = cluster.fan_out(lambda t: t.run(remote, stdin=data, timeout=timeout + KILL_AFTER + 10),
                                   on_done=advance)
-    groups = group(results)
+    groups = group(results, timeout)
     failed = any(g["exit"] not in (0, None) or (g["error"] and not g.get("unreachable")) for g in groups)
     unreachable = any(g.get("unreachable") for g in groups)
-    for g in groups:
-        if g["exit"] == 124:
-            g["error"] = f"timed out after {timeout:g}s (stopped)"
     if app.json:
-        app.emit_json({"command": list(command), "groups": [{k: v for k, v in g.items()} for g in groups],
+        app.emit_json({"command": list(command), "groups": groups,
                        "nodes": {name: {k: v for k, v in g.items() if k not in ("names", "nodes")}
                                  for g in groups for name in g["names"]}})
     else:
