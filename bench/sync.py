@@ -77,11 +77,26 @@ def time_nodectl(cluster: SSHCluster, inventory: Path, project: Path, count: int
     with PeakRSS(lambda: [proc.pid]) as rss:
         out, err = proc.communicate(timeout=1200)
     elapsed = time.perf_counter() - started
-    run_id = sorted(p.name for p in (project / "runs").iterdir() if p.name[0].isdigit())[-1]
+    runs = project / "runs"
+    if proc.returncode or not runs.is_dir():
+        raise RuntimeError(f"nodectl failed (exit {proc.returncode}): {err[-1500:]}")
+    run_id = sorted(p.name for p in runs.iterdir() if p.name[0].isdigit())[-1]
+    end_run(run_id)
     arrived = [n.workdir / "runs" / run_id / "code" / "code" / "payload.bin" for n in cluster.nodes[:count]]
     if proc.returncode or not all(p.is_file() and p.stat().st_size == size for p in arrived):
         raise RuntimeError(f"nodectl did not deliver everywhere: {err[-1500:]}")
     return elapsed, rss.peak
+
+
+def end_run(run_id: str) -> None:
+    """The detached run's torchruns (a 32-node rendezvous of a script that exits at once) must not linger into
+    the next measurement: every process whose environment carries the run id is killed."""
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("NODECTL_RUN_ID") == run_id:
+                process.kill()
+        except psutil.Error:
+            continue
 
 
 def time_pdcp(cluster: SSHCluster, project: Path, count: int, size: int) -> tuple[float, int]:

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -32,12 +33,15 @@ def main() -> None:
     parser.add_argument("--min-bytes", type=int, default=1 << 20)
     parser.add_argument("--max-bytes", type=int, default=1 << 30)
     parser.add_argument("--budget-s", type=float, default=1.0, help="rough time per size")
+    parser.add_argument("--deadline-s", type=float, default=120.0,
+                        help="longest wait for any peer or collective (torch's defaults: 10 min NCCL, 30 min gloo)")
     args = parser.parse_args()
     on_gpu = torch.cuda.is_available() and os.environ.get("NODECTL_DEVICE") != "cpu"
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None)
+    dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None,
+                            timeout=timedelta(seconds=args.deadline_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     results, size = [], args.min_bytes

@@ -208,10 +208,35 @@ def probe_gpus() -> dict:
         devices = [_gpu(pynvml, index) for index in range(count)]
         driver = pynvml.nvmlSystemGetDriverVersion()
         cuda = _nvml_call(pynvml.nvmlSystemGetCudaDriverVersion)
-        return {"available": True, "count": count, "driver": driver.decode() if isinstance(driver, bytes) else driver,
-                "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None, "devices": devices}
+        report = {"available": True, "count": count, "driver": driver.decode() if isinstance(driver, bytes) else driver,
+                  "cuda_driver": f"{cuda // 1000}.{cuda % 1000 // 10}" if cuda else None, "devices": devices}
+        return {**report, **visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), devices)}
     finally:
         pynvml.nvmlShutdown()
+
+
+def visible_devices(spec, devices: list) -> dict:
+    """What CUDA_VISIBLE_DEVICES leaves of NVML's devices (NVML ignores it; the ranks will not): the report's
+    `devices` and `count` become the visible ones, `count_all` keeps the node's total. Entries are indexes or
+    (prefixes of) GPU UUIDs; like CUDA, the list ends at the first entry that names no GPU, which is reported
+    in `unresolved` with whatever it hid."""
+    if spec is None:
+        return {}
+    chosen, unresolved = [], []
+    entries = [e.strip() for e in spec.split(",")] if spec.strip() else []
+    for position, entry in enumerate(entries):
+        if entry.isdigit():
+            match = [d for d in devices if d.get("index") == int(entry)]
+        elif entry.startswith(("GPU-", "MIG-")):
+            match = [d for d in devices if str(d.get("uuid") or "").startswith(entry)]
+        else:
+            match = []
+        if len(match) != 1 or match[0] in chosen:
+            unresolved = entries[position:]
+            break
+        chosen.append(match[0])
+    return {"visible": spec, "count_all": len(devices), "count": len(chosen), "devices": chosen,
+            "unresolved": unresolved}
 
 
 def _gpu(pynvml, index: int) -> dict:

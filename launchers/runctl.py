@@ -42,10 +42,25 @@ def _write(path: str, text: str, mode: int = 0o644) -> None:
     os.replace(tmp, path)
 
 
+# Store objects carry this mtime. Run folders hard-link them (one write per byte on the node, not two), so a
+# program that writes into its own code file in place changes the object too: its mtime then differs, and the
+# object counts as missing (sent again under a new inode) instead of handing a later run the changed bytes.
+STORE_MTIME = 946684800  # 2000-01-01
+
+
+def _intact(path: str, size) -> bool:
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return False
+    return int(stat.st_mtime) == STORE_MTIME and (size is None or stat.st_size == size)
+
+
 def cmd_have(args: list, request: dict) -> dict:
-    """Which of the given content hashes the node's object store lacks."""
+    """Which of the given content hashes the node's object store lacks (or holds changed since it arrived)."""
     store = os.path.join(os.path.expanduser(args[0]), ".nodectl", "objects")
-    return {"missing": [h for h in request["hashes"] if not os.path.exists(os.path.join(store, h))]}
+    sizes = request.get("sizes") or {}
+    return {"missing": [h for h in request["hashes"] if not _intact(os.path.join(store, h), sizes.get(h))]}
 
 
 def _private_copy(source, path: str, executable: bool = False) -> tuple:
@@ -71,13 +86,70 @@ def _private_copy(source, path: str, executable: bool = False) -> tuple:
 STREAM_BUFFER = 1 << 20  # tarfile's default of 10 KiB reads took a third of the receive time in system calls
 
 
-def cmd_receive(args: list, request: dict) -> dict:
-    """Objects for the content-addressed store, as a tar stream on stdin (nothing of it is kept but the
-    objects: no upload file that a broken connection could leave behind). Each object lands under a temporary
-    name and is renamed only once its content hashes to its name; a truncated stream leaves nothing."""
-    store = os.path.join(os.path.expanduser(args[0]), ".nodectl", "objects")
-    os.makedirs(store, mode=0o700, exist_ok=True)
-    os.chmod(store, 0o700)
+def _hash_file(path: str) -> str:
+    digest, block = hashlib.sha256(), bytearray(STREAM_BUFFER)
+    view = memoryview(block)
+    with open(path, "rb", buffering=0) as handle:
+        while True:
+            count = handle.readinto(block)
+            if not count:
+                return digest.hexdigest()
+            digest.update(view[:count])
+
+
+def _incoming_prefix() -> str:
+    return f".incoming-{socket.gethostname()}-"  # a store on a shared home is shared by several machines
+
+
+def _sweep_incoming(store: str) -> None:
+    """Folders of this machine's earlier receives whose runctl is gone (killed with its SSH session)."""
+    for name in os.listdir(store):
+        pid = name[len(_incoming_prefix()):]
+        if name.startswith(_incoming_prefix()) and not (pid.isdigit() and os.path.exists(f"/proc/{pid}")):
+            shutil.rmtree(os.path.join(store, name), ignore_errors=True)
+
+
+def _commit(store: str, incoming: str, names: list) -> tuple:
+    """Objects unpacked in `incoming` enter the store only once their content hashes to their name."""
+    count, size = 0, 0
+    for name in names:
+        path = os.path.join(incoming, name)
+        if not os.path.isfile(path) or os.path.islink(path) or "/" in name or name.startswith("."):
+            raise ValueError(f"unexpected entry {name!r} in the upload")
+        if _hash_file(path) != name:
+            return count, size, name
+        os.chmod(path, 0o600)
+        os.utime(path, (STORE_MTIME, STORE_MTIME))
+        size += os.path.getsize(path)
+        os.replace(path, os.path.join(store, name))
+        count += 1
+    return count, size, None
+
+
+def _receive_with_tar(tar: str, store: str, incoming: str) -> dict:
+    """The node's own tar unpacks the stream (C: one pass, the bytes never cross Python), then each object is
+    hash-checked and moved into the store. A stream cut midway makes tar fail: nothing of it is kept."""
+    argv = [tar, "-x", "--no-same-owner", "--no-same-permissions", "-C", incoming, "-f", "-"]
+    try:
+        source = sys.stdin.buffer.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file descriptor: fed through a pipe
+        source = None
+    with subprocess.Popen(argv, stdin=subprocess.PIPE if source is None else source, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE) as proc:
+        if source is None:
+            shutil.copyfileobj(sys.stdin.buffer, proc.stdin, STREAM_BUFFER)
+            proc.stdin.close()
+        errors = proc.stderr.read()
+    if proc.returncode != 0:
+        raise ValueError(f"the upload did not arrive whole: {errors.decode(errors='replace').strip()[-300:]}")
+    count, size, corrupted = _commit(store, incoming, sorted(os.listdir(incoming)))
+    if corrupted:
+        return {"error": f"object {corrupted} arrived corrupted", "corrupted": corrupted}
+    return {"received": count, "bytes": size}
+
+
+def _receive_with_tarfile(store: str) -> dict:
+    """Where the node has no tar: Python's tarfile, one object at a time."""
     count, size = 0, 0
     with tarfile.open(fileobj=sys.stdin.buffer, mode="r|", bufsize=STREAM_BUFFER) as tar:
         for member in tar:
@@ -87,9 +159,47 @@ def cmd_receive(args: list, request: dict) -> dict:
             if sha != member.name:
                 os.unlink(tmp)
                 return {"error": f"object {member.name} arrived corrupted", "corrupted": member.name}
+            os.utime(tmp, (STORE_MTIME, STORE_MTIME))
             os.replace(tmp, os.path.join(store, member.name))
             count, size = count + 1, size + member.size
     return {"received": count, "bytes": size}
+
+
+def cmd_receive(args: list, request: dict) -> dict:
+    """Objects for the content-addressed store, as a tar stream on stdin (nothing of it is kept but the
+    objects: no upload file that a broken connection could leave behind). Each object lands under a temporary
+    name and is renamed only once its content hashes to its name; a truncated stream leaves nothing."""
+    store = os.path.join(os.path.expanduser(args[0]), ".nodectl", "objects")
+    os.makedirs(store, mode=0o700, exist_ok=True)
+    os.chmod(store, 0o700)
+    _sweep_incoming(store)
+    tar = shutil.which("tar")
+    if not tar or os.environ.get("NODECTL_NO_TAR"):
+        return _receive_with_tarfile(store)
+    incoming = os.path.join(store, f"{_incoming_prefix()}{os.getpid()}")
+    os.mkdir(incoming, 0o700)
+    try:
+        return _receive_with_tar(tar, store, incoming)
+    finally:
+        shutil.rmtree(incoming, ignore_errors=True)
+
+
+def _place(source: str, target: str, mode: int) -> None:
+    """Put a store object at `target`: a hard link where the modes agree (the store's objects are 0600), else (a
+    program, or a file system that refuses links) a private in-kernel copy. The store was hash-checked."""
+    tmp = f"{target}.{os.getpid()}.tmp"
+    if mode == 0o600:
+        try:
+            os.link(source, tmp)
+            os.replace(tmp, target)
+            return
+        except OSError:
+            if os.path.lexists(tmp):
+                os.unlink(tmp)
+    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode))  # private before any byte lands
+    shutil.copyfile(source, tmp)
+    os.chmod(tmp, mode)
+    os.replace(tmp, target)
 
 
 def cmd_prepare(args: list, request: dict) -> dict:
@@ -109,11 +219,7 @@ def cmd_prepare(args: list, request: dict) -> dict:
             raise ValueError(f"path {entry['path']!r} leaves the run folder")
         os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
         mode = 0o700 if entry.get("mode", 0) & 0o111 else 0o600
-        tmp = f"{target}.{os.getpid()}.tmp"
-        os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode))  # private before any byte lands
-        shutil.copyfile(os.path.join(store, entry["sha256"]), tmp)  # in-kernel copy; the store was hash-checked
-        os.chmod(tmp, mode)
-        os.replace(tmp, target)
+        _place(os.path.join(store, entry["sha256"]), target, mode)
     for name, spec in request["rendered"].items():
         _write(os.path.join(run_dir, name), spec["text"], spec["mode"])
     return {"run_dir": run_dir, "files": len(request["files"])}

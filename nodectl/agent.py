@@ -31,7 +31,9 @@ MISSING = "NODECTL-RUNCTL-MISSING"
 
 
 def _invocation(node, command: str, args: tuple[str, ...]) -> str:
-    return " ".join([quote_path(node.python), quote_path(agent_path(node.workdir)), shlex.quote(command),
+    # -S: runctl needs only the standard library; skipping site-packages (.pth hooks, editable installs) makes
+    # each call ~60 ms cheaper on the node, and a launch makes several calls per node.
+    return " ".join([quote_path(node.python), "-S", quote_path(agent_path(node.workdir)), shlex.quote(command),
                      *(quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args)])
 
 

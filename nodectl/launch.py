@@ -45,13 +45,21 @@ def settle_master_port(plan: LaunchPlan, cluster: Cluster) -> LaunchPlan:
 def shared_workdirs(plan: LaunchPlan, cluster: Cluster) -> frozenset[str]:
     """Names of nodes whose workdir is the same storage as another node's (an NFS home) and whose planned run
     folders would therefore collide: they need a per-node subfolder. Empty when the folders are apart already
-    (several local "nodes" of one machine are planned apart). Nodes that cannot be asked are left to the start,
-    which reports them."""
-    results = cluster.fan_out(lambda t: agent.call(t, "identity", t.node.workdir), [np.node for np in plan.nodes])
+    (several local "nodes" of one machine are planned apart). Every node must answer (a node not asked could
+    share a folder unseen): one that does not, after a second try, stops the launch before anything started."""
+    ask = lambda t: agent.call(t, "identity", t.node.workdir)  # noqa: E731
+    results = {r.node.name: r for r in cluster.fan_out(ask, [np.node for np in plan.nodes])}
+    again = [results[name].node for name, r in results.items() if not r.ok and not r.unreachable]
+    results.update({r.node.name: r for r in cluster.fan_out(ask, again)})
+    failed = [r for r in results.values() if not r.ok]
+    if failed:
+        detail = "; ".join(f"{r.node.name}: {r.error}" for r in failed)
+        if any(r.unreachable for r in failed):
+            raise UnreachableError(detail)
+        raise NodectlError(f"cannot tell whether the nodes share their workdir: {detail}")
     seen: dict[str, list[str]] = {}
-    for result in results:
-        if result.ok:
-            seen.setdefault(result.value["identity"], []).append(result.node.name)
+    for result in results.values():
+        seen.setdefault(result.value["identity"], []).append(result.node.name)
     shared = {name for names in seen.values() if len(names) > 1 for name in names}
     run_dirs = [np.run_dir for np in plan.nodes if np.node.name in shared]
     return frozenset(shared) if len(set(run_dirs)) < len(run_dirs) else frozenset()

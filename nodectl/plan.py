@@ -138,6 +138,15 @@ def _cuda_devices(plan_nodes: list[tuple[Node, int]], visible: str | None) -> di
     return assignment if len(assignment) > 1 else {}
 
 
+def visible_devices(inventory: Inventory, gpus: int | None) -> dict[str, str]:
+    """The CUDA_VISIBLE_DEVICES each node's ranks will get, where one is set: the inventory's env:, or the share
+    of this machine's GPUs a local node is given (preflight probes with it, so it judges those GPUs only)."""
+    shares = _cuda_devices([(n, gpus or n.gpus or 1) for n in inventory.nodes],
+                           os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return {n.name: n.env.get("CUDA_VISIBLE_DEVICES", shares.get(n.name)) for n in inventory.nodes
+            if n.device == "cuda" and (n.env.get("CUDA_VISIBLE_DEVICES") is not None or n.name in shares)}
+
+
 def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ...], sync_dir: str,
                config: str | None = None, run_id: str | None = None, max_restarts: int = 0,
                overrides: tuple[str, ...] = (),

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import json
+import shlex
 import time
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from nodectl.agent import classify_failure
 from nodectl.inventory import Node
@@ -25,12 +26,15 @@ def probe_source() -> str:
     return (resource_dir("launchers") / "probe.py").read_text(encoding="utf-8")
 
 
-def run_probe(transport: Transport, source: str | None = None, import_torch: bool | None = None) -> dict:
+def run_probe(transport: Transport, source: str | None = None, import_torch: bool | None = None,
+              visible: str | None = None) -> dict:
     """One node's report. `clock.skew_s` is the node's clock minus the controller's, at the probe's midpoint.
-    import_torch: True proves torch imports (preflight); None lets the probe import it only where GPUs are."""
+    import_torch: True proves torch imports (preflight); None lets the probe import it only where GPUs are.
+    visible: the CUDA_VISIBLE_DEVICES the node's ranks will get, so the GPUs judged are the ones they use."""
     node = transport.node
     flag = {True: " --import-torch", False: " --no-import-torch", None: ""}[import_torch]
-    command = f"{quote_path(node.python)} - {quote_path(node.workdir)}{flag}"
+    prefix = f"CUDA_VISIBLE_DEVICES={shlex.quote(visible)} " if visible is not None else ""
+    command = f"{prefix}{quote_path(node.python)} - {quote_path(node.workdir)}{flag}"
     before = time.time()
     result = transport.run(command, stdin=source or probe_source(), timeout=PROBE_TIMEOUT)
     after = time.time()
@@ -53,11 +57,12 @@ def run_probe(transport: Transport, source: str | None = None, import_torch: boo
 
 
 def probe_nodes(cluster: Cluster, nodes: Iterable[Node] | None = None, on_done=None,
-                import_torch: bool | None = None) -> list[NodeResult[dict]]:
+                import_torch: bool | None = None, visible: Mapping[str, str] | None = None) -> list[NodeResult[dict]]:
     source = probe_source()
+    visible = visible or {}
 
     def work(transport: Transport) -> dict:
-        return run_probe(transport, source, import_torch)
+        return run_probe(transport, source, import_torch, visible.get(transport.node.name))
 
     def guarded(transport: Transport) -> dict:
         try:

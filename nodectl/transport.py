@@ -278,10 +278,16 @@ class SSHTransport(Transport):
 
 
 def _exec(channel, command: str, stdin, limit: float) -> tuple[int, str, str]:
-    """Send stdin to a started command, then collect stdout and stderr until it exits."""
-    if stdin:
-        channel.sendall(stdin.encode() if isinstance(stdin, str) else stdin)
-    channel.shutdown_write()
+    """Send stdin to a started command, then collect stdout and stderr until it exits. A command may end
+    without reading its stdin (runctl's "not installed yet" answer does): its channel then closes under the
+    send, which is its answer, not a lost connection."""
+    try:
+        if stdin:
+            channel.sendall(stdin.encode() if isinstance(stdin, str) else stdin)
+        channel.shutdown_write()
+    except (OSError, EOFError):
+        if not channel.exit_status_ready():  # sshd sends the exit status before it closes the channel
+            raise
     try:
         return _finish(channel, limit)
     except CommandTimeout:

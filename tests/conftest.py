@@ -58,7 +58,7 @@ def make_cluster(tmp_path_factory, count: int, first_octet: int, specs: dict | N
 
 @pytest.fixture(scope="session")
 def ssh_cluster(tmp_path_factory):
-    """Three real sshd nodes on 127.0.0.2-4 with trusted host keys."""
+    """Three real sshd nodes on 127.0.0.2-4 (127.<n>.0.2-4 in xdist worker n) with trusted host keys."""
     cluster = make_cluster(tmp_path_factory, 3, first_octet=2, specs=SESSION_SPECS)
     cluster.trust_host_keys()
     yield cluster

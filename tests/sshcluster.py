@@ -61,7 +61,16 @@ def wait_port(address: str, port: int, timeout: float = 10.0) -> None:
 
 
 def ensure_user(name: str, shell: str) -> pwd.struct_passwd:
-    """A login user with this shell; '*' as password hash, so sshd (without PAM) does not call it locked."""
+    """A login user with this shell; '*' as password hash, so sshd (without PAM) does not call it locked.
+    Serialised across pytest-xdist workers: useradd/usermod refuse to run while another holds /etc/passwd."""
+    import fcntl
+
+    with open("/tmp/nodectl-tests-users.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _ensure_user(name, shell)
+
+
+def _ensure_user(name: str, shell: str) -> pwd.struct_passwd:
     try:
         entry = pwd.getpwnam(name)
     except KeyError:
@@ -71,6 +80,13 @@ def ensure_user(name: str, shell: str) -> pwd.struct_passwd:
         subprocess.run(["usermod", "-s", shell, name], check=True, capture_output=True)
     subprocess.run(["usermod", "-p", "*", name], check=True, capture_output=True)
     return pwd.getpwnam(name)
+
+
+def loopback_prefix() -> str:
+    """127.0.0. in a plain run; 127.<n>.0. in pytest-xdist worker gw<n>, so that workers' clusters (same octets,
+    same port) never meet. All of 127/8 is this machine's loopback."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    return f"127.{int(worker[2:]) if worker[2:].isdigit() else 0}.0."
 
 
 @dataclass
@@ -134,7 +150,7 @@ class SSHCluster:
     first_octet: int = 2
     specs: dict[int, NodeSpec] = field(default_factory=dict)
     nodes: list[SSHNode] = field(default_factory=list)
-    addresses: list[str] | None = None     # default: 127.0.0.<first_octet + i>
+    addresses: list[str] | None = None     # default: 127.<worker>.0.<first_octet + i>
     namespaces: list[str] | None = None    # run node i's sshd inside this network namespace
     names: list[str] | None = None
 
@@ -172,7 +188,7 @@ class SSHCluster:
 
     def _make_node(self, i: int) -> SSHNode:
         spec = self.specs.get(i, NodeSpec())
-        address = self.addresses[i] if self.addresses else f"127.0.0.{self.first_octet + i}"
+        address = self.addresses[i] if self.addresses else f"{loopback_prefix()}{self.first_octet + i}"
         name = self.names[i] if self.names else f"node{i}"
         node = SSHNode(name, address, self.port, self.root / name, spec,
                        netns=self.namespaces[i] if self.namespaces else None)

@@ -28,7 +28,7 @@ def test_env_dump_table_json_and_output_folder(ssh_cluster, tmp_path):
     assert report["disk"]["workdir"] == "/home/nodectl-zsh/nodectl"  # the node's own home, not a shared disk
     assert abs(report["clock"]["skew_s"]) < 2
     assert sorted(p.name for p in out_dir.iterdir()) == ["node0.json", "node1.json", "node2.json"]
-    assert json.loads((out_dir / "node2.json").read_text())["node"]["host"] == "127.0.0.4"
+    assert json.loads((out_dir / "node2.json").read_text())["node"]["host"] == ssh_cluster.nodes[2].address
 
 
 def test_diff_shows_only_the_node_that_differs_and_redacts_secrets(ssh_cluster):
@@ -82,7 +82,7 @@ def test_unknown_host_key_refused_then_accepted_with_flag(fresh_cluster):
 
     accepted = run_nodectl(["-i", str(inventory), "--accept-new-host-keys", "env-dump"], env=env)
     assert accepted.exit_code == 0, accepted.output
-    assert "[127.0.0.20]:2222" in known_hosts.read_text()
+    assert f"[{fresh_cluster.nodes[0].address}]:2222" in known_hosts.read_text()
     again = run_nodectl(["-i", str(inventory), "env-dump"], env=env)  # now known: no flag needed
     assert again.exit_code == 0, again.output
 
@@ -103,7 +103,7 @@ def test_changed_host_key_always_refused(fresh_cluster):
         result = run_nodectl(["-i", str(fresh_cluster.inventory()), *flags, "env-dump"], env=fresh_cluster.env())
         assert result.exit_code == 3
         assert "HOST KEY CHANGED" in result.stderr
-        assert "ssh-keygen -R '[127.0.0.20]:2222'" in result.stderr  # the name known_hosts uses for that port
+        assert f"ssh-keygen -R '[{fresh_cluster.nodes[0].address}]:2222'" in result.stderr  # the name known_hosts uses for that port
     assert known_hosts.read_text() == before
 
 

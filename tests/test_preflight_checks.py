@@ -29,15 +29,17 @@ def healthy_report():
         "infiniband": [{"name": f"mlx5_{i}", "ports": [{"port": 1, "state": "4: ACTIVE", "phys_state": "5: LinkUp",
                                                        "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}]}
                        for i in range(8)],
-        "limits": {"memlock_soft": "unlimited"},
+        "limits": {"memlock_soft": "unlimited", "nofile_soft": 1048576, "nofile_hard": 1048576},
+        "nics": [{"name": "lo", "state": "unknown"}, {"name": "ens1", "state": "up"}, {"name": "ens2", "state": "down"},
+                 {"name": "ib0", "state": "up"}],
         "disk": {"shm_bytes": 64 << 30, "free_bytes": 500 << 30, "workdir": "/home/u/nodectl", "writable": True},
         "clock": {"skew_s": 0.02, "round_trip_s": 0.3},
         "packages": {"torch": "2.6.0", "peft": "0.13.0"},
     }
 
 
-def verdicts(report, extras=None, device="cuda"):
-    return {r.check: r for r in checks.judge_node("n0", report, device, EXPECT, extras)}
+def verdicts(report, extras=None, device="cuda", env=None):
+    return {r.check: r for r in checks.judge_node("n0", report, device, EXPECT, extras, env=env)}
 
 
 def test_healthy_8_gpu_ib_node_passes():
@@ -84,7 +86,7 @@ def test_too_few_gpus_mixed_models_nvlink_gap():
     report["gpus"]["count"] = 4
     report["gpus"]["devices"] = [gpu(i) for i in range(3)] + [gpu(3, name="NVIDIA A100", nvlinks_active=0)]
     results = verdicts(report)
-    assert results["gpus"].verdict == FAIL and "4 GPU(s), 8 requested" in results["gpus"].detail
+    assert results["gpus"].verdict == FAIL and "4 GPU(s), 8 asked by --gpus" in results["gpus"].detail
     assert results["nvlink"].verdict == WARN
 
 
@@ -149,6 +151,13 @@ def test_wrong_sums_fail():
     assert judge_collective(result, {}, False, 2, None)[0].verdict == FAIL
 
 
+def test_a_failed_collective_job_names_its_run_for_the_logs():
+    failed = judge_collective(None, {}, False, 2, "rank 1 on node n1 failed (exit code 1): Connection refused",
+                              run_id="20261122-101010-abcd")[0]
+    assert failed.verdict == FAIL and "Connection refused" in failed.detail
+    assert "nodectl tail all --run 20261122-101010-abcd" in failed.hint and "--run RUN" not in failed.hint
+
+
 def test_pair_tests_point_at_the_common_slow_node():
     from nodectl.preflight.collective import judge_pairs
 
@@ -167,7 +176,10 @@ def test_facts_that_could_not_be_read_are_skip_with_the_reason_never_pass():
     report["limits"] = {"error": "OSError"}
     report["infiniband"] = {"error": "PermissionError: /sys/class/infiniband"}
     results = verdicts(report)
-    for check in ("gpu idle", "ecc", "persistence", "nvlink", "memlock", "shm", "disk", "workdir", "infiniband"):
+    report["nics"] = {"error": "PermissionError: /sys/class/net"}
+    results = verdicts(report, env={"NCCL_SOCKET_IFNAME": "ens1"})
+    for check in ("gpu idle", "ecc", "persistence", "nvlink", "memlock", "shm", "disk", "workdir", "infiniband",
+                  "nofile", "socket ifname"):
         assert results[check].verdict == SKIP, (check, results[check])
         assert "could not be read" in results[check].detail
     del report["disk"]
@@ -180,3 +192,75 @@ def test_unwritable_workdir_fails_with_its_path_and_the_fix():
     result = verdicts(report)["workdir"]
     assert result.verdict == FAIL and "/home/u/nodectl" in result.detail and "Permission denied" in result.detail
     assert "workdir:" in result.hint
+
+
+@pytest.mark.parametrize("soft, verdict", [(256, FAIL), (1023, FAIL), (1024, WARN), (65536, PASS),
+                                           ("unlimited", PASS)])
+def test_open_files_limit_is_judged(soft, verdict):
+    report = healthy_report()
+    report["limits"].update(nofile_soft=soft, nofile_hard=4096)
+    result = verdicts(report)["nofile"]
+    assert result.verdict == verdict, result
+    if verdict != PASS:
+        assert f"limited to {soft} (hard 4096)" in result.detail and "nofile 1048576" in result.hint
+
+
+@pytest.mark.parametrize("env, verdict, words", [
+    ({}, PASS, "not set"),
+    ({"NCCL_SOCKET_IFNAME": "ens1", "GLOO_SOCKET_IFNAME": "ens1"}, PASS, "NCCL_SOCKET_IFNAME=ens1"),
+    ({"NCCL_SOCKET_IFNAME": "ens"}, PASS, "ens"),                  # a prefix: ens1 is up
+    ({"NCCL_SOCKET_IFNAME": "^docker,lo"}, PASS, "^docker,lo"),    # an exclusion list
+    ({"NCCL_SOCKET_IFNAME": "eth0"}, FAIL, "NCCL_SOCKET_IFNAME=eth0: no interface eth0 on the node"),
+    ({"GLOO_SOCKET_IFNAME": "=ens"}, FAIL, "no interface ens on the node"),  # `=` is an exact name
+    ({"GLOO_SOCKET_IFNAME": "ens2"}, FAIL, "GLOO_SOCKET_IFNAME=ens2: ens2 is down"),
+    ({"NCCL_SOCKET_IFNAME": "ens2,ib0"}, PASS, "ens2,ib0"),        # one of the list is up
+])
+def test_socket_ifname_must_name_an_interface_that_is_up(env, verdict, words):
+    result = verdicts(healthy_report(), env=env)["socket ifname"]
+    assert result.verdict == verdict and words in result.detail, result
+    if verdict == FAIL:
+        assert result.hint.endswith("ens1, ib0, lo")  # the interfaces that are up, to choose from
+
+
+def _probe_module():
+    import importlib.util
+
+    from nodectl.resources import resource_dir
+
+    spec = importlib.util.spec_from_file_location("nodectl_probe_script", resource_dir("launchers") / "probe.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("spec, indexes, unresolved", [
+    (None, None, None),                          # not set: every GPU, nothing added to the report
+    ("0,3", [0, 3], []),
+    ("GPU-3f", [3], []),                         # a UUID prefix
+    ("1,9,2", [1], ["9", "2"]),                  # CUDA stops at the first entry naming no GPU
+    ("", [], []),                                # set but empty: no GPU
+    ("0,0", [0], ["0"]),                         # a GPU named twice
+])
+def test_the_probe_applies_cuda_visible_devices_to_nvmls_list(spec, indexes, unresolved):
+    devices = [gpu(i, uuid=f"GPU-{i}f{i}e-0000") for i in range(4)]
+    seen = _probe_module().visible_devices(spec, devices)
+    if indexes is None:
+        assert seen == {}
+        return
+    assert [d["index"] for d in seen["devices"]] == indexes and seen["count"] == len(indexes)
+    assert seen["unresolved"] == unresolved and seen["count_all"] == 4
+
+
+def test_a_visible_gpu_the_node_lacks_and_gpus_beyond_the_node_fail_with_the_node_and_fix():
+    report = healthy_report()
+    report["gpus"].update(visible="0,9", count=1, count_all=8, unresolved=["9"], devices=[gpu(0)])
+    result = verdicts(report)["gpus"]
+    assert result.verdict == FAIL and "CUDA_VISIBLE_DEVICES=0,9 names '9', which is no GPU of this node" in result.detail
+    assert "it has 8" in result.detail and "nvidia-smi -L" in result.hint
+
+    report = healthy_report()
+    report["gpus"].update(visible="0", count=1, count_all=8, unresolved=[], devices=[gpu(0)])
+    asked = {r.check: r for r in checks.judge_node("n0", report, "cuda", Expectation(None, 29500, "a"), gpus=2)}
+    assert asked["gpus"].verdict == FAIL and "1 visible GPU(s), 2 asked by gpus: in hosts.yaml" in asked["gpus"].detail
+    fine = {r.check: r for r in checks.judge_node("n0", report, "cuda", Expectation(None, 29500, "a"), gpus=1)}
+    assert fine["gpus"].verdict == PASS

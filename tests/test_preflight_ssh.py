@@ -57,6 +57,18 @@ def test_healthy_cluster_passes_with_a_correct_gloo_all_reduce(ssh_cluster, tmp_
     assert human.exit_code == 0 and "preflight passed" in human.stdout and "all-reduce" not in human.stdout
 
 
+def test_a_socket_ifname_naming_no_interface_fails_quick_preflight_on_that_node(ssh_cluster, tmp_path):
+    """It passed the quick tier before, and the full tier said only that the all-reduce job failed."""
+    inventory = ssh_cluster.inventory(count=2, node_overrides={1: {"env": {"GLOO_SOCKET_IFNAME": "nosuch0"}}})
+    result = run_nodectl(["-i", str(inventory), "--json", "preflight", "--quick"], env=ssh_cluster.env(),
+                         cwd=tmp_path)
+    assert result.exit_code == 1, result.output[-2000:]
+    failed = [r for r in result.json()["results"] if r["verdict"] == "fail"]
+    assert [(r["node"], r["check"]) for r in failed] == [("node1", "socket ifname")]
+    assert "GLOO_SOCKET_IFNAME=nosuch0: no interface nosuch0 on the node" in failed[0]["detail"]
+    assert "lo" in failed[0]["hint"]
+
+
 def test_full_runs_a_collective_on_each_node_pair(ssh_cluster, tmp_path):
     inventory = ssh_cluster.inventory(count=3, gpus=1)
     result = run_nodectl(["-i", str(inventory), "--json", "preflight", "--full"], env=ssh_cluster.env(),

@@ -106,7 +106,7 @@ def test_fixed_master_port_full_preflight_then_two_launches_in_a_row(ssh_cluster
     for attempt in range(2):
         result = run_nodectl(["-i", inventory, "launch", "--", "train.py"], env=env, cwd=project)
         assert result.exit_code == 0, (attempt, result.output[-3000:])
-        assert f"master 127.0.0.2:{port}" in result.stderr
+        assert f"master {ssh_cluster.nodes[0].address}:{port}" in result.stderr
     # preflight's own collective job is never "the latest run"
     def here(document):  # the registry also lists other tests' runs (the same HOME): only this project's
         return [r for r in document["runs"] if r["folder"].startswith(str(project))]
@@ -128,8 +128,8 @@ def test_ctrl_c_during_sync_exits_130_and_leaves_nothing_on_the_nodes(ssh_cluste
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     stores = [n.workdir / ".nodectl" / "objects" for n in ssh_cluster.nodes[:2]]
 
-    def uploading():  # an object is arriving: it lands under a temporary name first
-        return any(p.name.endswith(".tmp") for store in stores if store.is_dir() for p in store.iterdir())
+    def uploading():  # an object is arriving: the node's tar unpacks it in a folder of its own first
+        return any(p.is_file() for store in stores if store.is_dir() for p in store.glob(".incoming-*/*"))
 
     try:
         wait_for(uploading, timeout=120, interval=0.02)
@@ -144,7 +144,8 @@ def test_ctrl_c_during_sync_exits_130_and_leaves_nothing_on_the_nodes(ssh_cluste
     assert run_processes(run_id) == []
     for node in ssh_cluster.nodes[:2]:
         assert not (node.workdir / "runs" / run_id / "state" / "pgid").exists()   # never started
-        leftovers = [p.name for p in node.workdir.rglob("*") if p.name.endswith(".tmp") or "upload-" in p.name]
+        leftovers = [p.name for p in node.workdir.rglob("*") if p.name.endswith(".tmp") or "upload-" in p.name
+                     or p.name.startswith(".incoming-")]
         assert leftovers == [], leftovers
     manifest = json.loads((project / "runs" / run_id / "manifest.json").read_text())
     assert manifest["state"] == "interrupted"

@@ -84,3 +84,62 @@ def test_local_nodes_share_out_the_gpus_this_process_may_use(monkeypatch):
     assert envs == ["2", "3"]
     with pytest.raises(UsageError, match="local nodes need 4 GPUs; CUDA_VISIBLE_DEVICES=2,3,5 offers 3"):
         build_plan(inventory, gpus=2, command=("t.py",), sync_dir=".")
+    # preflight probes each local node with the same share, so it judges the GPUs that node's ranks will use;
+    # an inventory's own CUDA_VISIBLE_DEVICES wins
+    from nodectl.plan import visible_devices
+
+    assert visible_devices(inventory, 1) == {"local0": "2", "local1": "3"}
+    pinned = replace(inventory, nodes=(replace(inventory.nodes[0], env={"CUDA_VISIBLE_DEVICES": "5"}),
+                                       inventory.nodes[1]))
+    assert visible_devices(pinned, 1) == {"local0": "5"}  # one local node left to share out: it gets no share
+
+
+class _AnsweringCluster:
+    """Answers the run-folder identity question from a script: one list of answers per node, used in order
+    (a string is an error, `Unreachable` a dead node)."""
+
+    def __init__(self, answers):
+        self.answers = {name: list(seq) for name, seq in answers.items()}
+        self.asked = []
+
+    def fan_out(self, work, nodes):
+        from nodectl.transport import NodeResult
+
+        results = []
+        for node in nodes:
+            self.asked.append(node.name)
+            answer = self.answers[node.name].pop(0)
+            if answer is Unreachable:
+                results.append(NodeResult(node, error="connection refused", unreachable=True))
+            elif answer.startswith("error"):
+                results.append(NodeResult(node, error=answer))
+            else:
+                results.append(NodeResult(node, value={"identity": answer}))
+        return results
+
+
+class Unreachable:
+    pass
+
+
+def test_a_shared_home_is_found_even_when_a_node_answers_only_the_second_time():
+    from nodectl.launch import shared_workdirs
+
+    cluster = _AnsweringCluster({"node0": ["same"], "node1": ["error: Socket is closed", "same"]})
+    assert shared_workdirs(plan(), cluster) == {"node0", "node1"}
+    assert cluster.asked == ["node0", "node1", "node1"]
+    apart = _AnsweringCluster({"node0": ["a"], "node1": ["b"]})
+    assert shared_workdirs(plan(), apart) == frozenset()
+
+
+@pytest.mark.parametrize("answer, error, words", [
+    ("error: no JSON", "NodectlError", "cannot tell whether the nodes share their workdir: node1: error: no JSON"),
+    (Unreachable, "UnreachableError", "node1: connection refused"),
+])
+def test_a_node_that_never_says_whether_it_shares_its_workdir_stops_the_launch(answer, error, words):
+    from nodectl.launch import shared_workdirs
+
+    cluster = _AnsweringCluster({"node0": ["same"], "node1": [answer, answer]})
+    with pytest.raises(Exception) as raised:
+        shared_workdirs(plan(), cluster)
+    assert type(raised.value).__name__ == error and words in str(raised.value.message)

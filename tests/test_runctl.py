@@ -11,6 +11,8 @@ import tarfile
 import threading
 import time
 
+import pytest
+
 from nodectl.resources import resource_dir
 
 sys.path.insert(0, str(resource_dir("launchers")))
@@ -115,7 +117,8 @@ def test_port_in_time_wait_counts_as_free_like_for_the_tcp_store():
 
 
 
-def test_store_and_run_files_are_private_whatever_the_source_mode(tmp_path, monkeypatch):
+@pytest.mark.parametrize("unpacker", ["tar", "tarfile"])  # the node's tar, or Python's where it has none
+def test_store_and_run_files_are_private_whatever_the_source_mode(tmp_path, monkeypatch, unpacker):
     import hashlib
     import io
     import types
@@ -128,6 +131,8 @@ def test_store_and_run_files_are_private_whatever_the_source_mode(tmp_path, monk
             info.size, info.mode = len(data), 0o644
             tar.addfile(info, io.BytesIO(data))
     workdir, run_dir = tmp_path / "work", tmp_path / "work" / "runs" / "r1"
+    if unpacker == "tarfile":
+        monkeypatch.setenv("NODECTL_NO_TAR", "1")
     monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=io.BytesIO(upload.getvalue())))
     assert runctl.cmd_receive([str(workdir)], {}) == {"received": 2, "bytes": len(secret) + len(script)}
     request = {"workdir": str(workdir), "run_dir": str(run_dir), "rendered": {},
@@ -140,3 +145,43 @@ def test_store_and_run_files_are_private_whatever_the_source_mode(tmp_path, monk
     assert oct((run_dir / "code" / "credentials.ini").stat().st_mode & 0o777) == "0o600"
     assert oct((run_dir / "code" / "bin" / "run.sh").stat().st_mode & 0o777) == "0o700"
     assert oct(run_dir.stat().st_mode & 0o777) == "0o700"
+    assert sorted(p.name for p in store.iterdir()) == sorted(hashlib.sha256(d).hexdigest() for d in (secret, script))
+
+
+def test_a_code_file_changed_in_place_by_its_run_never_reaches_the_next_run(tmp_path, monkeypatch):
+    """Run folders share the store's bytes (one write per byte on the node); a program that rewrites its own
+    code file in place must not hand the changed bytes to a later run under the old content's hash."""
+    import hashlib
+    import io
+    import types
+
+    data = b"LEARNING_RATE = 3e-4\n" * 100
+    sha = hashlib.sha256(data).hexdigest()
+
+    def receive():
+        upload = io.BytesIO()
+        with tarfile.open(fileobj=upload, mode="w|") as tar:
+            info = tarfile.TarInfo(sha)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=io.BytesIO(upload.getvalue())))
+        runctl.cmd_receive([str(workdir)], {})
+
+    def prepare(run):
+        runctl.cmd_prepare([], {"workdir": str(workdir), "run_dir": str(workdir / "runs" / run), "rendered": {},
+                                "files": [{"path": "code/config.py", "sha256": sha, "mode": 0o644}]})
+        return workdir / "runs" / run / "code" / "config.py"
+
+    workdir = tmp_path / "work"
+    have = {"hashes": [sha], "sizes": {sha: len(data)}}
+    assert runctl.cmd_have([str(workdir)], have)["missing"] == [sha]
+    receive()
+    assert runctl.cmd_have([str(workdir)], have)["missing"] == []
+    first = prepare("r1")
+    assert first.read_bytes() == data
+    with open(first, "r+b") as handle:  # the run edits its own file in place, same size
+        handle.write(b"LEARNING_RATE = 9e-9")
+    assert runctl.cmd_have([str(workdir)], have)["missing"] == [sha]  # the store's object is no longer trusted
+    receive()
+    assert prepare("r2").read_bytes() == data
+    assert first.read_bytes().startswith(b"LEARNING_RATE = 9e-9")  # r1 keeps what it wrote

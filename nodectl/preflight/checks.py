@@ -10,6 +10,8 @@ SHM_MIN = 1 << 30
 DISK_WARN, DISK_FAIL = 20 << 30, 2 << 30
 GPU_BUSY_BYTES = 1 << 30
 SKEW_WARN, SKEW_FAIL = 1.0, 30.0
+NOFILE_FAIL, NOFILE_WARN = 1024, 65536
+SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 VIRTUAL_PREFIXES = ("docker", "veth", "virbr", "br-", "lo", "cni", "flannel", "cali", "tun", "tap")
 
 
@@ -88,14 +90,26 @@ def check_torch(node: str, report: Mapping, device: str) -> CheckResult:
 
 
 @_skip_if_unreadable("gpus", "gpus")
-def check_gpu_count(node: str, report: Mapping, want: int | None) -> CheckResult:
+def check_gpu_count(node: str, report: Mapping, want: int | None, inventory_gpus: int | None = None) -> CheckResult:
+    """The GPUs the ranks will see (CUDA_VISIBLE_DEVICES applied by the probe) against what the launch asks:
+    --gpus, else the node's `gpus:`; a CUDA_VISIBLE_DEVICES entry that names no GPU of the node fails."""
     count = _get(report, "gpus", "count", default=0)
     if not _get(report, "gpus", "available", default=False):
         return CheckResult("gpus", node, FAIL, f"no GPU visible: {_get(report, 'gpus', 'reason', default='?')}",
                            "install the NVIDIA driver and nvidia-ml-py on the node, or use device: cpu")
-    if want and count < want:
-        return CheckResult("gpus", node, FAIL, f"{count} GPU(s), {want} requested",
-                           f"lower --gpus to {count} or gpus: in hosts.yaml for this node")
+    unresolved = _get(report, "gpus", "unresolved", default=[])
+    if unresolved:
+        total = _get(report, "gpus", "count_all", default="?")
+        return CheckResult("gpus", node, FAIL,
+                           f"CUDA_VISIBLE_DEVICES={_get(report, 'gpus', 'visible')} names {unresolved[0]!r}, which is "
+                           f"no GPU of this node (it has {total}: indexes 0-{total - 1 if isinstance(total, int) else '?'}"
+                           f" or GPU-<uuid>); CUDA ignores it and every entry after it",
+                           "fix CUDA_VISIBLE_DEVICES in this node's env: (nvidia-smi -L lists the GPUs)")
+    asked, source = (want, "--gpus") if want else (inventory_gpus, "gpus: in hosts.yaml")
+    if asked and count < asked:
+        visible = " visible" if _get(report, "gpus", "visible") is not None else ""
+        return CheckResult("gpus", node, FAIL, f"{count}{visible} GPU(s), {asked} asked by {source}",
+                           f"lower {source} to {count} for this node, or make more GPUs visible to it")
     models = {d["name"] for d in _get(report, "gpus", "devices", default=[])}
     if len(models) > 1:
         return CheckResult("gpus", node, FAIL, f"mixed GPU models on one node: {', '.join(sorted(models))}",
@@ -215,6 +229,63 @@ def check_memlock(node: str, report: Mapping) -> CheckResult:
                            "add '* soft memlock unlimited' and '* hard memlock unlimited' to "
                            "/etc/security/limits.conf (LimitMEMLOCK=infinity for services), then log in again")
     return CheckResult("memlock", node, PASS, "unlimited")
+
+
+@_skip_if_unreadable("nofile", "limits")
+def check_nofile(node: str, report: Mapping) -> CheckResult:
+    """Open files: every rank holds sockets to its peers (NCCL, gloo, the TCP store), data loader workers share
+    tensors through descriptors; 1024 is soon spent at scale, a few hundred at once."""
+    soft, hard = _get(report, "limits", "nofile_soft"), _get(report, "limits", "nofile_hard")
+    if soft is None:
+        return CheckResult("nofile", node, SKIP, "the probe did not read the open-files limit")
+    fix = ("add '* soft nofile 1048576' and '* hard nofile 1048576' to /etc/security/limits.conf "
+           "(LimitNOFILE=1048576 for services), then log in again")
+    if soft != "unlimited" and soft < NOFILE_FAIL:
+        return CheckResult("nofile", node, FAIL, f"open files limited to {soft} (hard {hard})", fix)
+    if soft != "unlimited" and soft < NOFILE_WARN:
+        return CheckResult("nofile", node, WARN, f"open files limited to {soft} (hard {hard})", fix)
+    return CheckResult("nofile", node, PASS, f"{soft} open files")
+
+
+def _named_interfaces(value: str, names: list[str]) -> tuple[list[str], list[str]]:
+    """What NCCL's (and gloo's) *_SOCKET_IFNAME value selects among `names`, and the parts that select nothing:
+    a comma list of prefixes, `=name` for an exact name, a leading `^` to exclude (judged as always matching)."""
+    value = value.strip()
+    if value.startswith("^"):
+        return [n for n in names if not any(n.startswith(p.lstrip("=")) for p in value[1:].split(",") if p)], []
+    exact = value.startswith("=")
+    parts = [p for p in value.lstrip("=").split(",") if p]
+    chosen, missing = [], []
+    for part in parts:
+        hits = [n for n in names if (n == part if exact else n.startswith(part))]
+        chosen += hits
+        if not hits:
+            missing.append(part)
+    return chosen, missing
+
+
+def check_socket_ifname(node: str, report: Mapping, env: Mapping[str, str]) -> CheckResult:
+    """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME from the inventory's env must name an interface the node has, and
+    it must be up: a wrong name makes NCCL fail at init ("no socket interface found") and gloo hang or fail."""
+    named = {var: env[var] for var in SOCKET_IFNAME_VARS if env.get(var)}
+    if not named:
+        return CheckResult("socket ifname", node, PASS, "not set (NCCL and gloo choose)")
+    reason = unreadable(report, "nics")
+    if reason:
+        return CheckResult("socket ifname", node, SKIP, reason)
+    nics = {n.get("name"): n for n in report.get("nics") or [] if n.get("name")}
+    up = sorted(name for name, nic in nics.items() if nic.get("state") in ("up", "unknown"))
+    problems = []
+    for var, value in named.items():
+        chosen, missing = _named_interfaces(value, list(nics))
+        if missing:
+            problems.append(f"{var}={value}: no interface {', '.join(missing)} on the node")
+        elif not [n for n in chosen if n in up]:
+            problems.append(f"{var}={value}: {', '.join(chosen)} is down")
+    if problems:
+        return CheckResult("socket ifname", node, FAIL, "; ".join(problems),
+                           f"set it in the inventory's env: to an interface that is up there: {', '.join(up)}")
+    return CheckResult("socket ifname", node, PASS, ", ".join(f"{var}={value}" for var, value in named.items()))
 
 
 @_skip_if_unreadable("shm", "disk")
@@ -358,16 +429,18 @@ CheckFn = Callable[..., CheckResult]
 
 
 def judge_node(node: str, report: Mapping, device: str, expect: Expectation,
-               extras: Mapping[str, Any] | None = None) -> list[CheckResult]:
-    """Every per-node check for one node's report (extras: p2p, port, reach and route answers)."""
+               extras: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None,
+               gpus: int | None = None) -> list[CheckResult]:
+    """Every per-node check for one node's report (extras: p2p, port, reach and route answers; env: what the
+    inventory sets for the node's ranks; gpus: the node's `gpus:`)."""
     extras = extras or {}
     results = [check_torch(node, report, device)]
     if device == "cuda":
-        results += [check_gpu_count(node, report, expect.gpus), check_gpus_idle(node, report), check_ecc(node, report),
+        results += [check_gpu_count(node, report, expect.gpus, gpus), check_gpus_idle(node, report), check_ecc(node, report),
                     check_persistence(node, report), check_p2p(node, extras.get("p2p")), check_nvlink(node, report),
                     check_infiniband(node, report), check_memlock(node, report)]
     results += [check_workdir(node, report), check_shm(node, report), check_disk(node, report),
-                check_clock(node, report)]
+                check_clock(node, report), check_nofile(node, report), check_socket_ifname(node, report, env or {})]
     if "port" in extras:
         results.append(check_master_port(node, extras["port"]))
     if "reach" in extras:

@@ -39,10 +39,12 @@ def result_in(log: str) -> dict | None:
 
 
 def judge_collective(result: dict | None, transports: dict[str, int], ib_present: bool, nnodes: int,
-                     failure: str | None) -> list[CheckResult]:
+                     failure: str | None, run_id: str | None = None) -> list[CheckResult]:
     if failure or result is None:
         return [CheckResult("collective", "cluster", FAIL, f"the all-reduce job failed: {failure or 'no result'}",
-                            "see the job's logs with nodectl tail all --run RUN; NCCL_DEBUG=INFO is set there")]
+                            f"see every rank's log with nodectl tail all --run {run_id or 'RUN'} (NCCL_DEBUG=INFO "
+                            f"is set there); a peer that cannot be reached on its ephemeral ports while the master "
+                            f"port works is a firewall between the nodes (NODE_SETUP.md, section 4)")]
     wrong = [s["bytes"] for s in result["sizes"] if not s["ok"]]
     out = []
     if wrong:
@@ -156,4 +158,20 @@ def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, 
     logs = ""
     for run_node in run_nodes:
         logs += tail_lines(cluster, run_node, [run_node.ranks[0]], 5000).get(run_node.ranks[0], {}).get("text", "")
-    return result_in(logs), transports_in(logs), failure.describe() if failure else None, plan.run_id
+    return result_in(logs), transports_in(logs), _failure_text(cluster, run_nodes, failure), plan.run_id
+
+
+def _failure_text(cluster: Cluster, run_nodes, failure) -> str | None:
+    """The failure, with the failing rank's last meaningful lines (the connection it could not make is there)."""
+    if failure is None:
+        return None
+    run_node = next((rn for rn in run_nodes if rn.node.name == failure.node), None)
+    if failure.rank is None or run_node is None:
+        return failure.describe()
+    try:
+        text = tail_lines(cluster, run_node, [failure.rank], 60).get(failure.rank, {}).get("text", "")
+    except Exception:  # the node may be the reason: the failure alone still says what happened
+        return failure.describe()
+    lines = [line.strip() for line in text.splitlines()
+             if line.strip() and " NCCL INFO " not in line and not line.lstrip().startswith(("File ", "^"))]
+    return failure.describe() + (": " + " | ".join(lines[-4:]) if lines else "")

@@ -11,6 +11,7 @@ from nodectl import agent
 from nodectl.inventory import Inventory
 from nodectl.preflight.checks import FAIL, WARN, CheckResult, Expectation, judge_cluster, judge_node
 from nodectl.preflight.collective import judge_collective, judge_pairs, run_collective, run_pairs
+from nodectl.plan import visible_devices
 from nodectl.probe import probe_nodes
 from nodectl.resources import resource_dir
 from nodectl.runs import runs_root
@@ -126,7 +127,8 @@ def _probe_failure(result: NodeResult) -> CheckResult:
 
 def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, quick: bool, full: bool,
                   connect_timeout: float, on_probe=None) -> PreflightReport:
-    probed: list[NodeResult[dict]] = probe_nodes(cluster, on_done=on_probe, import_torch=True)
+    probed: list[NodeResult[dict]] = probe_nodes(cluster, on_done=on_probe, import_torch=True,
+                                                 visible=visible_devices(inventory, gpus))
     reports = {r.node.name: r.value for r in probed if r.ok and "error" not in r.value}
     unreachable = {r.node.name: r.error for r in probed if r.unreachable}
     results = [_probe_failure(r) for r in probed if r.node.name not in reports]
@@ -138,7 +140,8 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
     devices = {n.name: n.device for n in inventory.nodes}
     for node in inventory.nodes:
         if node.name in reports:
-            results += judge_node(node.name, reports[node.name], node.device, expect, extras.get(node.name))
+            results += judge_node(node.name, reports[node.name], node.device, expect, extras.get(node.name),
+                                  env=node.env, gpus=node.gpus)
     if len(reports) > 1:
         results += judge_cluster(reports, {k: v for k, v in devices.items() if k in reports})
     report = PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick)
@@ -147,7 +150,7 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
         phase(f"all-reduce test on {len(inventory.nodes)} node(s)")
         result, transports, failure, run_id = run_collective(inventory, cluster, gpus=gpus, full=full,
                                                              connect_timeout=connect_timeout)
-        report.results += judge_collective(result, transports, ib, len(inventory.nodes), failure)
+        report.results += judge_collective(result, transports, ib, len(inventory.nodes), failure, run_id)
         report.collective, report.collective_run = result, run_id
         if transports:
             report.collective = {**(result or {}), "transports": transports}

@@ -37,6 +37,15 @@ def namespaced_cluster(tmp_path):
     if not (sshd_available() and netns_available()):
         pytest.skip("needs openssh-server and network namespaces (root, iproute2)")
     names = ["nodectl-ns0", "nodectl-ns1"]
+    for k, ns in enumerate(names):
+        # `ip netns exec` binds /etc/netns/<ns>/* over /etc: the nodes name each other without a DNS server, and
+        # any other lookup fails at once. (With the machine's resolver, unreachable from here, torch's c10d
+        # waited on reverse lookups of 10.77.x for ~35 s before the first step.)
+        etc = Path("/etc/netns") / ns
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{SUBNET}.{i}.2 nodectl-node{i}\n"
+                                                                      for i in range(len(names))))
     forward = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
     try:
         for k, ns in enumerate(names):
@@ -62,6 +71,7 @@ def namespaced_cluster(tmp_path):
         for k, ns in enumerate(names):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             subprocess.run(["ip", "link", "del", f"nctl-h{k}"], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
 
 RECIPE = """\

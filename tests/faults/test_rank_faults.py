@@ -92,7 +92,7 @@ def test_controller_killed_the_run_goes_on_and_a_new_shell_manages_it(ssh_cluste
 def test_wrong_port_and_refused_key_are_clear_exit_3(ssh_cluster, tmp_path):
     wrong_port = ssh_cluster.inventory(tmp_path / "port.yaml", count=1, port=2299)
     result = run_nodectl(["-i", str(wrong_port), "--connect-timeout", "3", "env-dump"], env=ssh_cluster.env())
-    assert result.exit_code == 3 and "127.0.0.2:2299" in result.stderr and "Traceback" not in result.output
+    assert result.exit_code == 3 and f"{ssh_cluster.nodes[0].address}:2299" in result.stderr and "Traceback" not in result.output
 
     stranger = tmp_path / "stranger_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
