@@ -115,7 +115,8 @@ def probe_cpu() -> dict:
     except OSError:
         pass
     return {"model": model, "count": os.cpu_count(),
-            "available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()}
+            "available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+            "governor": _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor")}
 
 
 def probe_memory() -> dict:
@@ -124,7 +125,8 @@ def probe_memory() -> dict:
         for line in handle:
             key, _, value = line.partition(":")
             info[key] = int(value.split()[0]) * 1024
-    return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable")}
+    return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable"),
+            "swap_total_bytes": info.get("SwapTotal")}
 
 
 def probe_python() -> dict:
@@ -192,6 +194,10 @@ def _nvml_call(fn, *args, default=None):
         return fn(*args)
     except Exception:
         return default
+
+
+def _text(value):
+    return value.decode() if isinstance(value, bytes) else value
 
 
 def probe_gpus() -> dict:
@@ -268,6 +274,7 @@ def _gpu(pynvml, index: int) -> dict:
         "remapped_rows_pending": None if remap is None else bool(remap[2]),
         "remapped_rows_failed": None if remap is None else bool(remap[3]),
         "nvlinks_active": sum(nvlinks), "nvlinks": len(nvlinks),
+        "vbios": _text(_nvml_call(pynvml.nvmlDeviceGetVbiosVersion, handle)),
         "compute_processes": processes,
     }
 
@@ -312,7 +319,8 @@ def probe_infiniband() -> list:
             base = f"{ports_dir}/{port}"
             ports.append({"port": int(port), "state": _read(f"{base}/state"), "phys_state": _read(f"{base}/phys_state"),
                           "rate": _read(f"{base}/rate"), "link_layer": _read(f"{base}/link_layer")})
-        devices.append({"name": device, "ports": ports})
+        devices.append({"name": device, "ports": ports, "fw_ver": _read(f"{root}/{device}/fw_ver"),
+                        "driver_version": _read("/sys/module/mlx5_core/version")})
     return devices
 
 

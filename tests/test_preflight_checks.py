@@ -13,7 +13,7 @@ EXPECT = Expectation(gpus=8, master_port=29500, master_addr="10.0.1.11")
 
 
 def gpu(index, **over):
-    device = {"index": index, "name": "NVIDIA H100 80GB HBM3", "memory_used_bytes": 500 << 20,
+    device = {"index": index, "name": "NVIDIA H100 80GB HBM3", "memory_used_bytes": 500 << 20, "vbios": "96.00.99.00.01",
               "persistence_mode": True, "ecc_volatile_uncorrected": 0, "retired_pages_pending": False,
               "remapped_rows_pending": False, "remapped_rows_failed": False, "nvlinks_active": 18,
               "compute_processes": []}
@@ -27,13 +27,17 @@ def healthy_report():
         "python": {"version": "3.11.9", "executable": "/opt/venv/bin/python3"},
         "gpus": {"available": True, "count": 8, "driver": "550.54.15", "devices": [gpu(i) for i in range(8)]},
         "infiniband": [{"name": f"mlx5_{i}", "ports": [{"port": 1, "state": "4: ACTIVE", "phys_state": "5: LinkUp",
-                                                       "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}]}
+                                                       "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}],
+                        "fw_ver": "28.39.1002", "driver_version": "24.04-0.6.6"}
                        for i in range(8)],
         "limits": {"memlock_soft": "unlimited", "nofile_soft": 1048576, "nofile_hard": 1048576},
         "nics": [{"name": "lo", "state": "unknown"}, {"name": "ens1", "state": "up"}, {"name": "ens2", "state": "down"},
                  {"name": "ib0", "state": "up"}],
         "disk": {"shm_bytes": 64 << 30, "free_bytes": 500 << 30, "workdir": "/home/u/nodectl", "writable": True},
         "clock": {"skew_s": 0.02, "round_trip_s": 0.3},
+        "os": {"kernel": "5.15.0-119-generic"},
+        "cpu": {"governor": "performance"},
+        "memory": {"swap_total_bytes": 0},
         "packages": {"torch": "2.6.0", "peft": "0.13.0"},
     }
 
@@ -264,3 +268,32 @@ def test_a_visible_gpu_the_node_lacks_and_gpus_beyond_the_node_fail_with_the_nod
     assert asked["gpus"].verdict == FAIL and "1 visible GPU(s), 2 asked by gpus: in hosts.yaml" in asked["gpus"].detail
     fine = {r.check: r for r in checks.judge_node("n0", report, "cuda", Expectation(None, 29500, "a"), gpus=1)}
     assert fine["gpus"].verdict == PASS
+
+
+def test_eight_node_cluster_with_one_odd_node_warns_on_each_difference_and_names_it():
+    reports = {f"n{i}": healthy_report() for i in range(8)}
+    cluster = {r.check: r for r in checks.check_uniformity(reports)}
+    assert {c: r.verdict for c, r in cluster.items()} == {
+        "same kernel": PASS, "same vbios": PASS, "same hca firmware": PASS, "same ofed": PASS, "same swap": PASS,
+        "cpu governor": PASS}
+    odd = reports["n5"]
+    odd["os"]["kernel"] = "6.8.0-45-generic"
+    odd["gpus"]["devices"][3]["vbios"] = "96.00.74.00.0B"     # one GPU flashed differently
+    odd["infiniband"][0]["fw_ver"] = "28.36.1010"
+    odd["memory"]["swap_total_bytes"] = 8 << 30
+    odd["cpu"]["governor"] = "powersave"
+    cluster = {r.check: r for r in checks.check_uniformity(reports)}
+    for check in ("same kernel", "same vbios", "same hca firmware", "same swap", "cpu governor"):
+        assert cluster[check].verdict == WARN and cluster[check].detail.count("on n5") == 1, cluster[check]
+    assert "6.8.0-45-generic on n5" in cluster["same kernel"].detail
+    assert "96.00.74.00.0B,96.00.99.00.01 on n5" in cluster["same vbios"].detail
+    assert "on on n5" in cluster["same swap"].detail and "swapoff" in cluster["same swap"].hint
+    assert "powersave on n5" in cluster["cpu governor"].detail and "performance" in cluster["cpu governor"].hint
+    assert cluster["same ofed"].verdict == PASS
+
+
+def test_uniformity_facts_no_node_could_read_are_skip():
+    bare = {n: {"torch": {}, "python": {"version": "3.11.9"}} for n in ("n0", "n1")}
+    cluster = {r.check: r for r in checks.check_uniformity(bare)}
+    assert {r.verdict for r in cluster.values()} == {SKIP}
+    assert "cpufreq" in cluster["cpu governor"].detail

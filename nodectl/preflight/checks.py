@@ -340,6 +340,66 @@ def check_versions(reports: Mapping[str, Mapping]) -> list[CheckResult]:
     return results
 
 
+def _facts_by_node(reports: Mapping[str, Mapping], read: Callable[[Mapping], Any]) -> dict[str, str]:
+    """One fact per node (a string; lists joined), for the nodes whose report has it."""
+    out = {}
+    for node, report in reports.items():
+        value = read(report)
+        if isinstance(value, (list, tuple, set)):
+            value = ",".join(sorted({str(v) for v in value if v})) or None
+        if value not in (None, ""):
+            out[node] = str(value)
+    return out
+
+
+def _spread(facts: Mapping[str, str]) -> str:
+    groups: dict[str, list[str]] = {}
+    for node, value in facts.items():
+        groups.setdefault(value, []).append(node)
+    return "; ".join(f"{value} on {', '.join(nodes)}" for value, nodes in sorted(groups.items()))
+
+
+UNIFORM_FACTS = (
+    # (check, how to read it from a report, hint) -- differences warn: they explain one node running slower or
+    # failing differently, and vendors qualify firmware and drivers as a set
+    ("same kernel", lambda r: _get(r, "os", "kernel"), "one kernel build everywhere (uname -r)"),
+    ("same vbios", lambda r: [d.get("vbios") for d in _get(r, "gpus", "devices", default=[]) or []],
+     "flash one VBIOS version on every GPU (nvidia-smi -q | grep VBIOS)"),
+    ("same hca firmware", lambda r: [d.get("fw_ver") for d in r.get("infiniband") or [] if isinstance(d, Mapping)],
+     "update every HCA to one firmware (mlxfwmanager / ibv_devinfo shows fw_ver)"),
+    ("same ofed", lambda r: [d.get("driver_version") for d in r.get("infiniband") or [] if isinstance(d, Mapping)],
+     "install one MLNX_OFED / rdma-core version everywhere (ofed_info -s)"),
+    ("same swap", lambda r: None if _get(r, "memory", "swap_total_bytes") is None else
+     ("on" if _get(r, "memory", "swap_total_bytes") else "off"),
+     "swap on some nodes only: a node that pages runs every rank at its pace; swapoff -a (and /etc/fstab)"),
+)
+
+
+def check_uniformity(reports: Mapping[str, Mapping]) -> list[CheckResult]:
+    """Facts that should agree across nodes (warn when they differ; skip when no node could read them), and the
+    CPU frequency governor, which should also be `performance` (powersave slows the data path and launches)."""
+    results = []
+    for check, read, hint in UNIFORM_FACTS:
+        facts = _facts_by_node(reports, read)
+        if not facts:
+            results.append(CheckResult(check, "cluster", SKIP, "no node reported it"))
+        elif len(set(facts.values())) > 1:
+            results.append(CheckResult(check, "cluster", WARN, _spread(facts), hint))
+        else:
+            results.append(CheckResult(check, "cluster", PASS, next(iter(facts.values()))))
+    governors = _facts_by_node(reports, lambda r: _get(r, "cpu", "governor"))
+    slow = {node: g for node, g in governors.items() if g != "performance"}
+    if not governors:
+        results.append(CheckResult("cpu governor", "cluster", SKIP, "no node exposes cpufreq (a VM or container?)"))
+    elif slow or len(set(governors.values())) > 1:
+        results.append(CheckResult("cpu governor", "cluster", WARN, _spread(governors),
+                                   "cpupower frequency-set -g performance on every node (or the BIOS power "
+                                   "profile 'maximum performance')"))
+    else:
+        results.append(CheckResult("cpu governor", "cluster", PASS, "performance"))
+    return results
+
+
 IGNORED_PACKAGES = {"pip", "setuptools", "wheel", "nodectl"}
 
 
@@ -451,7 +511,7 @@ def judge_node(node: str, report: Mapping, device: str, expect: Expectation,
 
 
 def judge_cluster(reports: Mapping[str, Mapping], devices: Mapping[str, str]) -> list[CheckResult]:
-    results = check_versions(reports)
+    results = check_versions(reports) + check_uniformity(reports)
     if any(d == "cuda" for d in devices.values()):
         results.append(check_gpu_models(reports))
     return results
