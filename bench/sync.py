@@ -7,7 +7,8 @@ SSH nodes that share nothing with this machine (tests/sshcluster.py), with the c
     hashes, the store check, the streamed tar, the run folder on every node) plus the detached start. Each
     repeat starts from empty node stores, so every byte is sent again.
   * pdcp -r (pdsh's copy, fan-out N) and `scp -r` to every node at once: copy only.
-Peak RSS: the nodectl process (or pdcp, or the sum of the scp processes), sampled every 50 ms.
+Peak RSS: the nodectl process (or pdcp, or the sum of the scp processes), sampled every 50 ms. Machine CPU: the
+user + system seconds of the whole machine during each transfer (every side of it runs here).
 Needs openssh-server and pdsh (apt-get install pdsh); runs as root.
 """
 from __future__ import annotations
@@ -60,6 +61,13 @@ class PeakRSS:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def machine_cpu() -> float:
+    """CPU seconds (user + system) the whole machine spent so far: controller, sshds and node-side processes
+    all share it here, so this is what one transfer costs in all."""
+    times = psutil.cpu_times()
+    return times.user + times.system
 
 
 def fresh_nodes(cluster: SSHCluster, count: int) -> None:
@@ -150,14 +158,18 @@ def main() -> None:
     cluster.trust_host_keys()
     inventory = cluster.inventory(root / "hosts.yaml")
     results: dict[str, list] = {"nodectl": [], "pdcp": [], "scp": []}
+    cpu: dict[str, list] = {name: [] for name in results}
     try:
         for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits all three alike
             for name, run in (("nodectl", lambda: time_nodectl(cluster, inventory, project, args.nodes, size)),
                               ("pdcp", lambda: time_pdcp(cluster, project, args.nodes, size)),
                               ("scp", lambda: time_scp(cluster, project, args.nodes, size))):
                 fresh_nodes(cluster, args.nodes)
+                before = machine_cpu()
                 results[name].append(run())
-                print(f"   {name}: {results[name][-1][0]:.1f}s, peak RSS {results[name][-1][1] >> 20} MiB", flush=True)
+                cpu[name].append(machine_cpu() - before)
+                print(f"   {name}: {results[name][-1][0]:.1f}s, peak RSS {results[name][-1][1] >> 20} MiB, "
+                      f"machine CPU {cpu[name][-1]:.1f}s", flush=True)
     finally:
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -166,7 +178,7 @@ def main() -> None:
     print(f"\n{args.mb} MiB to {args.nodes} nodes, median of {args.repeats} (machine: {os.cpu_count()} cores):")
     for name, runs in results.items():
         print(f"   {name:8} {medians[name]:6.1f}s  {medians[name] / best:5.2f}x the faster reference  "
-              f"peak RSS {max(r for _, r in runs) >> 20} MiB")
+              f"peak RSS {max(r for _, r in runs) >> 20} MiB  machine CPU {statistics.median(cpu[name]):.1f}s")
 
 
 if __name__ == "__main__":
