@@ -326,16 +326,13 @@ def check_versions(reports: Mapping[str, Mapping]) -> list[CheckResult]:
     results = []
     for what in ("version", "cuda", "nccl", "driver", "python"):
         label = {"version": "torch"}.get(what, what)
-        seen: dict[str, list[str]] = {}
-        for node, report in reports.items():
-            seen.setdefault(_version(report, what), []).append(node)
-        if len(seen) > 1:
-            detail = "; ".join(f"{v} on {', '.join(nodes)}" for v, nodes in sorted(seen.items()))
-            results.append(CheckResult(f"same {label}", "cluster", FAIL, detail,
+        versions = {node: _version(report, what) for node, report in reports.items()}
+        if len(set(versions.values())) > 1:
+            results.append(CheckResult(f"same {label}", "cluster", FAIL, _spread(versions),
                                        f"install one {label} version everywhere (nodectl env-dump --diff shows all "
                                        f"drift)"))
         else:
-            results.append(CheckResult(f"same {label}", "cluster", PASS, next(iter(seen), "-")))
+            results.append(CheckResult(f"same {label}", "cluster", PASS, next(iter(versions.values()), "-")))
     results.append(check_packages(reports))
     return results
 
