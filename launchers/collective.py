@@ -10,7 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
@@ -28,6 +32,69 @@ def measure(tensor: torch.Tensor, iters: int, sync) -> float:
     return (time.perf_counter() - started) / iters
 
 
+def _address_toward(host: str, port: int) -> str:
+    """This machine's address on the route toward `host` (no packet is sent: a UDP socket's connect only routes)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
+
+
+def check_peers(deadline: float) -> None:
+    """Before the process group: every rank listens on an ephemeral port, publishes it in torchrun's store, and
+    opens a connection to every rank of the other nodes. Gloo and NCCL connect rank to rank on such ports, and
+    a firewall that lets only SSH and the master port in makes gloo fail with "Connect timeout [none]" after
+    its whole timeout, naming nobody. Here the rank that cannot connect says to whom, and exits 1.
+    Only where torchrun's agent hosts the store (TORCHELASTIC_USE_AGENT_STORE): otherwise the store appears
+    only with the process group."""
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    if world == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    master, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = dist.PrefixStore("nodectl-peers/", dist.TCPStore(master, port, world, False,
+                                                            timeout=timedelta(seconds=deadline)))
+    listener = socket.socket()
+    listener.bind((_address_toward(master, port), 0))
+    listener.listen(world)
+
+    def accept() -> None:
+        while True:
+            try:
+                listener.accept()[0].close()
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    host, bound = listener.getsockname()
+    node = os.environ.get("NODECTL_NODE_RANK", os.environ.get("GROUP_RANK", "?"))
+    store.set(str(rank), json.dumps({"addr": host, "port": bound, "node": node, "host": socket.gethostname()}))
+    peers = {j: json.loads(store.get(str(j))) for j in range(world) if j != rank}
+
+    def connect(item) -> str | None:
+        j, peer = item
+        try:
+            socket.create_connection((peer["addr"], peer["port"]), timeout=min(deadline, 20.0)).close()
+            return None
+        except OSError as exc:
+            reason = "timed out" if isinstance(exc, TimeoutError) else (exc.strerror or str(exc))
+            return (f"rank {rank} (node rank {node}) cannot connect to rank {j} (node rank {peer['node']}, host "
+                    f"{peer['host']}) at {peer['addr']}:{peer['port']}: {reason}")
+
+    others = [(j, p) for j, p in peers.items() if p["node"] != node]
+    with ThreadPoolExecutor(max_workers=max(1, min(32, len(others)))) as pool:
+        failures = [f for f in pool.map(connect, others) if f]
+    store.add("checked", 1)  # keep listening until every rank has tried its connections
+    waited = time.monotonic() + deadline
+    while int(store.add("checked", 0)) < world and time.monotonic() < waited and not failures:
+        time.sleep(0.05)
+    listener.close()
+    if failures:
+        for line in failures[:8]:
+            print(f"NODECTL_PEER_UNREACHABLE {line}", file=sys.stderr, flush=True)
+        print("rank-to-rank connections are blocked while the master port is open: open the ephemeral ports "
+              "between the nodes (NODE_SETUP.md, section 4)", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--min-bytes", type=int, default=1 << 20)
@@ -40,6 +107,7 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if on_gpu else torch.device("cpu")
     if on_gpu:
         torch.cuda.set_device(device)
+    check_peers(args.deadline_s)
     dist.init_process_group("nccl" if on_gpu else "gloo", device_id=device if on_gpu else None,
                             timeout=timedelta(seconds=args.deadline_s))
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -261,7 +261,8 @@ def _gpu(pynvml, index: int) -> dict:
             break
         nvlinks.append(bool(state))
     remap = _nvml_call(pynvml.nvmlDeviceGetRemappedRows, handle)
-    return {
+    bus_id = _text(_nvml_call(lambda: pynvml.nvmlDeviceGetPciInfo(handle).busId))
+    return {**_gpu_health(pynvml, handle, len(nvlinks)), "numa_node": _pci_numa(bus_id),
         "index": index, "name": name.decode() if isinstance(name, bytes) else name,
         "uuid": _nvml_call(pynvml.nvmlDeviceGetUUID, handle),
         "pci_bus_id": _nvml_call(lambda: pynvml.nvmlDeviceGetPciInfo(handle).busId),
@@ -277,6 +278,131 @@ def _gpu(pynvml, index: int) -> dict:
         "vbios": _text(_nvml_call(pynvml.nvmlDeviceGetVbiosVersion, handle)),
         "compute_processes": processes,
     }
+
+
+CLOCK_EVENT_BITS = {0x1: "gpu idle", 0x4: "sw power cap", 0x8: "hw slowdown", 0x10: "sync boost",
+                    0x20: "sw thermal slowdown", 0x40: "hw thermal slowdown", 0x80: "hw power brake"}
+NVLINK_ERROR_FIELDS = {"crc_flit": 160, "crc_data": 161, "replay": 162, "recovery": 163}  # NVML_FI_DEV_NVLINK_*_TOTAL
+
+
+def clock_events(mask) -> list | None:
+    """NVML's clocks event (throttle) reasons bitmask as names."""
+    if mask is None:
+        return None
+    return [name for bit, name in CLOCK_EVENT_BITS.items() if mask & bit]
+
+
+def _fabric(pynvml, handle) -> dict | None:
+    """NVSwitch fabric registration (Hopper and later): None where NVML has no such call (older driver)."""
+    try:
+        info = pynvml.c_nvmlGpuFabricInfo_t()
+        pynvml.nvmlDeviceGetGpuFabricInfo(handle, pynvml.byref(info))
+    except Exception as exc:
+        return {"error": str(exc)} if "Not Supported" not in str(exc) else {"state": 0}
+    return {"state": info.state, "status": info.status}
+
+
+def _nvlink_errors(pynvml, handle, links: int) -> dict | None:
+    if not links:
+        return None
+    try:
+        values = pynvml.nvmlDeviceGetFieldValues(handle, list(NVLINK_ERROR_FIELDS.values()))
+    except Exception:
+        return None
+    out = {}
+    for name, value in zip(NVLINK_ERROR_FIELDS, values):
+        if value.nvmlReturn == 0:
+            out[name] = int(value.value.ullVal)
+    return out or None
+
+
+def _gpu_health(pynvml, handle, links: int) -> dict:
+    """What preflight reads of a GPU's health without loading it: PCIe link, clock events, temperature against
+    its slowdown threshold, MIG and compute mode, NVSwitch fabric state, NVLink error counters. A fact NVML
+    cannot give is None (the check skips it)."""
+    mig = _nvml_call(pynvml.nvmlDeviceGetMigMode, handle)
+    return {
+        "pcie_gen": _nvml_call(pynvml.nvmlDeviceGetCurrPcieLinkGeneration, handle),
+        "pcie_gen_max": _nvml_call(pynvml.nvmlDeviceGetMaxPcieLinkGeneration, handle),
+        "pcie_width": _nvml_call(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
+        "pcie_width_max": _nvml_call(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
+        "clock_events": clock_events(_nvml_call(pynvml.nvmlDeviceGetCurrentClocksEventReasons, handle)),
+        "temperature_c": _nvml_call(pynvml.nvmlDeviceGetTemperature, handle, 0),  # NVML_TEMPERATURE_GPU
+        "slowdown_c": _nvml_call(pynvml.nvmlDeviceGetTemperatureThreshold, handle, 1),  # ..._SLOWDOWN
+        "mig_mode": None if mig is None else mig[0], "mig_pending": None if mig is None else mig[1],
+        "compute_mode": _nvml_call(pynvml.nvmlDeviceGetComputeMode, handle),
+        "fabric": _fabric(pynvml, handle),
+        "nvlink_errors": _nvlink_errors(pynvml, handle, links),
+    }
+
+
+def _pci_numa(bus_id) -> int | None:
+    """The NUMA node of a PCI device from sysfs (NVML's bus id has 8 hex digits of domain; sysfs 4)."""
+    if not bus_id:
+        return None
+    domain, _, rest = bus_id.lower().partition(":")
+    value = _read(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/numa_node")
+    return int(value) if value and value.lstrip("-").isdigit() else None
+
+
+XID = re.compile(r"NVRM: Xid \(PCI:([0-9a-fA-F:.]+)\): (\d+)")
+SXID = re.compile(r"SXid \(PCI:([0-9a-fA-F:.]+)\): (\d+)")
+
+
+def _kernel_log() -> tuple:
+    """The kernel ring buffer's lines since boot, or (None, why not): /dev/kmsg where readable (root, or
+    dmesg_restrict=0), else `dmesg`, else journald's kernel log."""
+    import subprocess
+
+    try:
+        fd = os.open("/dev/kmsg", os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as exc:
+        reason = f"/dev/kmsg: {exc.strerror}"
+    else:
+        lines = []
+        try:
+            while True:
+                try:
+                    record = os.read(fd, 8192)
+                except BlockingIOError:
+                    break
+                except OSError:  # EPIPE: a record was overwritten while reading; go on
+                    continue
+                if not record:
+                    break
+                lines.append(record.decode(errors="replace").split(";", 1)[-1].strip())
+        finally:
+            os.close(fd)
+        return lines, None
+    for argv in (["dmesg"], ["journalctl", "-k", "-b", "--no-pager", "-o", "cat"]):
+        try:
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            reason += f"; {argv[0]}: {exc}"
+            continue
+        if proc.returncode == 0 and proc.stdout.strip():
+            return proc.stdout.splitlines(), None
+        reason += f"; {argv[0]}: {(proc.stderr.strip() or 'no output').splitlines()[-1][:120]}"
+    return None, reason
+
+
+def parse_xids(lines) -> list:
+    """Xid (GPU) and SXid (NVSwitch) events of the kernel log: code, PCI address, the line (cut)."""
+    events = []
+    for line in lines:
+        for pattern, kind in ((XID, "xid"), (SXID, "sxid")):
+            match = pattern.search(line)
+            if match:
+                events.append({"kind": kind, "pci": match[1].lower(), "code": int(match[2]), "text": line[-200:]})
+                break
+    return events
+
+
+def probe_kernel_events() -> dict:
+    lines, reason = _kernel_log()
+    if lines is None:
+        return {"readable": False, "reason": reason}
+    return {"readable": True, "events": parse_xids(lines)[-200:]}
 
 
 def _read(path: str) -> str | None:
@@ -318,10 +444,27 @@ def probe_infiniband() -> list:
         for port in sorted(os.listdir(ports_dir)) if os.path.isdir(ports_dir) else []:
             base = f"{ports_dir}/{port}"
             ports.append({"port": int(port), "state": _read(f"{base}/state"), "phys_state": _read(f"{base}/phys_state"),
-                          "rate": _read(f"{base}/rate"), "link_layer": _read(f"{base}/link_layer")})
+                          "rate": _read(f"{base}/rate"), "link_layer": _read(f"{base}/link_layer"),
+                          "counters": _ib_counters(f"{base}/counters")})
+        numa = _read(f"{root}/{device}/device/numa_node")
         devices.append({"name": device, "ports": ports, "fw_ver": _read(f"{root}/{device}/fw_ver"),
-                        "driver_version": _read("/sys/module/mlx5_core/version")})
+                        "driver_version": _read("/sys/module/mlx5_core/version"),
+                        "numa_node": int(numa) if numa and numa.lstrip("-").isdigit() else None})
     return devices
+
+
+IB_ERROR_COUNTERS = ("symbol_error", "link_error_recovery", "link_downed", "port_rcv_errors",
+                     "local_link_integrity_errors", "excessive_buffer_overrun_errors", "port_rcv_remote_physical_errors")
+
+
+def _ib_counters(folder: str) -> dict:
+    values = {name: _read(f"{folder}/{name}") for name in IB_ERROR_COUNTERS}
+    return {name: int(v) for name, v in values.items() if v is not None and v.isdigit()}
+
+
+def probe_modules() -> dict:
+    """Kernel modules that decide GPUDirect RDMA: nvidia_peermem (or the older nv_peer_mem)."""
+    return {name: os.path.isdir(f"/sys/module/{name}") for name in ("nvidia_peermem", "nv_peer_mem", "nvidia")}
 
 
 def _limit(value: int):
@@ -372,7 +515,8 @@ def probe(workdir: str = "~", import_torch: bool | None = None) -> dict:
     torch_thread.start()  # importing torch is the slow part; everything else runs beside it
     for key, fn in (("os", probe_os), ("cpu", probe_cpu), ("memory", probe_memory), ("python", probe_python),
                     ("packages", probe_packages), ("gpus", probe_gpus), ("nics", probe_nics),
-                    ("infiniband", probe_infiniband), ("limits", probe_limits), ("disk", lambda: probe_disk(workdir)),
+                    ("infiniband", probe_infiniband), ("modules", probe_modules), ("kernel_events", probe_kernel_events),
+                    ("limits", probe_limits), ("disk", lambda: probe_disk(workdir)),
                     ("env", lambda: redact_env(dict(os.environ)))):
         _section(report, key, fn)
     torch_thread.join(timeout=60)

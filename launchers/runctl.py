@@ -126,14 +126,36 @@ def _commit(store: str, incoming: str, names: list) -> tuple:
     return count, size, None
 
 
+def _tar_records(tar: str) -> list:
+    """GNU tar reads and writes 10 KiB records by default: 20,000 system calls each way for 200 MiB, most of
+    its CPU. 256 KiB records, read whole from the pipe (-B), take half of it. Other tars keep their defaults."""
+    try:
+        version = subprocess.run([tar, "--version"], capture_output=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return ["-b", "512", "-B"] if b"GNU tar" in version else []
+
+
+def _widen_pipe(fd: int) -> None:
+    """sshd hands the stream over a pipe of 64 KiB; a wider one (Linux) lets it write ahead of tar."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(fd, getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (ImportError, OSError):
+        pass  # not a pipe, or not Linux: the default width works, only slower
+
+
 def _receive_with_tar(tar: str, store: str, incoming: str) -> dict:
     """The node's own tar unpacks the stream (C: one pass, the bytes never cross Python), then each object is
     hash-checked and moved into the store. A stream cut midway makes tar fail: nothing of it is kept."""
-    argv = [tar, "-x", "--no-same-owner", "--no-same-permissions", "-C", incoming, "-f", "-"]
+    argv = [tar, "-x", "--no-same-owner", "--no-same-permissions", *_tar_records(tar), "-C", incoming, "-f", "-"]
     try:
         source = sys.stdin.buffer.fileno()
     except (AttributeError, OSError, ValueError):  # not a file descriptor: fed through a pipe
         source = None
+    else:
+        _widen_pipe(source)
     with subprocess.Popen(argv, stdin=subprocess.PIPE if source is None else source, stdout=subprocess.DEVNULL,
                           stderr=subprocess.PIPE) as proc:
         if source is None:

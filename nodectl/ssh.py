@@ -151,6 +151,34 @@ def connection(host: str, *, user: str | None, port: int | None, identity_file: 
     return conn
 
 
+DEFAULT_IDENTITIES = ("id_rsa", "id_ecdsa", "id_ed25519")
+
+
+def system_ssh_argv(client: str, conn, identity_file: str | None, timeout: float) -> list[str]:
+    """The OpenSSH client's argv for the host `conn` reached, with the same settings that connection used:
+    ssh_config and known_hosts under $HOME (OpenSSH reads the password database's home, which may differ),
+    the inventory's identity or the default ones, strict host-key checking (paramiko checked the same file
+    already), no prompts. AES-GCM first, as for paramiko; an OpenSSH too old for `^` fails here and the
+    caller falls back to paramiko. The caller appends the remote command."""
+    home = Path(os.path.expanduser("~"))
+    config = home / ".ssh" / "config"
+    known_hosts = os.path.expanduser((conn.ssh_config.get("userknownhostsfile") or DEFAULT_KNOWN_HOSTS).split()[0])
+    argv = [client, "-F", str(config) if config.is_file() else "/dev/null", "-T", "-x",
+            "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={known_hosts}",
+            "-o", f"ConnectTimeout={max(1, int(timeout))}", "-o", "ServerAliveInterval=10",
+            "-o", "ServerAliveCountMax=3", "-o", "ControlMaster=no", "-o", f"Ciphers=^{','.join(AEAD_CIPHERS)}"]
+    identities = [identity_file] if identity_file else [str(home / ".ssh" / n) for n in DEFAULT_IDENTITIES]
+    for identity in identities:
+        path = os.path.expanduser(identity)
+        if os.path.isfile(path):
+            argv += ["-i", path]
+    if conn.user:
+        argv += ["-l", conn.user]
+    if conn.port:
+        argv += ["-p", str(conn.port)]
+    return argv + ["--", conn.host]
+
+
 def open_errors(conn, exc: BaseException, timeout: float) -> str | None:
     """The user's message for a failed open, or None if `exc` is not a connection problem."""
     import paramiko

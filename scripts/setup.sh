@@ -7,11 +7,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export DEBIAN_FRONTEND=noninteractive
 # The test cluster: sshd per simulated node, login shells of their own (zsh, fish; dash is /bin/sh), `ip` for
-# network namespaces, `unshare`/`nsenter` for mount namespaces (util-linux).
-NEEDED="openssh-server openssh-client zsh fish iproute2 util-linux"
+# network namespaces, `unshare`/`nsenter` for mount namespaces (util-linux), iptables for a firewall inside one.
+NEEDED="openssh-server openssh-client zsh fish iproute2 util-linux iptables"
 missing=""
 for tool in /usr/sbin/sshd /usr/bin/zsh /usr/bin/fish; do [ -x "$tool" ] || missing=1; done
 command -v ip >/dev/null 2>&1 || missing=1
+command -v iptables >/dev/null 2>&1 || missing=1
 if [ "${NODECTL_SKIP_APT:-0}" != 1 ] && [ -n "$missing" ]; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     apt-get update -qq && apt-get install -y -qq $NEEDED >/dev/null

@@ -15,8 +15,12 @@ EXPECT = Expectation(gpus=8, master_port=29500, master_addr="10.0.1.11")
 def gpu(index, **over):
     device = {"index": index, "name": "NVIDIA H100 80GB HBM3", "memory_used_bytes": 500 << 20, "vbios": "96.00.99.00.01",
               "persistence_mode": True, "ecc_volatile_uncorrected": 0, "retired_pages_pending": False,
-              "remapped_rows_pending": False, "remapped_rows_failed": False, "nvlinks_active": 18,
-              "compute_processes": []}
+              "remapped_rows_pending": False, "remapped_rows_failed": False, "nvlinks_active": 18, "nvlinks": 18,
+              "compute_processes": [], "pci_bus_id": f"00000000:{0x18 + 0x10 * index:02X}:00.0",
+              "numa_node": index // 4, "pcie_gen": 5, "pcie_gen_max": 5, "pcie_width": 16, "pcie_width_max": 16,
+              "clock_events": ["gpu idle"], "temperature_c": 34, "slowdown_c": 87, "mig_mode": 0, "mig_pending": 0,
+              "compute_mode": 0, "fabric": {"state": 3, "status": 0},
+              "nvlink_errors": {"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0}}
     device.update(over)
     return device
 
@@ -27,9 +31,13 @@ def healthy_report():
         "python": {"version": "3.11.9", "executable": "/opt/venv/bin/python3"},
         "gpus": {"available": True, "count": 8, "driver": "550.54.15", "devices": [gpu(i) for i in range(8)]},
         "infiniband": [{"name": f"mlx5_{i}", "ports": [{"port": 1, "state": "4: ACTIVE", "phys_state": "5: LinkUp",
-                                                       "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand"}],
-                        "fw_ver": "28.39.1002", "driver_version": "24.04-0.6.6"}
+                                                       "rate": "400 Gb/sec (4X NDR)", "link_layer": "InfiniBand",
+                                                       "counters": {"symbol_error": 0, "link_downed": 0,
+                                                                    "port_rcv_errors": 0}}],
+                        "fw_ver": "28.39.1002", "driver_version": "24.04-0.6.6", "numa_node": i // 4}
                        for i in range(8)],
+        "modules": {"nvidia_peermem": True, "nv_peer_mem": False, "nvidia": True},
+        "kernel_events": {"readable": True, "events": []},
         "limits": {"memlock_soft": "unlimited", "nofile_soft": 1048576, "nofile_hard": 1048576},
         "nics": [{"name": "lo", "state": "unknown"}, {"name": "ens1", "state": "up"}, {"name": "ens2", "state": "down"},
                  {"name": "ib0", "state": "up"}],
@@ -148,6 +156,10 @@ def test_transport_parse_and_ib_socket_fallback_fails():
     ib = transports_in("... via NET/IB/0/GDRDMA\n... via NET/IB/1/GDRDMA\n")
     verdict = {r.check: r for r in judge_collective(result, ib, ib_present=True, nnodes=2, failure=None)}
     assert verdict["nccl transport"].verdict == PASS and verdict["collective"].verdict == PASS
+    staged = transports_in("... via NET/IB/0\n... via NET/IB/1\n")   # IB, but no GPUDirect RDMA
+    verdict = {r.check: r for r in judge_collective(result, staged, ib_present=True, nnodes=2, failure=None)}
+    assert verdict["nccl transport"].verdict == WARN and "without GPUDirect RDMA" in verdict["nccl transport"].detail
+    assert "nvidia_peermem" in verdict["nccl transport"].hint
 
 
 def test_wrong_sums_fail():

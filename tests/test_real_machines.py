@@ -84,6 +84,38 @@ def test_node1_has_no_sftp_and_files_still_travel_both_ways(ssh_cluster, project
     assert listing.returncode == 0 and "torchelastic_" not in listing.stdout, listing
 
 
+def fake_ssh(folder, body: str) -> dict:
+    """An environment whose PATH finds `ssh` in `folder` first: a script with `body`, logging its calls."""
+    folder.mkdir(exist_ok=True)
+    (folder / "ssh").write_text(f"#!/bin/sh\necho \"$*\" >> {folder / 'calls'}\n{body}\n")
+    (folder / "ssh").chmod(0o755)
+    return {"PATH": f"{folder}:{os.environ['PATH']}"}
+
+
+def test_the_project_streams_through_the_system_ssh_or_else_paramiko(ssh_cluster, project, tmp_path):
+    (project / "weights.bin").write_bytes(os.urandom(3 << 20))
+    arrived = lambda run_id: [(n.workdir / "runs" / run_id / "code" / "weights.bin").read_bytes()  # noqa: E731
+                              for n in ssh_cluster.nodes[:2]]
+    cases = {"system": "exec /usr/bin/ssh \"$@\"", "broken": "echo 'ssh: Bad SSH2 cipher spec' >&2; exit 255"}
+    for name, body in cases.items():
+        env = {**ssh_cluster.env(), **fake_ssh(tmp_path / name, body)}
+        (project / "weights.bin").write_bytes(os.urandom(3 << 20))  # new content: every byte goes again
+        result = run_nodectl(["-i", str(ssh_cluster.inventory(indices=[0, 1])), "launch", "--skip-preflight",
+                              "--", "train.py"], env=env, cwd=project)
+        assert result.exit_code == 0, (name, result.output[-2000:])
+        assert arrived(latest_run_id(project)) == [(project / "weights.bin").read_bytes()] * 2
+        calls = (tmp_path / name / "calls").read_text().splitlines()
+        # one stream per node, strict about host keys and never prompting, to the node's address
+        assert len(calls) == 2 and all("receive" in c and "StrictHostKeyChecking=yes" in c and "BatchMode=yes" in c
+                                       for c in calls), calls
+        assert sorted(c.split(" -- ")[1].split()[0] for c in calls) == sorted(n.address for n in
+                                                                              ssh_cluster.nodes[:2])
+    env = {**ssh_cluster.env(NODECTL_SYSTEM_SSH="0"), **fake_ssh(tmp_path / "off", "exit 255")}
+    result = run_nodectl(["-i", str(ssh_cluster.inventory(indices=[0])), "launch", "--skip-preflight", "--",
+                          "train.py"], env=env, cwd=project)
+    assert result.exit_code == 0 and not (tmp_path / "off" / "calls").exists(), result.output[-2000:]
+
+
 def test_launch_config_sends_the_recipe_with_the_run(ssh_cluster, project):
     (project / "recipe.yaml").write_text("data: {path: demo, max_length: 32}\n"
                                          "train: {steps: 3, log_every: 1, micro_batch_size: 2}\n")

@@ -8,6 +8,7 @@ from nodectl.cli.options import node_selection
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
 from nodectl.preflight.render import print_report
+from nodectl.preflight.collective import DEFAULT_DEADLINE_S
 from nodectl.preflight.run import run_preflight, save
 
 
@@ -17,13 +18,16 @@ from nodectl.preflight.run import run_preflight, save
 @click.option("--gpus", type=click.IntRange(1, MAX_RANKS_PER_NODE), help="Ranks per node the launch will use.")
 @click.option("--quick", "depth", flag_value="quick", help="Skip the collective test.")
 @click.option("--full", "depth", flag_value="full", help="Collective sizes up to 4 GiB.")
+@click.option("--collective-timeout", type=click.IntRange(5, 3600), default=DEFAULT_DEADLINE_S, show_default=True,
+              metavar="SECONDS", help="Longest wait of the collective test for a peer or one all-reduce.")
 @click.pass_obj
-def command(app: AppContext, inventory_path, nodes, exclude, gpus, depth) -> None:
+def command(app: AppContext, inventory_path, nodes, exclude, gpus, depth, collective_timeout) -> None:
     """Check every node (GPUs, P2P, IB, versions, ports, clocks, shm...) and run a collective test."""
     inventory = app.inventory(inventory_path).select(nodes, exclude)
     with app.cluster(inventory) as cluster, app.node_progress("probing nodes", len(inventory.nodes)) as advance:
         report = run_preflight(inventory, cluster, gpus=gpus, quick=depth == "quick", full=depth == "full",
-                               connect_timeout=app.transport_options.connect_timeout, on_probe=advance)
+                               connect_timeout=app.transport_options.connect_timeout, on_probe=advance,
+                               deadline=collective_timeout)
     path = save(report, inventory, gpus)
     if app.json:
         app.emit_json({**report.to_json(), "saved": str(path)})

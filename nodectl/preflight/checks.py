@@ -165,7 +165,7 @@ def check_persistence(node: str, report: Mapping) -> CheckResult:
 
 def check_p2p(node: str, p2p: Mapping | None) -> CheckResult:
     if not p2p:
-        return CheckResult("p2p", node, SKIP, "fewer than 2 GPUs")
+        return CheckResult("p2p", node, SKIP, "not measured (--quick)")
     if "error" in p2p:
         return CheckResult("p2p", node, FAIL, f"P2P test failed: {p2p['error']}",
                            "NCCL_P2P_DISABLE=1 for this node; check ACS/IOMMU settings in BIOS and kernel",
@@ -178,6 +178,8 @@ def check_p2p(node: str, p2p: Mapping | None) -> CheckResult:
                            "PCIe ACS or the IOMMU blocks peer traffic (disable ACS, or iommu=pt)",
                            {"NCCL_P2P_DISABLE": "1"})
     pairs = p2p.get("pairs", [])
+    if not pairs:
+        return CheckResult("p2p", node, SKIP, "fewer than 2 GPUs")
     slowest = min((p["gbps"] for p in pairs), default=0)
     peer = sum(1 for p in pairs if p.get("peer_access"))
     return CheckResult("p2p", node, PASS, f"{len(pairs)} pairs correct, {peer} with peer access, "
@@ -496,6 +498,9 @@ def judge_node(node: str, report: Mapping, device: str, expect: Expectation,
         results += [check_gpu_count(node, report, expect.gpus, gpus), check_gpus_idle(node, report), check_ecc(node, report),
                     check_persistence(node, report), check_p2p(node, extras.get("p2p")), check_nvlink(node, report),
                     check_infiniband(node, report), check_memlock(node, report)]
+        from nodectl.preflight.health import judge_health
+
+        results += judge_health(node, report, env)
     results += [check_workdir(node, report), check_shm(node, report), check_disk(node, report),
                 check_clock(node, report), check_nofile(node, report), check_socket_ifname(node, report, env or {})]
     if "port" in extras:
@@ -508,7 +513,9 @@ def judge_node(node: str, report: Mapping, device: str, expect: Expectation,
 
 
 def judge_cluster(reports: Mapping[str, Mapping], devices: Mapping[str, str]) -> list[CheckResult]:
+    from nodectl.preflight.health import check_ib_rates
+
     results = check_versions(reports) + check_uniformity(reports)
     if any(d == "cuda" for d in devices.values()):
-        results.append(check_gpu_models(reports))
+        results += [check_gpu_models(reports), check_ib_rates(reports)]
     return results

@@ -65,12 +65,18 @@ def judge_collective(result: dict | None, transports: dict[str, int], ib_present
                                    {"NCCL_IB_DISABLE": "0"}))
         elif socket and nnodes > 1:
             out.append(CheckResult("nccl transport", "cluster", WARN, used, "inter-node traffic on TCP sockets"))
+        elif any(name.startswith("NET/IB") for name in transports) and not any("GDRDMA" in n for n in transports):
+            out.append(CheckResult("nccl transport", "cluster", WARN, f"{used}: InfiniBand without GPUDirect RDMA",
+                                   "every message is staged through host memory: load nvidia_peermem (modprobe "
+                                   "nvidia_peermem), or use the open kernel modules for DMA-BUF; NCCL then shows "
+                                   "NET/IB/<n>/GDRDMA"))
         else:
             out.append(CheckResult("nccl transport", "cluster", PASS, used))
     return out
 
 
 PAIR_GPU_MAX, PAIR_CPU_MAX = 256 << 20, 16 << 20
+DEFAULT_DEADLINE_S = 120  # per peer connection and per collective; torch's own: 10 min (NCCL), 30 min (gloo)
 SLOW_PAIR = 0.7
 
 
@@ -94,7 +100,8 @@ def judge_pairs(pairs: list[dict]) -> list[CheckResult]:
                               f"check {culprit}'s NIC, cabling and PCIe; or leave it out with --exclude")]
 
 
-def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, connect_timeout: float) -> list[dict]:
+def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, connect_timeout: float,
+              deadline: float | None = None) -> list[dict]:
     """The collective on each ring neighbour pair (node i with node i+1), one pair at a time."""
     nodes, pairs = inventory.nodes, []
     for i in range(len(nodes)):
@@ -103,7 +110,8 @@ def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, conne
         limit = PAIR_GPU_MAX if pair[0].device == "cuda" else PAIR_CPU_MAX
         # only the largest size: the pair's bandwidth is what finds a slow node, and each smaller size cost ~1 s
         result, _, failure, run_id = run_collective(sub, cluster, gpus=gpus, full=False,
-                                                    connect_timeout=connect_timeout, max_bytes=limit, min_bytes=limit)
+                                                    connect_timeout=connect_timeout, max_bytes=limit, min_bytes=limit,
+                                                    deadline=deadline)
         entry = {"nodes": [n.name for n in pair], "run": run_id}
         if result and all(s["ok"] for s in result["sizes"]):
             entry["busbw_gbs"] = result["sizes"][-1]["busbw_gbs"]
@@ -116,7 +124,8 @@ def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, conne
 def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, full: bool,
                    connect_timeout: float, grace: float = 5.0,
                    max_bytes: int | None = None,
-                   min_bytes: int | None = None) -> tuple[dict | None, dict[str, int], str | None, str]:
+                   min_bytes: int | None = None,
+                   deadline: float | None = None) -> tuple[dict | None, dict[str, int], str | None, str]:
     """(result, transports, failure, run id) of the all-reduce job on every selected node and rank."""
     gpu_run = inventory.nodes[0].device == "cuda"
     max_bytes = max_bytes or ((GPU_FULL_MAX if full else GPU_MAX) if gpu_run else CPU_MAX)
@@ -124,7 +133,8 @@ def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, 
         inventory = replace(inventory, nodes=tuple(replace(n, env={"NCCL_DEBUG": "INFO", **n.env})
                                                    for n in inventory.nodes))
     empty = tempfile.mkdtemp(prefix="nodectl-preflight-")
-    sweep = ("--max-bytes", str(max_bytes), *(("--min-bytes", str(min_bytes)) if min_bytes else ()))
+    sweep = ("--max-bytes", str(max_bytes), *(("--min-bytes", str(min_bytes)) if min_bytes else ()),
+             "--deadline-s", str(deadline or DEFAULT_DEADLINE_S))
     options = dict(gpus=gpus, command=("../lib/collective.py", *sweep), sync_dir=empty)
     plan = build_plan(inventory, **options)
     shared = shared_workdirs(plan, cluster)
@@ -174,4 +184,10 @@ def _failure_text(cluster: Cluster, run_nodes, failure) -> str | None:
         return failure.describe()
     lines = [line.strip() for line in text.splitlines()
              if line.strip() and " NCCL INFO " not in line and not line.lstrip().startswith(("File ", "^"))]
+    unreachable = [line.split(PEER_MARKER, 1)[1].strip() for line in lines if PEER_MARKER in line]
+    if unreachable:  # launchers/collective.py named the connections it could not make
+        return failure.describe() + ": " + " | ".join(unreachable[:4])
     return failure.describe() + (": " + " | ".join(lines[-4:]) if lines else "")
+
+
+PEER_MARKER = "NODECTL_PEER_UNREACHABLE"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import shlex
 import json
 import time
 from dataclasses import dataclass, field
@@ -10,6 +11,7 @@ from pathlib import Path
 from nodectl import agent
 from nodectl.inventory import Inventory
 from nodectl.preflight.checks import FAIL, WARN, CheckResult, Expectation, judge_cluster, judge_node
+from nodectl.preflight.health import check_gpu_perf, cluster_medians
 from nodectl.preflight.collective import judge_collective, judge_pairs, run_collective, run_pairs
 from nodectl.plan import visible_devices
 from nodectl.probe import probe_nodes
@@ -30,6 +32,7 @@ class PreflightReport:
     collective_run: str | None = None
     quick: bool = True
     created: float = field(default_factory=time.time)
+    gpu_jobs: dict[str, dict] = field(default_factory=dict)   # per node: the GPU job's figures (not --quick)
 
     @property
     def failed(self) -> list[CheckResult]:
@@ -52,7 +55,7 @@ class PreflightReport:
                 "passed": not self.failed and not self.unreachable, "unreachable": self.unreachable,
                 "results": [r.to_json() for r in self.results], "collective": self.collective,
                 "collective_run": self.collective_run, "recommended_env": self.recommended_env(),
-                "reports": self.reports}
+                "gpu_jobs": self.gpu_jobs, "reports": self.reports}
 
 
 def selection_key(inventory: Inventory, gpus: int | None) -> str:
@@ -64,24 +67,30 @@ def cached_path(inventory: Inventory, gpus: int | None) -> Path:
     return runs_root() / ".preflight" / f"{selection_key(inventory, gpus)}.json"
 
 
-def _p2p(transport: Transport) -> dict:
+def _gpu_job(transport: Transport) -> dict:
+    """launchers/gpuhealth.py on the node, with the CUDA_VISIBLE_DEVICES its ranks get: per-GPU GEMM, HBM and
+    host-copy figures under load, and every GPU pair's checked peer copy."""
     node = transport.node
-    source = (resource_dir("launchers") / "p2p.py").read_text()
-    result = transport.run(f"{quote_path(node.python)} -", stdin=source, timeout=300)
+    source = (resource_dir("launchers") / "gpuhealth.py").read_text()
+    visible = node.env.get("CUDA_VISIBLE_DEVICES")
+    prefix = f"CUDA_VISIBLE_DEVICES={shlex.quote(visible)} " if visible is not None else ""
+    result = transport.run(f"{prefix}{quote_path(node.python)} -", stdin=source, timeout=300)
     try:
         return json.loads(result.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return {"error": f"exit {result.exit_code}: {result.tail(3)}"}
 
 
-def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], port: int | None) -> dict[str, dict]:
-    """P2P on GPU nodes, node 0's master port, every node's connection to it and route toward it."""
+def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], port: int | None,
+           quick: bool = True) -> dict[str, dict]:
+    """The GPU job on GPU nodes (not --quick), node 0's master port, every node's connection to it and route
+    toward it."""
     master = inventory.nodes[0]
     reachable = [n for n in inventory.nodes if n.name in reports]
     extras: dict[str, dict] = {n.name: {} for n in reachable}
     gpu_nodes = [n for n in reachable if n.device == "cuda"
-                 and (reports[n.name].get("gpus") or {}).get("count", 0) >= 2]
-    for r in cluster.fan_out(_p2p, gpu_nodes):
+                 and (reports[n.name].get("gpus") or {}).get("count", 0) >= 1]
+    for r in cluster.fan_out(_gpu_job, [] if quick else gpu_nodes):
         extras[r.node.name]["p2p"] = r.value if r.ok else {"error": r.error}
     if master.name not in reports:
         return extras
@@ -126,15 +135,15 @@ def _probe_failure(result: NodeResult) -> CheckResult:
 
 
 def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, quick: bool, full: bool,
-                  connect_timeout: float, on_probe=None) -> PreflightReport:
+                  connect_timeout: float, on_probe=None, deadline: float | None = None) -> PreflightReport:
     probed: list[NodeResult[dict]] = probe_nodes(cluster, on_done=on_probe, import_torch=True,
                                                  visible=visible_devices(inventory, gpus))
     reports = {r.node.name: r.value for r in probed if r.ok and "error" not in r.value}
     unreachable = {r.node.name: r.error for r in probed if r.unreachable}
     results = [_probe_failure(r) for r in probed if r.node.name not in reports]
     phase = getattr(on_probe, "phase", lambda text: None)
-    phase("P2P and port checks")
-    extras = _facts(cluster, inventory, reports, inventory.master_port)
+    phase("port checks" if quick else "GPU load, P2P and port checks")
+    extras = _facts(cluster, inventory, reports, inventory.master_port, quick)
     port = (extras.pop("_port", None) or {}).get("port")
     expect = Expectation(gpus=gpus, master_port=port, master_addr=inventory.nodes[0].addr)
     devices = {n.name: n.device for n in inventory.nodes}
@@ -142,21 +151,27 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
         if node.name in reports:
             results += judge_node(node.name, reports[node.name], node.device, expect, extras.get(node.name),
                                   env=node.env, gpus=node.gpus)
+    jobs = {name: facts.get("p2p") for name, facts in extras.items() if facts.get("p2p")}
+    medians = cluster_medians(jobs, reports)
+    for node in inventory.nodes:
+        if node.name in reports and node.device == "cuda" and not quick:
+            results += check_gpu_perf(node.name, jobs.get(node.name), medians)
     if len(reports) > 1:
         results += judge_cluster(reports, {k: v for k, v in devices.items() if k in reports})
-    report = PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick)
+    report = PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick,
+                             gpu_jobs=jobs)
     if not quick and not unreachable and not report.failed:
         ib = any(r.get("infiniband") for r in reports.values())
         phase(f"all-reduce test on {len(inventory.nodes)} node(s)")
         result, transports, failure, run_id = run_collective(inventory, cluster, gpus=gpus, full=full,
-                                                             connect_timeout=connect_timeout)
+                                                             connect_timeout=connect_timeout, deadline=deadline)
         report.results += judge_collective(result, transports, ib, len(inventory.nodes), failure, run_id)
         report.collective, report.collective_run = result, run_id
         if transports:
             report.collective = {**(result or {}), "transports": transports}
         if full and len(inventory.nodes) > 2:
             phase("node-pair bandwidth tests")
-            pairs = run_pairs(inventory, cluster, gpus=gpus, connect_timeout=connect_timeout)
+            pairs = run_pairs(inventory, cluster, gpus=gpus, connect_timeout=connect_timeout, deadline=deadline)
             report.results += judge_pairs(pairs)
             report.collective = {**(report.collective or {}), "pairs": pairs}
     return report

@@ -127,3 +127,36 @@ def test_a_killed_node_is_left_out_and_the_run_goes_on_from_its_checkpoint(names
     metrics = cluster.nodes[0].workdir / "runs" / run_id / "output" / "metrics.jsonl"
     steps = {json.loads(line)["step"] for line in metrics.read_text().splitlines() if "loss" in line}
     assert steps == set(range(1, 25))
+
+
+def drop_new_connections_except(namespace: str, ports: list[int]) -> None:
+    """A firewall in front of the node: new inbound TCP connections are dropped unless they go to one of `ports`;
+    replies to the node's own connections pass."""
+    sh("ip", "netns", "exec", namespace, "iptables", "-A", "INPUT", "-p", "tcp", "--syn", "-m", "multiport", "!",
+       "--dports", ",".join(map(str, ports)), "-j", "DROP")
+
+
+def test_rank_ports_blocked_while_the_master_port_is_open_fail_within_the_deadline(namespaced_cluster, tmp_path):
+    """The issue's case: full preflight hung 571 s, then failed without saying why. The master port is open (so the
+    quick checks pass), every other new connection to a node is dropped, as a firewall that lets only SSH and the
+    master port in does: the collective fails at its deadline, naming the rank and the connection."""
+    if not shutil.which("iptables"):
+        pytest.skip("needs iptables (apt-get install iptables)")
+    cluster = namespaced_cluster
+    master_port = 29533
+    for ns in cluster.namespaces:
+        drop_new_connections_except(ns, [cluster.port, master_port])
+    inventory = str(cluster.inventory(master_port=master_port, env={"GLOO_SOCKET_IFNAME": "eth0"}))
+    started = time.monotonic()
+    result = run_nodectl(["-i", inventory, "--json", "preflight", "--collective-timeout", "10"], env=cluster.env(),
+                         cwd=tmp_path, timeout=300)
+    elapsed = time.monotonic() - started
+    assert result.exit_code == 1, result.output[-3000:]
+    verdicts = {(r["check"], r["node"]): r for r in result.json()["results"]}
+    assert verdicts[("reach master", "node1")]["verdict"] == "pass"   # the master port itself is open
+    collective = verdicts[("collective", "cluster")]
+    assert collective["verdict"] == "fail", collective
+    # the connection that could not be made, with both ends, and the firewall named as the likely cause
+    assert "cannot connect to rank" in collective["detail"] and f"{SUBNET}." in collective["detail"], collective
+    assert "timed out" in collective["detail"] and "firewall" in collective["hint"]
+    assert elapsed < 60, elapsed    # the collective's 10 s deadline, not torch's 30 minutes (gloo)
