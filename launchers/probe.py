@@ -145,16 +145,40 @@ def probe_packages() -> dict:
     return dict(sorted(packages.items()))
 
 
+def _installed(*names: str) -> str | None:
+    from importlib import metadata
+
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def torch_cuda_of(version_py: str) -> str | None:
+    """The CUDA version in the text of torch/version.py (`cuda: Optional[str] = '12.4'`; None for a CPU build)."""
+    match = re.search(r"^cuda\s*(?::\s*[^=]+)?=\s*['\"]([^'\"]+)['\"]", version_py, re.M)
+    return match[1] if match else None
+
+
 def probe_torch_metadata() -> dict:
-    """torch's version without importing it (about 1.5 s of CPU): enough where there is no GPU to ask about."""
+    """torch's versions without importing it (1.5-4 s on a GPU node, most of a quick preflight): torch's own
+    version.py gives its CUDA (read as text), the NVIDIA wheels torch depends on give NCCL and cuDNN (None for a
+    torch built against system libraries). Importing and CUDA's answer are proven by the default tier."""
     from importlib import metadata
 
     try:
-        version = metadata.version("torch")
+        dist = metadata.distribution("torch")
     except metadata.PackageNotFoundError:
         return {"error": "ModuleNotFoundError: torch is not installed for this python"}
-    return {"version": version, "imported": False, "cuda_available": False, "device_count": 0, "cuda": None,
-            "cudnn": None, "nccl": None}
+    try:
+        cuda = torch_cuda_of(dist.locate_file("torch/version.py").read_text(encoding="utf-8"))
+    except OSError:
+        cuda = None
+    return {"version": dist.version, "imported": False, "cuda_available": False, "device_count": 0, "cuda": cuda,
+            "cudnn": _installed("nvidia-cudnn-cu13", "nvidia-cudnn-cu12", "nvidia-cudnn-cu11"),
+            "nccl": _installed("nvidia-nccl-cu13", "nvidia-nccl-cu12", "nvidia-nccl-cu11")}
 
 
 def probe_torch() -> dict:

@@ -101,6 +101,11 @@ def test_the_probe_reads_xid_and_sxid_lines():
     assert [(e["kind"], e["code"], e["pci"]) for e in events] == [("xid", 79, "0000:1b:00"),
                                                                   ("sxid", 12028, "0000:07:00.0")]
     assert probe.clock_events(0x1 | 0x4 | 0x40) == ["gpu idle", "sw power cap", "hw thermal slowdown"]
+    # --quick reads torch's CUDA from its version.py as text (as the CUDA and CPU wheels write it)
+    assert probe.torch_cuda_of("__version__ = '2.6.0+cu124'\ncuda: Optional[str] = '12.4'\n") == "12.4"
+    assert probe.torch_cuda_of("cuda = '13.0'\nhip = None\n") == "13.0"
+    assert probe.torch_cuda_of("cuda: Optional[str] = None\n") is None
+    assert probe.probe_torch_metadata()["imported"] is False   # this machine's torch, never imported
 
 
 def test_ib_port_errors_peermem_and_numa():

@@ -93,11 +93,12 @@ def test_node_without_torch_fails_with_hint_and_launch_refuses(ssh_cluster, tmp_
 
 
 def test_torch_version_mismatch_between_nodes_fails(ssh_cluster, tmp_path):
+    """A torch shadowed through PYTHONPATH: its installed metadata (all --quick reads) says the same version, the
+    import (the default tier) does not; the mismatch stops preflight before its collective job."""
     ssh_cluster.node_file(1, "fake/torch/__init__.py", FAKE_TORCH)
     other = python_with(ssh_cluster, 1, "other", extra_path=f"{ssh_cluster.nodes[1].home}/fake")
     inventory = ssh_cluster.inventory(count=2, node_overrides={1: {"python": other}})
-    result = run_nodectl(["-i", str(inventory), "--json", "preflight", "--quick"], env=ssh_cluster.env(),
-                         cwd=tmp_path)
+    result = run_nodectl(["-i", str(inventory), "--json", "preflight"], env=ssh_cluster.env(), cwd=tmp_path)
     assert result.exit_code == 1
     failed = {r["check"]: r["detail"] for r in result.json()["results"] if r["verdict"] == "fail"}
     assert "2.99.0 on node1" in failed["same torch"]

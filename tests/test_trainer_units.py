@@ -115,3 +115,48 @@ def test_mfu_formula_counts_attention_from_real_row_lengths_both_ways():
     # rows of one length: the per-token formula of the README
     assert metrics.window_flops(trainable, matmul, layers, hidden, 8, 2 * 4 ** 2, causal=False) == \
         8 * metrics.flops_per_token(trainable, matmul, layers, hidden, 4)
+
+
+def tiny_llama(attn: str = "sdpa"):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    config._attn_implementation = attn
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_a_packed_row_gives_each_document_its_unpacked_loss(attn):
+    """Three documents packed into one row (and a second, shorter row, so the batch is padded): every document's
+    summed loss equals the loss of that document alone. Before, packing let documents attend across a boundary."""
+    import torch
+
+    loss = trainer_module("loss")
+    model = tiny_llama(attn)
+    generator = torch.Generator().manual_seed(1)
+    docs = [data.Example(tuple(t), (-100,) + tuple(t[1:])) for t in
+            (torch.randint(3, 64, (n,), generator=generator).tolist() for n in (9, 14, 6, 5))]
+    rows = data.pack(docs, max_length=30)
+    assert [len(r.input_ids) for r in rows] == [29, 5] and rows[0].positions[:10] == tuple(range(9)) + (0,)
+    assert round(data.packing_efficiency(rows, 30), 3) == round(34 / 60, 3)
+
+    def doc_loss(logits, labels):
+        return loss.logits_loss_sum(logits, labels)
+
+    with torch.no_grad():
+        alone = [doc_loss(model(input_ids=torch.tensor([d.input_ids])).logits, torch.tensor([d.labels]))
+                 for d in docs]
+        batch = data.collate(rows, pad_id=0)
+        # as the trainer calls it (loss.attach): no cache, no mask, the positions
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+        bounds = [(0, 9), (9, 23), (23, 29)]
+        packed = [doc_loss(logits[:1, a:b], batch["labels"][:1, a:b]) for a, b in bounds]
+        packed.append(doc_loss(logits[1:, :5], batch["labels"][1:, :5]))
+        for got, want in zip(packed, alone):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        # the same row without per-document positions (what packing did before) mixes the documents
+        mixed = model(input_ids=batch["input_ids"][:1, :29], use_cache=False).logits
+        assert not torch.allclose(doc_loss(mixed[:, 9:23], batch["labels"][:1, 9:23]), alone[1], atol=1e-3)

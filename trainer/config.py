@@ -26,6 +26,8 @@ class ModelConfig:
                                        # loss curve is eager's; fused: Inductor's fp32 between fused ops (~2% faster)
     reshard_after_forward: bool = True # false: keep each layer's gathered weights from forward to backward
                                        # (one all-gather per layer and step instead of two; +1/world of the model)
+    load: str = "sliced"               # sliced: each rank reads only its own shards from its node's copy of path;
+                                       # broadcast: rank 0 reads every weight and sends each rank its shards
     init: str = "checkpoint"           # checkpoint: the weights in path; random: for benchmarks, each rank fills
                                        # its own shards at random (path needs only config.json and a tokenizer)
 
@@ -40,9 +42,11 @@ class LoraConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    path: str = "demo"                 # JSONL with {"prompt", "response"} or {"text"}; or "demo"
+    path: str = "demo"                 # JSONL, Parquet, a datasets save_to_disk folder or a glob of shards, with
+                                       # {"messages"}, {"prompt", "response"} or {"text"} records; or "demo"
     max_length: int = 128
-    packing: bool = False
+    overlong: str = "truncate"         # an example over max_length tokens: truncate or drop (counted in the log)
+    packing: bool = False              # whole examples per row, attention and positions per document
     seed: int = 0
     eval_path: str = ""                # held-out JSONL; or hold out eval_holdout examples of path
     eval_holdout: int = 0
@@ -197,6 +201,10 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
         raise ConfigError(f"model.dtype: expected auto, bfloat16 or float32, got {recipe.model.dtype!r}")
     if recipe.model.init not in ("checkpoint", "random"):
         raise ConfigError(f"model.init: expected checkpoint or random, got {recipe.model.init!r}")
+    if recipe.model.load not in ("sliced", "broadcast"):
+        raise ConfigError(f"model.load: expected sliced or broadcast, got {recipe.model.load!r}")
+    if recipe.data.overlong not in ("truncate", "drop"):
+        raise ConfigError(f"data.overlong: expected truncate or drop, got {recipe.data.overlong!r}")
     if recipe.model.compile_numerics not in ("eager", "fused"):
         raise ConfigError(f"model.compile_numerics: expected eager or fused, got {recipe.model.compile_numerics!r}")
     if not 0 <= recipe.lora.dropout < 1:

@@ -35,7 +35,9 @@ def evaluate(model, subset: list[Example], *, rank: int, world: int, batch_size:
         rows = mine[step * batch_size:(step + 1) * batch_size]
         batch = collate(rows or subset[:1], pad_id)
         batch = {k: v.to(device) for k, v in batch.items()}
-        loss_sum = model.loss_sum(batch["input_ids"], batch["attention_mask"], batch["labels"])
+        positions = batch.get("position_ids")  # packed rows: documents by position, no mask (see data.collate)
+        loss_sum = model.loss_sum(batch["input_ids"], None if positions is not None else batch["attention_mask"],
+                                  batch["labels"], positions)
         if rows:
             totals[0] += loss_sum.double()
             totals[1] += (batch["labels"][:, 1:] != -100).sum()

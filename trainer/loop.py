@@ -19,7 +19,8 @@ from .config import ConfigError, Recipe
 from .data import IGNORE, StepBatches, load_examples
 from .metrics import Reporter, peak_flops, window_flops
 from .telemetry import Telemetry
-from .model import build_skeleton, materialise, materialise_random, parallelize, parameter_counts
+from .model import (build_skeleton, checkpoint_files, materialise, materialise_random, materialise_sliced,
+                    parallelize, parameter_counts)
 
 
 @dataclass
@@ -54,6 +55,18 @@ def resolve_paths(recipe: Recipe) -> tuple[Path, Path]:
     return model_path, data_path
 
 
+def check_packing_support() -> None:
+    """Packed rows rely on transformers reading documents from position ids (attention_mask None, no cache):
+    masking_utils.find_packed_sequence_indices. An older transformers would let documents attend to each other."""
+    from transformers import masking_utils
+
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        import transformers
+
+        raise ConfigError(f"data.packing: transformers {transformers.__version__} cannot keep packed documents "
+                          f"apart (no packed-sequence masks); upgrade transformers or set data.packing: false")
+
+
 def lr_at(step: int, recipe: Recipe) -> float:
     warmup, total, peak = recipe.train.warmup_steps, recipe.train.steps, recipe.train.lr
     if step < warmup:
@@ -68,10 +81,16 @@ def train(recipe: Recipe) -> dict:
         else torch.float32
     model_path, data_path = resolve_paths(recipe)
     model = build_skeleton(recipe, model_path, dtype)  # raises ConfigError on every rank alike
+    if recipe.model.init == "checkpoint" and recipe.model.load == "sliced":
+        checkpoint_files(model_path)  # every node needs its own copy: say so before any process group exists
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    examples = load_examples(data_path, tokenizer, recipe.data.max_length, recipe.data.packing)
+    say = print if ctx.rank == 0 else None
+    if recipe.data.packing:
+        check_packing_support()
+    examples = load_examples(data_path, tokenizer, recipe.data.max_length, recipe.data.packing,
+                             recipe.data.overlong, log=say)
     dist.init_process_group("nccl" if ctx.on_gpu else "gloo", device_id=ctx.device if ctx.on_gpu else None,
                             timeout=timedelta(seconds=recipe.train.collective_timeout_s))
     from torch.distributed.device_mesh import init_device_mesh
@@ -79,10 +98,16 @@ def train(recipe: Recipe) -> dict:
     mesh = init_device_mesh(ctx.device.type, (ctx.world,))
     torch.manual_seed(recipe.train.seed)
     model = parallelize(model, recipe, mesh, dtype == torch.bfloat16)
+    loading = time.perf_counter()
     if recipe.model.init == "random":
         materialise_random(model, ctx.device, ctx.rank, recipe.train.seed)
+    elif recipe.model.load == "sliced":
+        materialise_sliced(model, model_path, ctx.device, ctx.rank, ctx.world, recipe.train.seed)
     else:
         materialise(model, model_path, ctx.device, ctx.rank, recipe.train.seed)
+    if ctx.rank == 0:
+        print(f"weights loaded ({recipe.model.init if recipe.model.init == 'random' else recipe.model.load}) in "
+              f"{time.perf_counter() - loading:.1f}s", flush=True)
     out_dir = recipe.output_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     return _loop(recipe, ctx, model, examples, tokenizer, out_dir)
@@ -109,7 +134,8 @@ class EarlyStop:
 def _eval_set(recipe: Recipe, examples, tokenizer):
     train_examples, held = evaluate.split(examples, recipe.data.eval_holdout, recipe.data.seed)
     if recipe.data.eval_path:
-        held = load_examples(os.path.expanduser(recipe.data.eval_path), tokenizer, recipe.data.max_length, False)
+        held = load_examples(os.path.expanduser(recipe.data.eval_path), tokenizer, recipe.data.max_length, False,
+                             recipe.data.overlong)
     return train_examples, evaluate.eval_subset(held, recipe.data.eval_samples, recipe.data.seed) if held else []
 
 
@@ -247,7 +273,7 @@ def _finish_profile(profiler, ctx: Context, out_dir: Path) -> None:
 def _to_device(batch: dict[str, torch.Tensor], ctx: Context) -> dict[str, torch.Tensor | None]:
     """Pinned, asynchronous copies; no attention mask when nothing is padded (checked on the host), so the
     model takes the causal kernel without looking at a mask (which would cost a device-to-host sync)."""
-    unpadded = bool(batch["attention_mask"].all())
+    unpadded = bool(batch["attention_mask"].all()) or "position_ids" in batch  # packed: documents by position
     out = {k: (v.pin_memory() if ctx.on_gpu else v).to(ctx.device, non_blocking=True) for k, v in batch.items()
            if not (k == "attention_mask" and unpadded)}
     out.setdefault("attention_mask", None)
@@ -269,7 +295,7 @@ def _train_step(recipe, ctx, model, optimizer, params, batches, step: int, windo
     dist.all_reduce(global_targets)  # the loss is normalised by every target token of the global batch
     for index, mb in enumerate(micro_batches):
         model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-        loss_sum = model.loss_sum(mb["input_ids"], mb["attention_mask"], mb["labels"])
+        loss_sum = model.loss_sum(mb["input_ids"], mb["attention_mask"], mb["labels"], mb.get("position_ids"))
         (loss_sum * ctx.world / global_targets).backward()  # FSDP averages gradients over ranks
         window[0] += loss_sum.detach()
     window[1] += local_targets

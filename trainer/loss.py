@@ -92,19 +92,22 @@ def _plain_head(config) -> bool:
 
 
 def attach(model: nn.Module) -> None:
-    """Give the (peft, FSDP-wrapped) model a `loss_sum(input_ids, attention_mask, labels)` method that FSDP treats
+    """Give the (peft, FSDP-wrapped) model a `loss_sum(input_ids, attention_mask, labels, position_ids=None)` method
+    that FSDP treats
     as a forward: the root's parameters (embeddings, final norm, output layer) are gathered around it."""
     causal_lm = model.base_model.model
     decoder = getattr(causal_lm, causal_lm.base_model_prefix, None)
     head = causal_lm.get_output_embeddings()
 
     if decoder is not None and head is not None and _plain_head(causal_lm.config):
-        def loss_sum(input_ids, attention_mask, labels):
-            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        def loss_sum(input_ids, attention_mask, labels, position_ids=None):
+            hidden = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             use_cache=False).last_hidden_state
             return head_loss_sum(hidden, head, labels)
     else:
-        def loss_sum(input_ids, attention_mask, labels):
-            logits = causal_lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        def loss_sum(input_ids, attention_mask, labels, position_ids=None):
+            logits = causal_lm(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                               use_cache=False).logits
             return logits_loss_sum(logits, labels)
 
     model.loss_sum = loss_sum

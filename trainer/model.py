@@ -1,5 +1,6 @@
 """Building the model: meta-device construction, LoRA (peft), activation checkpointing, FSDP2, and loading the
-real weights once from disk on rank 0 and handing each rank only its shards."""
+real weights: each rank reads its own shards from its node's copy (model.load: sliced), or rank 0 reads them
+all and hands each rank its shards (model.load: broadcast)."""
 from __future__ import annotations
 
 import json
@@ -173,6 +174,75 @@ def materialise(model: nn.Module, model_path: Path, device: torch.device, rank: 
     full = full_state_for_rank0(model, model_path, seed) if rank == 0 else {}
     model.to_empty(device=device)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _reset_rotary(model, device)
+
+
+def checkpoint_files(model_path: Path) -> dict[str, Path]:
+    """Weight name -> the safetensors file that holds it, from the index (or the one model.safetensors)."""
+    index = model_path / "model.safetensors.index.json"
+    if index.exists():
+        return {name: model_path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+    single = model_path / "model.safetensors"
+    if not single.exists():
+        raise ConfigError(f"model.path: {model_path} has no model.safetensors or model.safetensors.index.json on "
+                          f"this node (model.load: sliced reads each node's own copy; model.load: broadcast reads "
+                          f"the weights on rank 0 only)")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as handle:
+        return {name: single for name in handle.keys()}
+
+
+def _rows(param, world: int, rank: int) -> tuple[int, int]:
+    """The rows of dim 0 this rank holds: FSDP2 shards dim 0 as torch.chunk does (ceil-sized chunks, the last ones
+    shorter or empty)."""
+    chunk = -(-param.shape[0] // world) if param.dim() else 0
+    start = min(rank * chunk, param.shape[0]) if param.dim() else 0
+    return start, min(start + chunk, param.shape[0]) if param.dim() else 0
+
+
+def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device, rank: int, world: int,
+                       seed: int) -> None:
+    """model.load: sliced. Each rank reads only the rows of its own shards, straight from the node's copy of the
+    checkpoint (safetensors slices of a memory map): host memory stays near one weight's shard, not the model,
+    and no weight crosses the network. LoRA weights start as peft starts them, from the same seeded stream as
+    the broadcast path, so both paths give the same model."""
+    from safetensors import safe_open
+
+    files = checkpoint_files(model_path)
+    handles: dict[Path, object] = {}
+    generator = torch.Generator().manual_seed(seed)
+    model.to_empty(device=device)
+    try:
+        with torch.no_grad():
+            for name, param in model.state_dict().items():
+                local = param.to_local() if hasattr(param, "to_local") else param
+                sharded = hasattr(param, "to_local")
+                start, stop = _rows(param, world, rank) if sharded else (0, param.shape[0] if param.dim() else 0)
+                if ".lora_A." in name:  # drawn at full size in state_dict order, as the broadcast path does
+                    bound = 1 / math.sqrt(param.shape[1])
+                    full = torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+                    local.copy_(full[start:stop] if param.dim() else full)
+                    continue
+                if ".lora_B." in name:
+                    local.zero_()
+                    continue
+                key = hf_name(name)
+                if key not in files and key == "lm_head.weight":
+                    key = "model.embed_tokens.weight"  # tied embeddings
+                if key not in files:
+                    raise ConfigError(f"model.path: {model_path} has no weight {key!r}")
+                handle = handles.get(files[key])
+                if handle is None:
+                    handle = handles[files[key]] = safe_open(str(files[key]), framework="pt")
+                piece = handle.get_slice(key)
+                rows = piece[start:stop] if param.dim() else piece[:]
+                if tuple(rows.shape) != tuple(local.shape):
+                    raise ConfigError(f"model.path: {key} has shape {piece.get_shape()}, the model expects "
+                                      f"{list(param.shape)}")
+                local.copy_(rows.to(local.dtype))
+    finally:
+        handles.clear()
     _reset_rotary(model, device)
 
 
