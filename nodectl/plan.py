@@ -138,6 +138,13 @@ def _cuda_devices(plan_nodes: list[tuple[Node, int]], visible: str | None) -> di
     return assignment if len(assignment) > 1 else {}
 
 
+def _probed_gpus(node: Node, report: Mapping | None) -> int | None:
+    """A cuda node without `gpus:` (and no --gpus) runs one rank per GPU its probe saw (CUDA_VISIBLE_DEVICES
+    applied), as the inventory promises; without a probe report (--skip-preflight) it runs one."""
+    count = ((report or {}).get("gpus") or {}).get("count") if node.device == "cuda" else None
+    return count if isinstance(count, int) and count > 0 else None
+
+
 def visible_devices(inventory: Inventory, gpus: int | None) -> dict[str, str]:
     """The CUDA_VISIBLE_DEVICES each node's ranks will get, where one is set: the inventory's env:, or the share
     of this machine's GPUs a local node is given (preflight probes with it, so it judges those GPUs only)."""
@@ -167,7 +174,7 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
         # controller's path means nothing on a node.
         command = ("-m", BUILTIN_TRAINER_MODULE, *(("--config", f"../config/{Path(config).name}") if config else ()),
                    *(word for assignment in overrides for word in ("--set", assignment)))
-    per_node = [(n, gpus or n.gpus or 1) for n in nodes]
+    per_node = [(n, gpus or n.gpus or _probed_gpus(n, facts.get(n.name)) or 1) for n in nodes]
     homes = [(n.host, n.port, n.user, n.workdir) for n in nodes]
     port, chosen = _pick_port(inventory)
     gpu_sets = _cuda_devices(per_node, os.environ.get("CUDA_VISIBLE_DEVICES"))

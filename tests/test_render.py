@@ -143,3 +143,17 @@ def test_a_node_that_never_says_whether_it_shares_its_workdir_stops_the_launch(a
     with pytest.raises(Exception) as raised:
         shared_workdirs(plan(), cluster)
     assert type(raised.value).__name__ == error and words in str(raised.value.message)
+
+
+def test_a_cuda_node_without_gpus_runs_one_rank_per_gpu_its_probe_saw():
+    """hosts.yaml without gpus: (and no --gpus) promised "as many as the node has"; launch and preflight's
+    collective ran one rank per node on 8-GPU nodes. Now the probe's count decides; --gpus and gpus: still win."""
+    inventory = parse_inventory("nodes:\n  - {host: a}\n  - {host: b, gpus: 2}\n  - {host: c, device: cpu}\n")
+    facts = {name: {"gpus": {"count": 8}} for name in ("a", "b", "c")}
+    ranks = lambda **kw: [n.nproc for n in build_plan(inventory, command=("t.py",), sync_dir=".", **kw).nodes]  # noqa
+    with pytest.raises(UsageError):  # one run mixes no backends: cuda and cpu nodes are refused together
+        ranks(gpus=None, facts=facts)
+    inventory = parse_inventory("nodes:\n  - {host: a}\n  - {host: b, gpus: 2}\n")
+    assert ranks(gpus=None, facts=facts) == [8, 2]
+    assert ranks(gpus=4, facts=facts) == [4, 4]
+    assert ranks(gpus=None, facts={}) == [1, 2]          # --skip-preflight: nothing probed, one rank

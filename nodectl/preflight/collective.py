@@ -101,7 +101,7 @@ def judge_pairs(pairs: list[dict]) -> list[CheckResult]:
 
 
 def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, connect_timeout: float,
-              deadline: float | None = None) -> list[dict]:
+              deadline: float | None = None, facts: dict | None = None) -> list[dict]:
     """The collective on each ring neighbour pair (node i with node i+1), one pair at a time."""
     nodes, pairs = inventory.nodes, []
     for i in range(len(nodes)):
@@ -111,7 +111,7 @@ def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, conne
         # only the largest size: the pair's bandwidth is what finds a slow node, and each smaller size cost ~1 s
         result, _, failure, run_id = run_collective(sub, cluster, gpus=gpus, full=False,
                                                     connect_timeout=connect_timeout, max_bytes=limit, min_bytes=limit,
-                                                    deadline=deadline)
+                                                    deadline=deadline, facts=facts)
         entry = {"nodes": [n.name for n in pair], "run": run_id}
         if result and all(s["ok"] for s in result["sizes"]):
             entry["busbw_gbs"] = result["sizes"][-1]["busbw_gbs"]
@@ -124,8 +124,8 @@ def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, conne
 def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, full: bool,
                    connect_timeout: float, grace: float = 5.0,
                    max_bytes: int | None = None,
-                   min_bytes: int | None = None,
-                   deadline: float | None = None) -> tuple[dict | None, dict[str, int], str | None, str]:
+                   min_bytes: int | None = None, deadline: float | None = None,
+                   facts: dict | None = None) -> tuple[dict | None, dict[str, int], str | None, str]:
     """(result, transports, failure, run id) of the all-reduce job on every selected node and rank."""
     gpu_run = inventory.nodes[0].device == "cuda"
     max_bytes = max_bytes or ((GPU_FULL_MAX if full else GPU_MAX) if gpu_run else CPU_MAX)
@@ -135,7 +135,7 @@ def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, 
     empty = tempfile.mkdtemp(prefix="nodectl-preflight-")
     sweep = ("--max-bytes", str(max_bytes), *(("--min-bytes", str(min_bytes)) if min_bytes else ()),
              "--deadline-s", str(deadline or DEFAULT_DEADLINE_S))
-    options = dict(gpus=gpus, command=("../lib/collective.py", *sweep), sync_dir=empty)
+    options = dict(gpus=gpus, command=("../lib/collective.py", *sweep), sync_dir=empty, facts=facts)
     plan = build_plan(inventory, **options)
     shared = shared_workdirs(plan, cluster)
     if shared:

@@ -166,14 +166,16 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
         ib = any(r.get("infiniband") for r in reports.values())
         phase(f"all-reduce test on {len(inventory.nodes)} node(s)")
         result, transports, failure, run_id = run_collective(inventory, cluster, gpus=gpus, full=full,
-                                                             connect_timeout=connect_timeout, deadline=deadline)
+                                                             connect_timeout=connect_timeout, deadline=deadline,
+                                                             facts=reports)
         report.results += judge_collective(result, transports, ib, len(inventory.nodes), failure, run_id)
         report.collective, report.collective_run = result, run_id
         if transports:
             report.collective = {**(result or {}), "transports": transports}
         if full and len(inventory.nodes) > 2:
             phase("node-pair bandwidth tests")
-            pairs = run_pairs(inventory, cluster, gpus=gpus, connect_timeout=connect_timeout, deadline=deadline)
+            pairs = run_pairs(inventory, cluster, gpus=gpus, connect_timeout=connect_timeout, deadline=deadline,
+                              facts=reports)
             report.results += judge_pairs(pairs)
             report.collective = {**(report.collective or {}), "pairs": pairs}
     return report
