@@ -47,6 +47,12 @@ SESSION_SPECS = {
 }
 
 
+@pytest.fixture(scope="session")
+def demo_cache(tmp_path_factory):
+    """One built-in demo model and data set for the trainer tests of a session (NODECTL_DEMO_CACHE)."""
+    return tmp_path_factory.mktemp("demo-cache")
+
+
 def make_cluster(tmp_path_factory, count: int, first_octet: int, specs: dict | None = None, **kwargs) -> SSHCluster:
     if not sshd_available():
         pytest.skip("openssh-server is not installed (apt-get install openssh-server)")

@@ -12,7 +12,7 @@ import torch
 
 from conftest import run_nodectl
 from launch_helpers import kill_leftovers, wait_for
-from test_trainer_runs import demo_cache, metrics, torchrun  # noqa: F401  (fixture re-used)
+from test_trainer_runs import torchrun
 from trainer_import import trainer_module
 
 pytestmark = pytest.mark.slow

@@ -16,11 +16,6 @@ from conftest import REPO, run_nodectl
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
-def demo_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("demo-cache")
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

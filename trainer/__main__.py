@@ -28,6 +28,11 @@ def main(argv: list[str] | None = None) -> int:
 
         if dist.is_initialized():  # no rank tears down its process group while another still uses it: gloo
             dist.barrier()         # aborted a rank at exit ("terminate called without an active exception")
+            dist.destroy_process_group()
+        if rank == 0:  # after the process group: a merge may outlast any collective timeout
+            from .export import export_after_training
+
+            export_after_training(recipe)
     except (ConfigError, DataError) as exc:
         if rank == 0:  # every rank reached the same verdict before any collective; one of them says it
             print(f"recipe error: {exc}", file=sys.stderr, flush=True)

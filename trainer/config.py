@@ -38,6 +38,11 @@ class LoraConfig:
     alpha: int = 32
     dropout: float = 0.0
     target_modules: tuple[str, ...] = DEFAULT_TARGETS
+    target_parameters: tuple[str, ...] = ("auto",)  # fused MoE expert weights (3-D, experts first), adapted through
+                                       # peft's target_parameters: auto, every one the model has; none; or names
+                                       # such as mlp.experts.gate_up_proj
+    expert_r: int = 0                  # LoRA rank of each expert in those (peft gives every expert its own rank-r
+                                       # factors, so a fused weight's adapter is experts x r); 0: lora.r
 
 
 @dataclass(frozen=True)
@@ -76,6 +81,12 @@ class TrainConfig:
     resume: str = "auto"               # auto: the latest complete checkpoint in the output folder; none; or a path
     early_stop_patience: int = 0       # stop after this many evaluations without improvement; 0: never
     early_stop_min_delta: float = 0.0
+    export: str = ""                   # after training, rank 0 writes: merged (the base with the adapter folded in, HF
+                                       # safetensors, output/merged) and/or vllm (the adapter in checkpoint names,
+                                       # experts split, output/adapter-vllm); comma-separated
+    tensorboard: bool = False          # rank 0 writes the logged metrics to output/tensorboard (needs tensorboard)
+    wandb_project: str = ""            # rank 0 logs metrics and the recipe to this W&B project (needs wandb; the
+                                       # key comes from WANDB_API_KEY in the node's env, WANDB_MODE=offline works)
     profile_at: int = 0                # profile steps profile_at and profile_at+1 (torch.profiler); rank 0 writes
                                        # output/profile.txt, ops by GPU time; 0: never
 
@@ -185,6 +196,10 @@ def load_recipe(path: str | None, overrides: list[str] = (), node_files: bool = 
     return recipe
 
 
+def exports(recipe: Recipe) -> list[str]:
+    return [kind.strip() for kind in recipe.train.export.split(",") if kind.strip()]
+
+
 def _check(recipe: Recipe, node_files: bool = True) -> None:
     positive = {"train.steps": recipe.train.steps, "train.micro_batch_size": recipe.train.micro_batch_size,
                 "train.grad_accum": recipe.train.grad_accum, "data.max_length": recipe.data.max_length,
@@ -207,10 +222,28 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
         raise ConfigError(f"data.overlong: expected truncate or drop, got {recipe.data.overlong!r}")
     if recipe.model.compile_numerics not in ("eager", "fused"):
         raise ConfigError(f"model.compile_numerics: expected eager or fused, got {recipe.model.compile_numerics!r}")
+    unknown = set(exports(recipe)) - {"merged", "vllm"}
+    if unknown:
+        raise ConfigError(f"train.export: expected merged and/or vllm, got {', '.join(sorted(unknown))}")
+    if exports(recipe) and recipe.model.init == "random":
+        raise ConfigError("train.export: model.init: random has no checkpoint to merge into or to name modules by")
+    if recipe.lora.expert_r < 0:
+        raise ConfigError(f"lora.expert_r: expected 0 (lora.r) or a positive rank, got {recipe.lora.expert_r}")
     if not 0 <= recipe.lora.dropout < 1:
         raise ConfigError(f"lora.dropout: expected 0 <= dropout < 1, got {recipe.lora.dropout}")
     if not node_files:
         return
+    import importlib.util
+
+    for key, on, package in (("train.tensorboard", recipe.train.tensorboard, "tensorboard"),
+                             ("train.wandb_project", recipe.train.wandb_project, "wandb")):
+        try:
+            found = importlib.util.find_spec(package) is not None
+        except (ImportError, ValueError):
+            found = False
+        if on and not found:
+            raise ConfigError(f"{key}: the {package} package is not installed in this node's Python "
+                              f"(pip install {package}, or leave {key} unset)")
     if recipe.model.path != "demo" and not (Path(os.path.expanduser(recipe.model.path)) / "config.json").is_file():
         raise ConfigError(f"model.path: {recipe.model.path} has no config.json (a local Hugging Face model "
                           f"folder is expected; nothing is downloaded)")

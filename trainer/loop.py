@@ -19,8 +19,9 @@ from .config import ConfigError, Recipe
 from .data import IGNORE, StepBatches, load_examples
 from .metrics import Reporter, peak_flops, window_flops
 from .telemetry import Telemetry
-from .model import (build_skeleton, checkpoint_files, materialise, materialise_random, materialise_sliced,
+from .model import (build_skeleton, inactive_expert_params, materialise, materialise_random, materialise_sliced,
                     parallelize, parameter_counts)
+from .weights import checkpoint_files
 
 
 @dataclass
@@ -148,11 +149,11 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
                           grad_accum=recipe.train.grad_accum, world_size=ctx.world, rank=ctx.rank,
                           seed=recipe.data.seed, pad_id=tokenizer.pad_token_id or 0)
     start_step = _resume(recipe, ctx, model, optimizer, out_dir)
-    reporter = Reporter(out_dir, ctx.rank)
+    reporter = Reporter(out_dir, ctx.rank, recipe)
     telemetry = Telemetry(Path(os.environ.get("NODECTL_RUN_DIR", out_dir))).start()
     config = model.base_model.model.config
     trainable, frozen = parameter_counts(model)
-    matmul_params = trainable + frozen - model.get_input_embeddings().weight.numel()
+    matmul_params = trainable + frozen - model.get_input_embeddings().weight.numel() - inactive_expert_params(model)
     flops = functools.partial(window_flops, trainable, matmul_params, config.num_hidden_layers, config.hidden_size)
     peak = peak_flops(torch.cuda.get_device_name(ctx.device) if ctx.on_gpu else None)
     window = torch.zeros(4, device=ctx.device)  # loss sum, target tokens, real tokens, sum of squared row lengths

@@ -41,10 +41,46 @@ def window_flops(trainable: int, matmul_params: int, layers: int, hidden: int, t
     return (4 * matmul_params + 2 * trainable) * tokens + (attention / 2 if causal else attention)
 
 
+class Sinks:
+    """TensorBoard and W&B on rank 0, when the recipe asks: the records of metrics.jsonl as scalars (train/loss,
+    eval/eval_loss, ...) at their step. Neither package is needed otherwise."""
+
+    def __init__(self, recipe, out_dir: Path) -> None:
+        self.writer = self.run = None
+        if recipe.train.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        if recipe.train.wandb_project:
+            import dataclasses
+
+            import wandb
+
+            self.run = wandb.init(project=recipe.train.wandb_project, dir=str(out_dir),
+                                  name=os.environ.get("NODECTL_RUN_ID") or None, config=dataclasses.asdict(recipe))
+
+    def write(self, record: dict, group: str) -> None:
+        values = {f"{group}/{key}": float(value) for key, value in record.items()
+                  if key not in ("step", "time") and isinstance(value, (int, float)) and not isinstance(value, bool)}
+        if self.writer:
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, record["step"])
+            self.writer.flush()
+        if self.run:
+            self.run.log(values, step=record["step"])
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+        if self.run:
+            self.run.finish()
+
+
 class Reporter:
-    def __init__(self, out_dir: Path, rank: int) -> None:
+    def __init__(self, out_dir: Path, rank: int, recipe=None) -> None:
         run_dir = os.environ.get("NODECTL_RUN_DIR")
         self.rank = rank
+        self.sinks = Sinks(recipe, out_dir) if rank == 0 and recipe is not None else None
         self.heartbeat_dir = Path(run_dir) / "heartbeat" if run_dir else out_dir / "heartbeat"
         self.heartbeat_dir.mkdir(parents=True, exist_ok=True)
         (self.heartbeat_dir.parent / "timing").mkdir(parents=True, exist_ok=True)
@@ -72,6 +108,8 @@ class Reporter:
             out.write(json.dumps({"step": step, "step_time_s": step_time, "time": time.time()}) + "\n")
 
     def event(self, record: dict) -> None:
+        if self.sinks:
+            self.sinks.write(record, "eval" if "eval_loss" in record else "event")
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
@@ -80,6 +118,8 @@ class Reporter:
 
     def log(self, record: dict) -> None:
         self.last = {"loss": record.get("loss"), "tokens_per_s": record.get("tokens_per_s_per_gpu")}
+        if self.sinks:
+            self.sinks.write(record, "train")
         if self.metrics:
             self.metrics.write(json.dumps(record) + "\n")
             self.metrics.flush()
@@ -90,5 +130,7 @@ class Reporter:
                   flush=True)
 
     def close(self) -> None:
+        if self.sinks:
+            self.sinks.close()
         if self.metrics:
             self.metrics.close()

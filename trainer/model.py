@@ -3,14 +3,15 @@ real weights: each rank reads its own shards from its node's copy (model.load: s
 all and hands each rank its shards (model.load: broadcast)."""
 from __future__ import annotations
 
-import json
 import math
+import re
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from .config import ConfigError, Recipe
+from .weights import Checkpoint, hf_name
 
 
 def build_skeleton(recipe: Recipe, model_path: Path, dtype: torch.dtype) -> nn.Module:
@@ -23,8 +24,7 @@ def build_skeleton(recipe: Recipe, model_path: Path, dtype: torch.dtype) -> nn.M
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     model.to(dtype)
-    lora = peft.LoraConfig(r=recipe.lora.r, lora_alpha=recipe.lora.alpha, lora_dropout=recipe.lora.dropout,
-                           target_modules=list(recipe.lora.target_modules), task_type="CAUSAL_LM")
+    lora = lora_config(model, recipe)
     try:
         model = peft.get_peft_model(model, lora)
     except ValueError as exc:
@@ -35,6 +35,88 @@ def build_skeleton(recipe: Recipe, model_path: Path, dtype: torch.dtype) -> nn.M
         if param.requires_grad:
             param.data = param.data.to(torch.float32)  # adapters train in fp32; the frozen base stays in dtype
     return model
+
+
+def lora_config(model: nn.Module, recipe: Recipe):
+    """peft's LoraConfig for the recipe on this model.
+
+    On a model with fused experts (transformers 5), peft re-maps the expert projections' old names in
+    target_modules (gate_proj, up_proj, down_proj; w1, w2, w3) onto the fused weights, and no nn.Linear of those
+    names keeps its LoRA: a shared expert's or a dense layer's MLP would stay frozen (peft issue 3711). Those
+    linear layers are targeted by their weights instead (target_parameters, 2-D: the same W + scale*B@A), which
+    peft keeps as written, also when PeftModel loads the adapter.
+
+    Fused expert weights get the rank split peft documents for its own conversion: a weight fusing n projections
+    (gate_up_proj: gate and up) gets rank n*r and alpha n*alpha, the capacity (and alpha/r) of n separate LoRAs."""
+    import peft
+
+    from .weights import expert_fusions
+
+    fusions = expert_fusions(model)  # gate_up_proj -> [gate_proj, up_proj], ...
+    experts = expert_targets(model, recipe.lora.target_parameters)
+    modules, linear_weights = list(recipe.lora.target_modules), []
+    renamed = {leaf for parts in fusions.values() for leaf in parts}
+    if fusions:
+        clash = [t for t in modules if t.rsplit(".", 1)[-1] in renamed]
+        modules = [t for t in modules if t not in clash]
+        linear_weights = sorted({".".join(name.split(".")[-2:]) + ".weight" for name, m in model.named_modules()
+                                 if isinstance(m, nn.Linear) and any(name == t or name.endswith("." + t)
+                                                                     for t in clash)})
+    extra: dict = {}
+    if experts or linear_weights:
+        if recipe.lora.dropout:
+            raise ConfigError(f"lora.dropout: peft's LoRA on fused expert weights ({', '.join(experts)}) and on "
+                              f"weights it adapts as parameters has no dropout; set lora.dropout: 0")
+        extra["target_parameters"] = experts + linear_weights
+        rank, alpha = recipe.lora.expert_r or recipe.lora.r, recipe.lora.alpha
+        pattern = {name: len(fusions.get(name.rsplit(".", 1)[-1], [None])) for name in experts}
+        extra["rank_pattern"] = {re.escape(n): rank * k for n, k in pattern.items() if rank * k != recipe.lora.r}
+        extra["alpha_pattern"] = {re.escape(n): alpha * k for n, k in pattern.items() if k > 1}
+    return peft.LoraConfig(r=recipe.lora.r, lora_alpha=recipe.lora.alpha, lora_dropout=recipe.lora.dropout,
+                           target_modules=modules, task_type="CAUSAL_LM", **extra)
+
+
+def fused_expert_weights(model: nn.Module) -> list[str]:
+    """The model's fused expert weights by their last three name parts (mlp.experts.gate_up_proj): 3-D
+    parameters, experts first, of an *Experts module. nn.Linear LoRA cannot reach them; peft's
+    target_parameters can."""
+    names = set()
+    for module_name, module in model.named_modules():
+        if "Expert" in type(module).__name__:
+            for name, param in module.named_parameters(recurse=False):
+                if param.dim() == 3:
+                    names.add(".".join(f"{module_name}.{name}".split(".")[-3:]))
+    return sorted(names)
+
+
+def expert_targets(model: nn.Module, setting: tuple[str, ...]) -> list[str]:
+    """lora.target_parameters resolved against the model: auto (every fused expert weight), none, or names."""
+    fused = fused_expert_weights(model)
+    if setting == ("auto",):
+        return fused
+    if setting == ("none",):
+        return []
+    names = [name for name, _ in model.named_parameters()]
+    unknown = [t for t in setting if not any(n == t or n.endswith("." + t) for n in names)]
+    if unknown:
+        raise ConfigError(f"lora.target_parameters: {unknown} names no parameter of the model; its fused expert "
+                          f"weights are {fused or 'none (not a Mixture-of-Experts model with fused experts)'}")
+    return list(setting)
+
+
+def inactive_expert_params(model: nn.Module) -> int:
+    """Expert weights a token is not multiplied by: of E experts, each token goes through top-k (the config's
+    num_experts_per_tok), so (1 - k/E) of every fused expert weight is idle for it. Subtracted from the matmul
+    parameters that model FLOPs (and MFU) count."""
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    top_k = getattr(config, "num_experts_per_tok", None)
+    idle = 0
+    for module in model.modules():
+        if "Expert" in type(module).__name__ and top_k:
+            for param in module.parameters(recurse=False):
+                if param.dim() == 3 and param.shape[0] > top_k:
+                    idle += param.numel() * (param.shape[0] - top_k) // param.shape[0]
+    return idle
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -126,45 +208,40 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module
     return model
 
 
-def _checkpoint_tensors(model_path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+def _lora_init(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor | None:
+    """A LoRA weight at full size as peft starts it (A: Kaiming-uniform, as nn.Linear does; B: zeros), or None
+    for a base weight. Drawn in state_dict order from one seeded stream, so every loading path builds the same
+    adapters."""
+    if ".lora_A." in name:
+        bound = 1 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)), also for an expert stack's (E*r, in) A
+        return torch.empty(shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+    if ".lora_B." in name:
+        return torch.zeros(shape, dtype=torch.float32)
+    return None
 
-    index = model_path / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() \
-        else ["model.safetensors"]
-    tensors = {}
-    for name in files:
-        tensors.update(load_file(str(model_path / name)))
-    return tensors
 
-
-def hf_name(param_name: str) -> str:
-    """peft's parameter name -> the name in the model's own checkpoint."""
-    name = param_name.removeprefix("base_model.model.")
-    return name.replace(".base_layer.", ".")
+def _checkpoint_name(name: str, checkpoint: Checkpoint) -> str:
+    key = hf_name(name)
+    if key not in checkpoint and key == "lm_head.weight":
+        key = "model.embed_tokens.weight"  # tied embeddings
+    return key
 
 
 def full_state_for_rank0(model: nn.Module, model_path: Path, seed: int) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer at full size, on the CPU: the checkpoint's base weights, and the
-    adapters initialised as peft does (A: Kaiming-uniform, B: zeros) from a seeded generator."""
-    tensors = _checkpoint_tensors(model_path)
+    """Every parameter and persistent buffer at full size, on the CPU: the checkpoint's base weights (experts
+    assembled as transformers builds them), and the adapters initialised as peft does."""
+    checkpoint = Checkpoint(model_path, model)
     generator = torch.Generator().manual_seed(seed)
     state = {}
-    for name, value in model.state_dict().items():
-        shape, dtype = value.shape, value.dtype
-        if ".lora_A." in name:
-            weight = torch.empty(shape, dtype=torch.float32)
-            bound = 1 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) as nn.Linear and peft use
-            state[name] = weight.uniform_(-bound, bound, generator=generator).to(dtype)
-        elif ".lora_B." in name:
-            state[name] = torch.zeros(shape, dtype=dtype)
-        else:
-            key = hf_name(name)
-            if key not in tensors and key == "lm_head.weight":
-                key = "model.embed_tokens.weight"  # tied embeddings
-            if key not in tensors:
-                raise ConfigError(f"model.path: {model_path} has no weight {key!r}")
-            state[name] = tensors[key].to(dtype)
+    try:
+        for name, value in model.state_dict().items():
+            lora = _lora_init(name, value.shape, generator)
+            if lora is None:
+                lora = checkpoint.rows(_checkpoint_name(name, checkpoint), 0, value.shape[0] if value.dim() else 0,
+                                       tuple(value.shape))
+            state[name] = lora.to(value.dtype)
+    finally:
+        checkpoint.close()
     return state
 
 
@@ -175,22 +252,6 @@ def materialise(model: nn.Module, model_path: Path, device: torch.device, rank: 
     model.to_empty(device=device)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     _reset_rotary(model, device)
-
-
-def checkpoint_files(model_path: Path) -> dict[str, Path]:
-    """Weight name -> the safetensors file that holds it, from the index (or the one model.safetensors)."""
-    index = model_path / "model.safetensors.index.json"
-    if index.exists():
-        return {name: model_path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
-    single = model_path / "model.safetensors"
-    if not single.exists():
-        raise ConfigError(f"model.path: {model_path} has no model.safetensors or model.safetensors.index.json on "
-                          f"this node (model.load: sliced reads each node's own copy; model.load: broadcast reads "
-                          f"the weights on rank 0 only)")
-    from safetensors import safe_open
-
-    with safe_open(str(single), framework="pt") as handle:
-        return {name: single for name in handle.keys()}
 
 
 def _rows(param, world: int, rank: int) -> tuple[int, int]:
@@ -204,13 +265,10 @@ def _rows(param, world: int, rank: int) -> tuple[int, int]:
 def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device, rank: int, world: int,
                        seed: int) -> None:
     """model.load: sliced. Each rank reads only the rows of its own shards, straight from the node's copy of the
-    checkpoint (safetensors slices of a memory map): host memory stays near one weight's shard, not the model,
-    and no weight crosses the network. LoRA weights start as peft starts them, from the same seeded stream as
-    the broadcast path, so both paths give the same model."""
-    from safetensors import safe_open
-
-    files = checkpoint_files(model_path)
-    handles: dict[Path, object] = {}
+    checkpoint (safetensors slices of a memory map; for a fused expert weight, only its own experts' tensors):
+    host memory stays near one weight's shard, not the model, and no weight crosses the network. LoRA weights
+    start as on the broadcast path, so both paths give the same model."""
+    checkpoint = Checkpoint(model_path, model)
     generator = torch.Generator().manual_seed(seed)
     model.to_empty(device=device)
     try:
@@ -219,30 +277,14 @@ def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device,
                 local = param.to_local() if hasattr(param, "to_local") else param
                 sharded = hasattr(param, "to_local")
                 start, stop = _rows(param, world, rank) if sharded else (0, param.shape[0] if param.dim() else 0)
-                if ".lora_A." in name:  # drawn at full size in state_dict order, as the broadcast path does
-                    bound = 1 / math.sqrt(param.shape[1])
-                    full = torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
-                    local.copy_(full[start:stop] if param.dim() else full)
-                    continue
-                if ".lora_B." in name:
-                    local.zero_()
-                    continue
-                key = hf_name(name)
-                if key not in files and key == "lm_head.weight":
-                    key = "model.embed_tokens.weight"  # tied embeddings
-                if key not in files:
-                    raise ConfigError(f"model.path: {model_path} has no weight {key!r}")
-                handle = handles.get(files[key])
-                if handle is None:
-                    handle = handles[files[key]] = safe_open(str(files[key]), framework="pt")
-                piece = handle.get_slice(key)
-                rows = piece[start:stop] if param.dim() else piece[:]
-                if tuple(rows.shape) != tuple(local.shape):
-                    raise ConfigError(f"model.path: {key} has shape {piece.get_shape()}, the model expects "
-                                      f"{list(param.shape)}")
-                local.copy_(rows.to(local.dtype))
+                full = _lora_init(name, param.shape, generator)  # drawn at full size, as the broadcast path does
+                if full is None:
+                    full = checkpoint.rows(_checkpoint_name(name, checkpoint), start, stop, tuple(param.shape))
+                elif param.dim():
+                    full = full[start:stop]
+                local.copy_(full.to(local.dtype))
     finally:
-        handles.clear()
+        checkpoint.close()
     _reset_rotary(model, device)
 
 

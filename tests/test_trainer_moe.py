@@ -1,0 +1,215 @@
+"""Mixture-of-Experts models in the built-in trainer, on tiny random Qwen3-MoE, GLM-4-MoE (shared experts, a dense
+first layer) and Mixtral checkpoints saved as the Hub has them (one tensor per expert): LoRA on the routed experts'
+fused weights (peft target_parameters), FSDP2 over the MoE layers on two gloo ranks, the adapter reloaded by
+PeftModel, and the exports (merged model, vLLM-layout adapter) checked against the trained model's logits."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from test_trainer_runs import metrics, torchrun
+from trainer_import import trainer_module
+
+sys.path.insert(0, str(REPO / "bench"))
+from make_moe import LAYOUTS, write_moe  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory, demo_cache):
+    os.environ["NODECTL_DEMO_CACHE"] = str(demo_cache)
+    root = tmp_path_factory.mktemp("moe")
+    return {layout: write_moe(root / layout, layout) for layout in LAYOUTS}
+
+
+def _skeleton(model_path: Path, *sets: str):
+    config = trainer_module("config")
+    recipe = config.load_recipe(None, [f"model.path={model_path}", *sets])
+    return trainer_module("model").build_skeleton(recipe, model_path, torch.float32)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_reader_assembles_any_experts_as_transformers_builds_them(moe_models, layout):
+    """Rows 1..3 of every fused expert weight, read from the per-expert tensors, equal transformers' own loading."""
+    from transformers import AutoModelForCausalLM
+
+    path = moe_models[layout]
+    reference = dict(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).named_parameters())
+    skeleton = _skeleton(path)
+    checkpoint = trainer_module("weights").Checkpoint(path, skeleton)
+    weights = trainer_module("weights")
+    fused = [weights.hf_name(n) for n, p in skeleton.named_parameters() if p.dim() == 3]
+    assert len(fused) == 2 * (1 if layout == "glm4_moe" else 2)  # GLM's first layer is dense
+    for name in fused:
+        assert len(checkpoint.source_keys(name)) > 1  # built from several checkpoint tensors
+        got = checkpoint.rows(name, 1, 3, tuple(reference[name].shape))
+        torch.testing.assert_close(got, reference[name][1:3], rtol=0, atol=0)
+    for name, value in reference.items():  # and every other weight, under the model's names
+        if value.dim() != 3:
+            torch.testing.assert_close(checkpoint.rows(name, 0, value.shape[0] if value.dim() else 0,
+                                                       tuple(value.shape)), value, rtol=0, atol=0)
+    checkpoint.close()
+
+
+def test_experts_are_adapted_by_default_and_the_recipe_says_what_is_wrong(moe_models):
+    config = trainer_module("config")
+    path = moe_models["glm4_moe"]
+    model = _skeleton(path)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    # routed experts (fused, through peft's ParamWrapper), shared experts and attention (nn.Linear)
+    assert any(".experts.lora_A." in n for n in names) and any(".experts.base_layer.lora_A." in n for n in names)
+    assert any("shared_experts.gate_proj.lora_A" in n for n in names)
+    assert any("self_attn.q_proj.lora_A" in n for n in names)
+    assert not any(".gate.weight" in n for n in names)  # the router stays frozen
+    params = dict(model.named_parameters())
+    down = params["base_model.model.model.layers.1.mlp.experts.lora_A.default.weight"]
+    gate_up = params["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.default.weight"]
+    assert down.shape == (4 * 16, 32)  # every one of the 4 experts gets rank lora.r (16) on down_proj (in: 32)
+    assert gate_up.shape == (4 * 2 * 16, 64)  # and 2r on gate_up_proj, which fuses two projections (peft's split)
+    assert any("layers.0.mlp.gate_proj.lora_A" in n for n in names)  # the dense first layer's MLP too
+
+    smaller = dict(_skeleton(path, "lora.expert_r=2").named_parameters())
+    assert smaller["base_model.model.model.layers.1.mlp.experts.lora_A.default.weight"].shape[0] == 4 * 2
+    assert smaller["base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.default.weight"].shape[0] == 4 * 4
+    assert smaller["base_model.model.model.layers.1.self_attn.q_proj.lora_A.default.weight"].shape[0] == 16
+    frozen = {n for n, _ in _skeleton(path, "lora.target_parameters=none").named_parameters()}
+    assert not any(".experts.lora" in n or ".experts.base_layer.lora" in n for n in frozen)
+    assert any("shared_experts.gate_proj.lora_A" in n for n in frozen)  # still adapted: not a routed expert
+
+    with pytest.raises(config.ConfigError, match=r"lora.dropout: peft's LoRA on fused expert weights .*set "
+                                                 r"lora.dropout: 0"):
+        _skeleton(path, "lora.dropout=0.1")
+    with pytest.raises(config.ConfigError, match=r"lora.target_parameters: \['mlp.experts.w9'\] names no parameter"
+                                                 r".*mlp.experts.down_proj"):
+        _skeleton(path, "lora.target_parameters=mlp.experts.w9")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_ranks_train_the_experts_and_every_export_reproduces_the_model(tmp_path, demo_cache, moe_models, layout):
+    from peft import PeftModel
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    path = moe_models[layout]
+    out = tmp_path / "out"
+    proc = torchrun(2, out, demo_cache, f"model.path={path}", "train.steps=20", "data.max_length=48",
+                    "train.save_probe_logits=true", "train.export=merged,vllm")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    losses = [m["loss"] for m in metrics(out)]
+    assert losses[-1] < 0.8 * losses[0], losses
+    assert "exported merged to" in proc.stdout and "exported vllm to" in proc.stdout
+
+    with safe_open(str(out / "adapter" / "adapter_model.safetensors"), "pt") as adapter:
+        trained = {k: adapter.get_tensor(k) for k in adapter.keys() if ".experts." in k and "shared" not in k}
+    assert trained and all(t.abs().max() > 0 for k, t in trained.items() if "lora_B" in k)  # experts learnt
+
+    probe = torch.load(out / "probe.pt")
+    mask = probe["attention_mask"].bool()
+    inputs = {"input_ids": probe["input_ids"], "attention_mask": probe["attention_mask"]}
+
+    def logits(model) -> torch.Tensor:
+        with torch.no_grad():
+            return model.eval()(**inputs).logits[mask]
+
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    torch.testing.assert_close(logits(PeftModel.from_pretrained(base, str(out / "adapter"))), probe["logits"][mask],
+                               rtol=1e-4, atol=1e-4)
+    merged = AutoModelForCausalLM.from_pretrained(out / "merged", dtype=torch.float32)
+    torch.testing.assert_close(logits(merged), probe["logits"][mask], rtol=1e-4, atol=1e-4)
+    untrained = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert not torch.allclose(logits(untrained), probe["logits"][mask], atol=1e-2)
+
+    # The vLLM layout, applied as vLLM applies an adapter (W += lora_alpha / r * B @ A on each named module of
+    # the base checkpoint), gives the trained model.
+    vllm = out / "adapter-vllm"
+    config = json.loads((vllm / "adapter_config.json").read_text())
+    assert "target_parameters" not in config
+    with safe_open(str(vllm / "adapter_model.safetensors"), "pt") as handle:
+        lora = {k: handle.get_tensor(k) for k in handle.keys()}
+    expert_modules = {k.split(".experts.")[1].split(".")[1] for k in lora if ".experts." in k and "shared" not in k}
+    assert expert_modules == ({"w1", "w2", "w3"} if layout == "mixtral" else {"gate_proj", "up_proj", "down_proj"})
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(path / "model.safetensors"))
+    scale = config["lora_alpha"] / config["r"]
+    for key in [k for k in lora if k.endswith(".lora_A.weight")]:
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        assert f"{module}.weight" in state, module  # named as in the checkpoint
+        delta = scale * lora[key.replace("lora_A", "lora_B")] @ lora[key]
+        state[f"{module}.weight"] = state[f"{module}.weight"] + delta
+    applied = tmp_path / "vllm-applied"
+    applied.mkdir()
+    for name in ("config.json",):
+        (applied / name).write_text((path / name).read_text())
+    save_file(state, str(applied / "model.safetensors"), metadata={"format": "pt"})
+    torch.testing.assert_close(logits(AutoModelForCausalLM.from_pretrained(applied, dtype=torch.float32)),
+                               probe["logits"][mask], rtol=1e-4, atol=1e-4)
+
+
+def test_sliced_and_broadcast_loading_agree_on_experts_split_unevenly(tmp_path, demo_cache, moe_models):
+    """4 experts over 3 ranks: FSDP's chunks are 2, 2 and 0 experts, so the last rank reads none."""
+    runs = {}
+    for mode in ("sliced", "broadcast"):
+        out = tmp_path / mode
+        proc = torchrun(3, out, demo_cache, f"model.path={moe_models['qwen3_moe']}", f"model.load={mode}",
+                        "train.steps=4", "train.log_every=1", "data.max_length=48")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[mode] = [m["loss"] for m in metrics(out)]
+    assert runs["sliced"] == runs["broadcast"] and len(runs["sliced"]) == 4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is None or importlib.util.find_spec("wandb") is None,
+                    reason="tensorboard and wandb are in the test extra")
+def test_metrics_go_to_tensorboard_and_wandb_on_rank_0(tmp_path, demo_cache):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "out"
+    secret = "hf_" + "Qx7" * 10  # a token in the ranks' environment must not reach what W&B stores
+    os.environ.update(WANDB_MODE="offline", HF_TOKEN=secret)
+    try:
+        proc = torchrun(2, out, demo_cache, "train.steps=10", "train.log_every=5", "train.tensorboard=true",
+                        "train.wandb_project=nodectl-test", "data.max_length=48")
+    finally:
+        os.environ.pop("WANDB_MODE")
+        os.environ.pop("HF_TOKEN")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    logged = {m["step"]: m["loss"] for m in metrics(out)}
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    scalars = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert scalars.keys() == logged.keys() == {5, 10}
+    assert all(abs(scalars[s] - logged[s]) < 1e-5 for s in logged)
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1  # one run, from rank 0, written offline
+    record = next(runs[0].glob("*.wandb")).read_bytes()
+    assert b"train/loss" in record and b"micro_batch_size" in record and b"nodectl-test" in record
+    assert not any(secret.encode() in f.read_bytes() for f in out.rglob("*") if f.is_file())
+
+
+def test_a_metric_sink_that_is_not_installed_is_a_recipe_error(tmp_path, demo_cache):
+    proc = torchrun(1, tmp_path / "out", demo_cache, "train.wandb_project=p", "train.steps=2",
+                    pythonpath=(str(_hide("wandb", tmp_path)),))
+    assert proc.returncode != 0
+    assert "recipe error: train.wandb_project: the wandb package is not installed" in proc.stderr
+
+
+def _hide(package: str, tmp_path: Path) -> Path:
+    """A sitecustomize that makes `package` unfindable, as on a node without it."""
+    folder = tmp_path / f"no-{package}"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(
+        "import importlib.abc, sys\n"
+        "class Hide(importlib.abc.MetaPathFinder):\n"
+        f"    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name == {package!r} or name.startswith({package + '.'!r}):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Hide())\n")
+    return folder
