@@ -123,6 +123,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--checkpoint-dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="the weights on disk; the model trains in bf16 either way")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each mode, interleaved")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL_DIR", "MODE"))
     args = parser.parse_args()
     if args.worker:
@@ -134,7 +135,7 @@ def main() -> None:
         print(f"model: {size:.2f} GiB in bf16, on disk as {args.checkpoint_dtype} in "
               f"{len(list((root / 'model').glob('*.safetensors')))} shards; {args.ranks} CPU ranks (gloo)")
         results = {}
-        for mode in ("sliced", "broadcast", "sliced", "broadcast"):  # twice each, interleaved: the page cache is warm
+        for mode in ("sliced", "broadcast") * args.rounds:  # interleaved: the page cache is as warm for both
             env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
             proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.ranks}",
                                    "--master-addr=127.0.0.1", f"--master-port={free_port()}", __file__, "--worker",
@@ -157,6 +158,10 @@ def main() -> None:
               f"load time sliced {sliced['seconds']:.2f}s vs broadcast {broadcast['seconds']:.2f}s "
               f"({broadcast['seconds'] / sliced['seconds']:.2f}x); same weights: "
               f"{sliced['checksum'] == broadcast['checksum']}")
+        print("RESULT " + json.dumps({"model_mib": size * 1024, "ranks": args.ranks,
+                                      "sliced_growth_mib": sliced["anon_peak_mib"] - sliced["anon_before_mib"],
+                                      "broadcast_growth_mib": broadcast["anon_peak_mib"] - broadcast["anon_before_mib"],
+                                      "same_weights": sliced["checksum"] == broadcast["checksum"]}))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -204,3 +204,20 @@ def test_each_rank_reading_its_own_slices_gives_the_broadcast_model(tmp_path, de
         assert f"weights loaded ({mode})" in proc.stdout
         runs[mode] = [m["loss"] for m in metrics(out)]
     assert runs["sliced"] == runs["broadcast"] and len(runs["sliced"]) == 6
+
+
+def test_sliced_loading_keeps_rank_0_memory_near_its_shard_not_the_model():
+    """bench/load.py on a small Llama (about 220 MiB in bf16, 2 ranks, a float32 checkpoint): rank 0's owned
+    memory (RssAnon, sampled while loading) grows by about its shard when each rank reads its own slices, and by
+    more than the whole model when rank 0 reads every weight to broadcast them, as the trainer did before. (From
+    a bf16 checkpoint rank 0's full tensors stay pages of the memory-mapped file, which RssAnon does not count.)"""
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "load.py"), "--ranks", "2", "--layers", "4",
+                           "--hidden", "1024", "--rounds", "1", "--checkpoint-dtype", "float32"],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    result = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert result["same_weights"]
+    model = result["model_mib"]
+    assert result["sliced_growth_mib"] < 0.85 * model, result      # its shard (half) and one weight's rows
+    assert result["broadcast_growth_mib"] > model, result          # the whole model, then its shard

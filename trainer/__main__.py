@@ -32,7 +32,13 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:  # after the process group: a merge may outlast any collective timeout
             from .export import export_after_training
 
-            export_after_training(recipe)
+            try:
+                export_after_training(recipe)
+            except OSError as exc:  # a full disk, say: the adapter is saved, the export is not
+                print(f"export error: {exc.strerror or exc} ({exc.filename or 'output'}); the adapter is in "
+                      f"{recipe.output_dir() / 'adapter'}, export it with python -m trainer.export", file=sys.stderr,
+                      flush=True)
+                return 1
     except (ConfigError, DataError) as exc:
         if rank == 0:  # every rank reached the same verdict before any collective; one of them says it
             print(f"recipe error: {exc}", file=sys.stderr, flush=True)

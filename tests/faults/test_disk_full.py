@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from test_trainer_runs import demo_cache, torchrun  # noqa: F401  (fixture re-used)
+from test_trainer_runs import torchrun
 
 pytestmark = pytest.mark.slow
 

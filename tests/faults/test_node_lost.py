@@ -14,7 +14,6 @@ import pytest
 from conftest import run_nodectl
 from launch_helpers import kill_leftovers, latest_run_id, run_processes, wait_for
 from sshcluster import SSHCluster, sshd_available
-from test_trainer_runs import demo_cache  # noqa: F401  (fixture re-used)
 
 pytestmark = pytest.mark.slow
 SUBNET = "10.77"
