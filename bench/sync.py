@@ -3,14 +3,18 @@ SSH nodes that share nothing with this machine (tests/sshcluster.py), with the c
 
     python bench/sync.py --nodes 32 --mb 200 --repeats 2
 
-  * nodectl: `nodectl launch --skip-preflight --detach` of a script that exits at once: the whole sync (content
-    hashes, the store check, the streamed tar, the run folder on every node) plus the detached start. Each
-    repeat starts from empty node stores, so every byte is sent again.
+  * nodectl: `nodectl launch --skip-preflight --detach` of a script that exits at once, timed twice from the same
+    run: until it prints "code ready on N node(s)" (the content hashes, the store check, the streamed tar and
+    the run folder on every node: what pdcp and scp do), and until it returns (the detached start of torchrun
+    on every node too). Each repeat starts from empty node stores, so every byte is sent again.
   * pdcp -r (pdsh's copy, fan-out N) and `scp -r` to every node at once: copy only, each with OpenSSH's
     default cipher and with AES-GCM.
-Peak RSS: the nodectl process (or pdcp, or the sum of the scp processes), sampled every 50 ms. Machine CPU: the
-user + system seconds of the whole machine during each transfer (every side of it runs here); sender CPU: that
-of the sending side alone (nodectl, or pdcp/scp with their ssh clients).
+Memory: the sending side (nodectl, or pdcp, or the scp processes, each with its ssh children), sampled while it
+runs: the peak of the summed RSS (which counts the shared libraries of every ssh child again), of the summed
+PSS (each shared page split between the processes that map it: the memory they take together), and the RSS of
+the sending process alone (nodectl or pdcp without its ssh children; one scp). CPU:
+the user + system seconds of the whole machine during each transfer (every side of it runs here), of the
+sending side alone, and of the nodes' sshds and everything they ran (the receiving side).
 Needs openssh-server and pdsh (apt-get install pdsh); runs as root.
 """
 from __future__ import annotations
@@ -25,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -43,32 +48,50 @@ def ssh_options(cluster: SSHCluster, cipher: str) -> list[str]:
             "-o", f"UserKnownHostsFile={cluster.home / '.ssh' / 'known_hosts'}"]
 
 
-class PeakRSS:
-    """The largest resident set of a process and its children, sampled while it runs."""
+class PeakMemory:
+    """The largest summed RSS and PSS of a process and its children, sampled while it runs (PSS, from smaps,
+    every 4th sample: it costs more to read)."""
 
     def __init__(self, pids) -> None:
-        self.pids, self.peak, self._stop = pids, 0, threading.Event()
+        self.pids, self.peak, self.peak_pss, self._stop = pids, 0, 0, threading.Event()
+        self.peak_alone = 0  # the first process by itself (nodectl, pdcp; the scps are all alike)
         self._thread = threading.Thread(target=self._sample, daemon=True)
 
     def _sample(self) -> None:
+        tick = 0
         while not self._stop.is_set():
-            total = 0
-            for pid in self.pids():
+            rss = pss = 0
+            for i, pid in enumerate(self.pids()):
                 try:
                     process = psutil.Process(pid)
-                    total += sum(p.memory_info().rss for p in [process, *process.children(recursive=True)])
+                    if i == 0:
+                        self.peak_alone = max(self.peak_alone, process.memory_info().rss)
+                    for p in [process, *process.children(recursive=True)]:
+                        rss += p.memory_info().rss
+                        pss += p.memory_full_info().pss if tick % 4 == 0 else 0
                 except psutil.Error:
                     continue
-            self.peak = max(self.peak, total)
+            self.peak = max(self.peak, rss)
+            self.peak_pss = max(self.peak_pss, pss)
+            tick += 1
             self._stop.wait(0.05)
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> "PeakMemory":
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+
+
+@dataclass
+class Sample:
+    seconds: float
+    rss: int
+    pss: int
+    alone: int  # RSS of the sending process itself, without its ssh children
+    ready: float | None = None  # nodectl: when it said the code is on every node
 
 
 def client_cpu() -> float:
@@ -85,6 +108,18 @@ def machine_cpu() -> float:
     return times.user + times.system
 
 
+def node_cpu(cluster: SSHCluster, count: int) -> float:
+    """CPU seconds of the nodes' sshds and of every process they ran and reaped (sessions, shells, tar, scp,
+    runctl): the receiving side."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for node in cluster.nodes[:count]:
+        with open(f"/proc/{node.process.pid}/stat") as handle:
+            fields = handle.read().rsplit(")", 1)[1].split()
+        total += sum(int(x) for x in fields[11:15]) / ticks  # utime, stime, cutime, cstime
+    return total
+
+
 def fresh_nodes(cluster: SSHCluster, count: int) -> None:
     for node in cluster.nodes[:count]:
         for folder in (node.workdir, node.home_dir / "pdcp", node.home_dir / "scp"):
@@ -92,23 +127,39 @@ def fresh_nodes(cluster: SSHCluster, count: int) -> None:
         (node.home_dir / "pdcp").mkdir()
 
 
-def time_nodectl(cluster: SSHCluster, inventory: Path, project: Path, count: int, size: int) -> tuple[float, int]:
+READY = "code ready on"
+
+
+def time_nodectl(cluster: SSHCluster, inventory: Path, project: Path, count: int, size: int) -> Sample:
     started = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", str(inventory), "launch", "--skip-preflight",
                              "--detach", "--sync-limit", "100000", "--", "quick.py"], cwd=project, env=cluster.env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with PeakRSS(lambda: [proc.pid]) as rss:
-        out, err = proc.communicate(timeout=1200)
+    seen = {"ready": None, "err": []}
+
+    def read_stderr() -> None:  # the moment the line arrives is when the user sees it
+        for line in proc.stderr:
+            if READY in line and seen["ready"] is None:
+                seen["ready"] = time.perf_counter() - started
+            seen["err"].append(line)
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    with PeakMemory(lambda: [proc.pid]) as memory:
+        proc.stdout.read()
+        proc.wait(timeout=1200)
     elapsed = time.perf_counter() - started
+    reader.join()
+    err = "".join(seen["err"])
     runs = project / "runs"
-    if proc.returncode or not runs.is_dir():
+    if proc.returncode or not runs.is_dir() or seen["ready"] is None:
         raise RuntimeError(f"nodectl failed (exit {proc.returncode}): {err[-1500:]}")
     run_id = sorted(p.name for p in runs.iterdir() if p.name[0].isdigit())[-1]
     end_run(run_id)
     arrived = [n.workdir / "runs" / run_id / "code" / "code" / "payload.bin" for n in cluster.nodes[:count]]
-    if proc.returncode or not all(p.is_file() and p.stat().st_size == size for p in arrived):
+    if not all(p.is_file() and p.stat().st_size == size for p in arrived):
         raise RuntimeError(f"nodectl did not deliver everywhere: {err[-1500:]}")
-    return elapsed, rss.peak
+    return Sample(elapsed, memory.peak, memory.peak_pss, memory.peak_alone, seen["ready"])
 
 
 def end_run(run_id: str) -> None:
@@ -122,34 +173,34 @@ def end_run(run_id: str) -> None:
             continue
 
 
-def time_pdcp(cluster: SSHCluster, project: Path, count: int, size: int, cipher: str) -> tuple[float, int]:
+def time_pdcp(cluster: SSHCluster, project: Path, count: int, size: int, cipher: str) -> Sample:
     hosts = ",".join(n.address for n in cluster.nodes[:count])
     env = {**cluster.env(), "PDSH_SSH_ARGS": " ".join(ssh_options(cluster, cipher) + ["-p", str(cluster.port)]) + " %h",
            "PDSH_RCMD_TYPE": "ssh"}
     started = time.perf_counter()
     proc = subprocess.Popen(["pdcp", "-R", "ssh", "-f", str(count), "-w", hosts, "-r", str(project / "code"),
                              "/root/pdcp/"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    with PeakRSS(lambda: [proc.pid]) as rss:
+    with PeakMemory(lambda: [proc.pid]) as memory:
         out, err = proc.communicate(timeout=1200)
     elapsed = time.perf_counter() - started
     arrived = [n.home_dir / "pdcp" / "code" / "payload.bin" for n in cluster.nodes[:count]]
     if proc.returncode or not all(p.is_file() and p.stat().st_size == size for p in arrived):
         raise RuntimeError(f"pdcp did not deliver everywhere: {err[-1500:]}")
-    return elapsed, rss.peak
+    return Sample(elapsed, memory.peak, memory.peak_pss, memory.peak_alone)
 
 
-def time_scp(cluster: SSHCluster, project: Path, count: int, size: int, cipher: str) -> tuple[float, int]:
+def time_scp(cluster: SSHCluster, project: Path, count: int, size: int, cipher: str) -> Sample:
     started = time.perf_counter()
     procs = [subprocess.Popen(["scp", "-q", "-r", *ssh_options(cluster, cipher), "-P", str(cluster.port),
                                str(project / "code"), f"root@{node.address}:/root/scp"], env=cluster.env(),
                               stderr=subprocess.PIPE) for node in cluster.nodes[:count]]
-    with PeakRSS(lambda: [p.pid for p in procs if p.poll() is None]) as rss:
+    with PeakMemory(lambda: [p.pid for p in procs if p.poll() is None]) as memory:
         codes = [p.wait(timeout=1200) for p in procs]
     elapsed = time.perf_counter() - started
     arrived = [n.home_dir / "scp" / "payload.bin" for n in cluster.nodes[:count]]
     if any(codes) or not all(p.is_file() and p.stat().st_size == size for p in arrived):
         raise RuntimeError(f"scp did not deliver everywhere: {[p.stderr.read()[-300:] for p in procs if p.returncode]}")
-    return elapsed, rss.peak
+    return Sample(elapsed, memory.peak, memory.peak_pss, memory.peak_alone)
 
 
 def main() -> None:
@@ -176,29 +227,44 @@ def main() -> None:
     for cipher, label in CIPHERS:
         runs[f"pdcp{label}"] = lambda c=cipher: time_pdcp(cluster, project, args.nodes, size, c)
         runs[f"scp{label}"] = lambda c=cipher: time_scp(cluster, project, args.nodes, size, c)
-    results: dict[str, list] = {name: [] for name in runs}
-    cpu: dict[str, list] = {name: [] for name in results}
-    client: dict[str, list] = {name: [] for name in results}
+    results: dict[str, list[Sample]] = {name: [] for name in runs}
+    cpu = {name: {"machine": [], "sender": [], "nodes": []} for name in runs}
     try:
-        for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits all three alike
+        for _ in range(args.repeats):  # interleaved, so drift on a noisy machine hits all of them alike
             for name, run in runs.items():
                 fresh_nodes(cluster, args.nodes)
-                before, before_client = machine_cpu(), client_cpu()
-                results[name].append(run())
-                cpu[name].append(machine_cpu() - before)
-                client[name].append(client_cpu() - before_client)
-                print(f"   {name}: {results[name][-1][0]:.1f}s, peak RSS {results[name][-1][1] >> 20} MiB, "
-                      f"machine CPU {cpu[name][-1]:.1f}s, sender CPU {client[name][-1]:.1f}s", flush=True)
+                before = machine_cpu(), client_cpu(), node_cpu(cluster, args.nodes)
+                sample = run()
+                after = machine_cpu(), client_cpu(), node_cpu(cluster, args.nodes)
+                for key, b, a in zip(("machine", "sender", "nodes"), before, after):
+                    cpu[name][key].append(a - b)
+                results[name].append(sample)
+                ready = f" (code ready at {sample.ready:.1f}s)" if sample.ready is not None else ""
+                usage = cpu[name]
+                print(f"   {name}: {sample.seconds:.1f}s{ready}, peak RSS {sample.rss >> 20} MiB (alone "
+                      f"{sample.alone >> 20}), PSS {sample.pss >> 20} MiB, CPU machine {usage['machine'][-1]:.1f}s "
+                      f"sender {usage['sender'][-1]:.1f}s nodes {usage['nodes'][-1]:.1f}s", flush=True)
     finally:
         cluster.stop()
         shutil.rmtree(root, ignore_errors=True)
-    medians = {name: statistics.median(t for t, _ in runs) for name, runs in results.items()}
-    best = min(t for name, t in medians.items() if name != "nodectl")
-    print(f"\n{args.mb} MiB to {args.nodes} nodes, median of {args.repeats} (machine: {os.cpu_count()} cores):")
-    for name, runs in results.items():
-        print(f"   {name:16} {medians[name]:6.1f}s  {medians[name] / best:5.2f}x the faster reference  "
-              f"peak RSS {max(r for _, r in runs) >> 20} MiB  machine CPU {statistics.median(cpu[name]):.1f}s  "
-              f"sender CPU {statistics.median(client[name]):.1f}s")
+    median = statistics.median
+    rows = {name: median(s.seconds for s in samples) for name, samples in results.items()}
+    rows["nodectl, code ready"] = median(s.ready for s in results["nodectl"])
+    best_name = min((n for n in rows if not n.startswith("nodectl")), key=rows.get)
+    best = rows[best_name]
+    print(f"\n{args.mb} MiB to {args.nodes} nodes, median of {args.repeats} (machine: {os.cpu_count()} cores); "
+          f"fastest reference: {best_name}")
+    for name in ["nodectl, code ready", *results]:
+        samples = results["nodectl" if name.startswith("nodectl") else name]
+        usage = cpu["nodectl" if name.startswith("nodectl") else name]
+        label = "nodectl, launch" if name == "nodectl" else name
+        rss, alone, pss = (max(getattr(s, key) for s in samples) >> 20 for key in ("rss", "alone", "pss"))
+        print(f"   {label:20} {rows[name]:6.1f}s  {rows[name] / best:5.2f}x  peak RSS {rss} MiB (alone {alone})  "
+              f"PSS {pss} MiB  CPU machine {median(usage['machine']):.1f}s  sender {median(usage['sender']):.1f}s  "
+              f"nodes {median(usage['nodes']):.1f}s")
+    print(f"RESULT nodes={args.nodes} mb={args.mb} ready_ratio={rows['nodectl, code ready'] / best:.2f} "
+          f"launch_ratio={rows['nodectl'] / best:.2f} nodectl_pss_mib={max(s.pss for s in results['nodectl']) >> 20} "
+          f"nodectl_rss_alone_mib={max(s.alone for s in results['nodectl']) >> 20}")
 
 
 if __name__ == "__main__":

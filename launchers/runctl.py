@@ -190,20 +190,25 @@ def _receive_with_tarfile(store: str) -> dict:
 def cmd_receive(args: list, request: dict) -> dict:
     """Objects for the content-addressed store, as a tar stream on stdin (nothing of it is kept but the
     objects: no upload file that a broken connection could leave behind). Each object lands under a temporary
-    name and is renamed only once its content hashes to its name; a truncated stream leaves nothing."""
+    name and is renamed only once its content hashes to its name; a truncated stream leaves nothing. With a
+    `prepare` request, the run folder is laid out once every object is in (one call instead of two)."""
     store = os.path.join(os.path.expanduser(args[0]), ".nodectl", "objects")
     os.makedirs(store, mode=0o700, exist_ok=True)
     os.chmod(store, 0o700)
     _sweep_incoming(store)
     tar = shutil.which("tar")
     if not tar or os.environ.get("NODECTL_NO_TAR"):
-        return _receive_with_tarfile(store)
-    incoming = os.path.join(store, f"{_incoming_prefix()}{os.getpid()}")
-    os.mkdir(incoming, 0o700)
-    try:
-        return _receive_with_tar(tar, store, incoming)
-    finally:
-        shutil.rmtree(incoming, ignore_errors=True)
+        answer = _receive_with_tarfile(store)
+    else:
+        incoming = os.path.join(store, f"{_incoming_prefix()}{os.getpid()}")
+        os.mkdir(incoming, 0o700)
+        try:
+            answer = _receive_with_tar(tar, store, incoming)
+        finally:
+            shutil.rmtree(incoming, ignore_errors=True)
+    if request.get("prepare") and not answer.get("error"):  # the run folder, in the same call
+        answer.update(cmd_prepare([], request["prepare"]))
+    return answer
 
 
 def _place(source: str, target: str, mode: int) -> None:
@@ -582,7 +587,8 @@ def cmd_pack(args: list, request: dict) -> dict:
 
 def cmd_identity(args: list, request: dict) -> dict:
     """A token naming this workdir's storage: two nodes that answer the same token share the folder (an NFS
-    home), so their run folders must differ. Created once, atomically (link() fails if another node won)."""
+    home), so their run folders must differ. Created once, atomically (link() fails if another node won).
+    Given content hashes, it also answers `have` (one call less per node)."""
     workdir = os.path.expanduser(args[0])
     folder = os.path.join(workdir, ".nodectl")
     os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -598,7 +604,10 @@ def cmd_identity(args: list, request: dict) -> dict:
         finally:
             os.unlink(tmp)
     with open(path, encoding="utf-8") as handle:
-        return {"identity": handle.read().strip(), "workdir": os.path.realpath(workdir)}
+        answer = {"identity": handle.read().strip(), "workdir": os.path.realpath(workdir)}
+    if "hashes" in request:  # what a launch asks next: which objects the store lacks
+        answer.update(cmd_have(args, request))
+    return answer
 
 
 def cmd_listen(args: list, request: dict) -> dict:
@@ -680,10 +689,34 @@ COMMANDS = {"have": cmd_have, "prepare": cmd_prepare, "port": cmd_port, "start":
 STREAMING = {"receive"}  # read their stdin themselves
 
 
+def _read_exactly(fd: int, count: int) -> bytes:
+    data = bytearray()
+    while len(data) < count:
+        block = os.read(fd, count - len(data))
+        if not block:
+            raise ValueError("the request ended early")
+        data += block
+    return bytes(data)
+
+
+def _stream_request() -> dict:
+    """A streaming command's request comes first on stdin: its length on a line, then the JSON. Read from the
+    descriptor itself, byte-exact, so the stream that follows is untouched for tar."""
+    line = b""
+    while not line.endswith(b"\n"):
+        if len(line) > 20:
+            raise ValueError("no request before the stream")
+        line += _read_exactly(0, 1)
+    return json.loads(_read_exactly(0, int(line)) or b"{}")
+
+
 def main() -> None:
     name, args = sys.argv[1], sys.argv[2:]
-    raw = "" if name in STREAMING else sys.stdin.read()
-    request = json.loads(raw) if raw.strip() else {}
+    if name in STREAMING:
+        request = _stream_request()
+    else:
+        raw = sys.stdin.read()
+        request = json.loads(raw) if raw.strip() else {}
     try:
         answer = COMMANDS[name](args, request)
     except Exception as exc:  # reported to the controller, which shows it with the node's name

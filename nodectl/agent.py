@@ -47,15 +47,33 @@ def _answer(node, command: str, result) -> dict:
     return answer
 
 
+# Installs runctl (its source comes first on stdin, N bytes) unless this version is there, then runs it in the
+# same process: the first call to a node is one round trip whether runctl was there or not. One line, no
+# backslash, so any login shell passes it through as it is.
+BOOTSTRAP = ('import os,sys;p=sys.argv[1];b=sys.stdin.buffer.read(int(sys.argv[2]));d=os.path.dirname(p);'
+             'os.makedirs(d,0o700,exist_ok=True);os.chmod(d,0o700);t=p+".tmp%d"%os.getpid();'
+             'os.path.exists(p) or (f:=open(t,"wb"),f.write(b),f.close(),os.replace(t,p));'
+             'sys.argv=[p]+sys.argv[3:];exec(compile(b,p,"exec"),{"__name__":"__main__","__file__":p})')
+
+
 def call(transport: Transport, command: str, *args: str, request: dict | None = None,
          timeout: float = AGENT_TIMEOUT) -> dict:
     """Run one runctl subcommand on the node, installing runctl first if this version is not there yet."""
     node = transport.node
     path = agent_path(node.workdir)
     body = json.dumps(request or {})
+    if not getattr(transport, "runctl_seen", False):  # first call on this connection: install on the way
+        source = _runctl()[0].encode()
+        bootstrap = " ".join([quote_path(node.python), "-S", "-c", shlex.quote(BOOTSTRAP), quote_path(path),
+                              str(len(source)), shlex.quote(command),
+                              *(quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args)])
+        result = transport.run(bootstrap, stdin=source + body.encode(), timeout=timeout)
+        answer = _answer(node, command, result)
+        transport.runctl_seen = True
+        return answer
     invocation = _invocation(node, command, args)
-    # Usually one round trip. Only when this version of runctl is not on the node yet (the marker comes back;
-    # a login banner may come with it) does a second command install it from stdin, and a third repeat the call.
+    # Usually one round trip. Only when this version of runctl is gone from the node (the marker comes back; a
+    # login banner may come with it) does a second command install it from stdin, and a third repeat the call.
     result = transport.run(f"if [ -f {quote_path(path)} ]; then {invocation}; else echo {MISSING}; fi",
                            stdin=body, timeout=timeout)
     if MISSING in result.stdout.splitlines():
@@ -64,10 +82,18 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
     return _answer(node, command, result)
 
 
-def call_stream(transport: Transport, command: str, *args: str, produce, timeout: float = AGENT_TIMEOUT) -> dict:
-    """Like `call`, for a subcommand that reads a stream (produce(write) writes it); runctl must be installed
-    already (any earlier `call` installs it)."""
-    result = transport.run_stream(_invocation(transport.node, command, args), produce, timeout=timeout)
+def call_stream(transport: Transport, command: str, *args: str, produce, request: dict | None = None,
+                timeout: float = AGENT_TIMEOUT) -> dict:
+    """Like `call`, for a subcommand that reads a stream: `produce(sink)` writes it after the request (which
+    travels first, its length on a line of its own). runctl must be installed already (any earlier `call`
+    installs it)."""
+    body = json.dumps(request or {}).encode()
+
+    def framed(sink) -> None:
+        sink.write(b"%d\n" % len(body) + body)
+        produce(sink)
+
+    result = transport.run_stream(_invocation(transport.node, command, args), framed, timeout=timeout)
     return _answer(transport.node, command, result)
 
 

@@ -42,12 +42,21 @@ def settle_master_port(plan: LaunchPlan, cluster: Cluster) -> LaunchPlan:
                        f"another master_port in the inventory")
 
 
-def shared_workdirs(plan: LaunchPlan, cluster: Cluster) -> frozenset[str]:
-    """Names of nodes whose workdir is the same storage as another node's (an NFS home) and whose planned run
-    folders would therefore collide: they need a per-node subfolder. Empty when the folders are apart already
-    (several local "nodes" of one machine are planned apart). Every node must answer (a node not asked could
-    share a folder unseen): one that does not, after a second try, stops the launch before anything started."""
-    ask = lambda t: agent.call(t, "identity", t.node.workdir)  # noqa: E731
+@dataclass(frozen=True)
+class Survey:
+    shared: frozenset[str]  # nodes whose run folders need a per-node subfolder (see shared_workdirs)
+    missing: dict[str, list[str]]  # node name -> the objects its store lacks, when files were given
+
+
+def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None = None) -> Survey:
+    """Ask every node which storage its workdir is and, with `files`, which objects its store lacks (one call
+    per node for both). Nodes whose workdir is the same storage as another node's (an NFS home) and whose
+    planned run folders would therefore collide need a per-node subfolder; none do when the folders are apart
+    already (several local "nodes" of one machine are planned apart). Every node must answer (a node not asked
+    could share a folder unseen): one that does not, after a second try, stops the launch before anything
+    started."""
+    request = sync.have_request(files) if files is not None else None
+    ask = lambda t: agent.call(t, "identity", t.node.workdir, request=request)  # noqa: E731
     results = {r.node.name: r for r in cluster.fan_out(ask, [np.node for np in plan.nodes])}
     again = [results[name].node for name, r in results.items() if not r.ok and not r.unreachable]
     results.update({r.node.name: r for r in cluster.fan_out(ask, again)})
@@ -62,7 +71,12 @@ def shared_workdirs(plan: LaunchPlan, cluster: Cluster) -> frozenset[str]:
         seen.setdefault(result.value["identity"], []).append(result.node.name)
     shared = {name for names in seen.values() if len(names) > 1 for name in names}
     run_dirs = [np.run_dir for np in plan.nodes if np.node.name in shared]
-    return frozenset(shared) if len(set(run_dirs)) < len(run_dirs) else frozenset()
+    missing = {name: r.value["missing"] for name, r in results.items() if "missing" in r.value}
+    return Survey(frozenset(shared) if len(set(run_dirs)) < len(run_dirs) else frozenset(), missing)
+
+
+def shared_workdirs(plan: LaunchPlan, cluster: Cluster) -> frozenset[str]:
+    return survey(plan, cluster).shared
 
 
 def _node_json(plan: LaunchPlan, node_plan: NodePlan) -> str:
@@ -72,11 +86,10 @@ def _node_json(plan: LaunchPlan, node_plan: NodePlan) -> str:
 
 
 def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, rendered: RenderedNode,
-                 files: list[sync.SyncFile], cancel: threading.Event) -> tuple[int, int]:
-    """Send what the node lacks and lay out its run folder; (files, bytes sent)."""
-    sent = sync.upload_missing(transport, files, cancel)
-    if cancel.is_set():
-        raise Cancelled("interrupted before the run folder was prepared")
+                 files: list[sync.SyncFile], cancel: threading.Event,
+                 missing: list[str] | None = None) -> tuple[int, int]:
+    """Send what the node lacks (`missing`, or asked now) and lay out its run folder, in one call when
+    anything is sent; (files, bytes sent)."""
     request = {
         "workdir": node_plan.node.workdir, "run_dir": node_plan.run_dir,
         "new_attempt": plan.attempt > 0,
@@ -85,26 +98,38 @@ def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, re
                      "env.sh": {"text": rendered.env, "mode": 0o600},
                      "node.json": {"text": _node_json(plan, node_plan), "mode": 0o644}},
     }
-    prepared = agent.call(transport, "prepare", request=request)
+    if missing is None:
+        missing = sync.missing_objects(transport, files)
+    if cancel.is_set():
+        raise Cancelled("interrupted before the run folder was prepared")
+    if missing:
+        sent, prepared = sync.send_objects(transport, files, missing, cancel, then=request)
+    else:
+        sent, prepared = 0, agent.call(transport, "prepare", request=request)
     return prepared["files"], sent
 
 
 def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, files: list[sync.SyncFile],
-              on_done: Callable[[NodeResult], None] | None = None,
-              cancel: threading.Event | None = None) -> list[NodeResult[NodeStart]]:
-    """Prepare every node, then start every node; one result per node. When any node could not be prepared,
-    or `cancel` was set meanwhile, no node starts (their results say why)."""
+              on_done: Callable[[NodeResult], None] | None = None, cancel: threading.Event | None = None,
+              missing: dict[str, list[str]] | None = None,
+              on_ready: Callable[[list[NodeResult]], None] | None = None) -> list[NodeResult[NodeStart]]:
+    """Prepare every node, then start every node; one result per node. `missing` (from `survey`) saves asking
+    each node again what its store lacks. When any node could not be prepared, or `cancel` was set meanwhile,
+    no node starts (their results say why); otherwise `on_ready` hears of the prepared nodes first."""
     cancel = cancel or threading.Event()
     by_name = {r.node: r for r in rendered}
     plans = {np.node.name: np for np in plan.nodes}
     nodes = [np.node for np in plan.nodes]
+    missing = missing or {}
     prepared = cluster.fan_out(lambda t: prepare_node(t, plan, plans[t.node.name], by_name[t.node.name], files,
-                                                      cancel), nodes)
+                                                      cancel, missing.get(t.node.name)), nodes)
     failed = [r for r in prepared if not r.ok]
     if failed or cancel.is_set():
         why = "interrupted" if cancel.is_set() else f"{failed[0].node.name} could not be prepared"
         return [r if not r.ok else NodeResult(r.node, error=f"not started: {why}") for r in prepared]
     counts = {r.node.name: r.value for r in prepared}
+    if on_ready is not None:
+        on_ready(prepared)
 
     def start(transport: Transport) -> NodeStart:
         started = agent.call(transport, "start", plans[transport.node.name].run_dir)

@@ -14,7 +14,7 @@ from pathlib import Path
 from nodectl import agent
 from nodectl.errors import Cancelled, UsageError
 from nodectl.resources import resource_dir
-from nodectl.transport import Transport
+from nodectl.transport import StreamSink, Transport
 
 DEFAULT_SYNC_LIMIT = 512 * 2**20
 
@@ -119,27 +119,13 @@ def nodectl_files(builtin_trainer: bool, config: str | None, launchers_needed: t
     return files
 
 
-STREAM_BLOCK = 1 << 20
-TAR_BUFFER = 256 << 10  # tarfile's own reads and writes (its defaults, 10 and 16 KiB, cost a third of the CPU)
+TAR_BLOCK, TAR_RECORD = 512, 10240
 
 
-class _Blocks:
-    """A write-only file for tarfile's stream mode that hands `send` blocks of about STREAM_BLOCK bytes."""
-
-    def __init__(self, send) -> None:
-        self.send, self.buffer, self.total = send, bytearray(), 0
-
-    def write(self, data: bytes) -> int:
-        self.buffer += data
-        if len(self.buffer) >= STREAM_BLOCK:
-            self.flush()
-        return len(data)
-
-    def flush(self) -> None:
-        if self.buffer:
-            self.send(bytes(self.buffer))
-            self.total += len(self.buffer)
-            self.buffer.clear()
+def _tar_header(name: str, size: int) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode = size, 0o600
+    return info.tobuf(tarfile.GNU_FORMAT, "utf-8", "surrogateescape")  # GNU: sizes past 8 GiB
 
 
 def _changed(file: SyncFile) -> UsageError:
@@ -147,50 +133,71 @@ def _changed(file: SyncFile) -> UsageError:
                       f"project folder?); exclude it in .gitignore or write it elsewhere")
 
 
-def _add_unchanged(tar: tarfile.TarFile, file: SyncFile) -> None:
-    """Stream the file under its content's hash, or refuse one whose size changed since it was hashed (a log
-    inside the project folder). The node hashes every object and keeps none that does not match its name, so
-    a change that keeps the size is refused too, by the node's answer (see upload_missing)."""
-    info = tarfile.TarInfo(file.sha256)
-    info.size, info.mode = file.size, 0o600
+def _add_unchanged(sink: StreamSink, file: SyncFile) -> int:
+    """Stream one file as a tar member named by its content's hash, or refuse one whose size changed since it
+    was hashed (a log inside the project folder). The node hashes every object and keeps none that does not
+    match its name, so a change that keeps the size is refused too, by the node's answer (see send_objects).
+    Returns the bytes it added to the stream."""
     with open(file.source, "rb") as handle:
         if os.fstat(handle.fileno()).st_size != file.size:
             raise _changed(file)
-        tar.addfile(info, handle)
-        if handle.read(1):
+        sink.write(_tar_header(file.sha256, file.size))
+        if sink.send_file(handle, file.size) != file.size or os.fstat(handle.fileno()).st_size != file.size:
             raise _changed(file)
+    padding = -file.size % TAR_BLOCK
+    if padding:
+        sink.write(bytes(padding))
+    return TAR_BLOCK + file.size + padding
 
 
-def upload_missing(transport: Transport, files: list[SyncFile], cancel: threading.Event | None = None) -> int:
-    """Stream the objects the node lacks into its store (runctl receive); returns the bytes sent. Memory and
-    temporary space do not grow with the project or the node count: one block in flight per node. When
-    `cancel` is set the stream is cut at the next block (the node keeps only complete objects)."""
-    node = transport.node
+def have_request(files: list[SyncFile]) -> dict:
+    """What runctl's `have` (and `identity`) take to answer which objects a node's store lacks."""
     unique = {f.sha256: f for f in files}
-    request = {"hashes": sorted(unique), "sizes": {sha: f.size for sha, f in unique.items()}}
-    missing = agent.call(transport, "have", node.workdir, request=request)["missing"]
-    if not missing:
-        return 0
-    sent = {}
+    return {"hashes": sorted(unique), "sizes": {sha: f.size for sha, f in unique.items()}}
 
-    def produce(send) -> None:
-        def checked(block: bytes) -> None:
+
+def missing_objects(transport: Transport, files: list[SyncFile]) -> list[str]:
+    return agent.call(transport, "have", transport.node.workdir, request=have_request(files))["missing"]
+
+
+def send_objects(transport: Transport, files: list[SyncFile], missing: list[str],
+                 cancel: threading.Event | None = None, then: dict | None = None) -> tuple[int, dict]:
+    """Stream the `missing` objects into the node's store (runctl receive) and, in the same call, do `then`
+    (a `prepare` request) once they are in; returns (bytes sent, the node's answer).
+
+    The stream is a tar of the objects, each named by its hash, built as it goes: file contents move from the
+    page cache into the ssh client's pipe inside the kernel (sendfile), so neither memory nor temporary space
+    grows with the project or the node count, and no byte crosses Python. When `cancel` is set the stream is
+    cut at the next block; the node keeps only complete objects, and prepares nothing."""
+    unique = {f.sha256: f for f in files}
+    sent = {"bytes": 0}
+
+    def produce(sink: StreamSink) -> None:
+        def checked() -> None:
             if cancel is not None and cancel.is_set():
                 raise Cancelled("interrupted while sending the project")
-            send(block)
 
-        blocks = _Blocks(checked)
-        with tarfile.open(fileobj=blocks, mode="w|", bufsize=TAR_BUFFER, copybufsize=TAR_BUFFER) as tar:
-            for sha in missing:
-                _add_unchanged(tar, unique[sha])
-        blocks.flush()
-        sent["bytes"] = blocks.total
+        sink.check = checked
+        total = 0
+        for sha in missing:
+            checked()
+            total += _add_unchanged(sink, unique[sha])
+        end = 2 * TAR_BLOCK + (-(total + 2 * TAR_BLOCK) % TAR_RECORD)
+        sink.write(bytes(end))
+        sent["bytes"] = total + end
 
     try:
-        agent.call_stream(transport, "receive", node.workdir, produce=produce)
+        answer = agent.call_stream(transport, "receive", transport.node.workdir, produce=produce,
+                                   request={"prepare": then} if then else None)
     except agent.AgentError as exc:
         corrupted = [unique[sha] for sha in missing if sha in str(exc)]
         if corrupted:
             raise _changed(corrupted[0]) from None
         raise
-    return sent.get("bytes", 0)
+    return sent["bytes"], answer
+
+
+def upload_missing(transport: Transport, files: list[SyncFile], cancel: threading.Event | None = None) -> int:
+    """Send whatever of `files` the node's store lacks; returns the bytes sent."""
+    missing = missing_objects(transport, files)
+    return send_objects(transport, files, missing, cancel)[0] if missing else 0

@@ -18,7 +18,7 @@ from nodectl.cli.options import node_selection
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, INTERRUPTED, RunFailed, UsageError,
                             ignore_signals_while_cleaning)
-from nodectl.launch import settle_master_port, shared_workdirs, start_run
+from nodectl.launch import settle_master_port, start_run, survey
 from nodectl.plan import LaunchPlan, build_plan
 from nodectl.render import render_plan
 from nodectl.secrets import REDACTED, redact_args
@@ -144,7 +144,8 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
     with app.cluster(inventory) as cluster:
         if previous:
             _refuse_if_running(app, previous)
-        shared = shared_workdirs(plan, cluster)
+        surveyed = survey(plan, cluster, files)
+        shared = surveyed.shared
         if shared:
             app.info(f"{', '.join(sorted(shared))} share a workdir (a network home?): each gets its own run folder")
             plan = _attempt(build_plan(inventory, shared_workdirs=shared, **options), previous)
@@ -155,7 +156,7 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
         try:
             if preflight:
                 _save_preflight(run, plan, preflight, facts)
-            _start(app, run, plan, rendered, cluster, files, grace)
+            _start(app, run, plan, rendered, cluster, files, grace, surveyed.missing)
             if detach:
                 _detached(app, run, plan)
                 return
@@ -325,9 +326,18 @@ def _record(plan: LaunchPlan, rendered, source: str, app: AppContext) -> Run:
     return run
 
 
-def _start(app, run: Run, plan: LaunchPlan, rendered, cluster, files, grace: float) -> None:
+def _start(app, run: Run, plan: LaunchPlan, rendered, cluster, files, grace: float,
+           missing: dict[str, list[str]] | None = None) -> None:
+    began = time.monotonic()
+
+    def ready(prepared) -> None:  # every node has its code and run folder; nothing started yet
+        sent = sum(r.value[1] for r in prepared)
+        app.info(f"code ready on {len(prepared)} node(s) in {time.monotonic() - began:.1f}s "
+                 f"({sent / 2**20:.1f} MiB sent); starting")
+
     with app.node_progress("syncing and starting", plan.nnodes) as advance:
-        results = start_run(plan, rendered, cluster, files, on_done=advance, cancel=INTERRUPTED)
+        results = start_run(plan, rendered, cluster, files, on_done=advance, cancel=INTERRUPTED, missing=missing,
+                            on_ready=ready)
     if INTERRUPTED.is_set():
         raise KeyboardInterrupt
     problems = [r for r in results if not r.ok]

@@ -10,7 +10,7 @@ from dataclasses import replace
 from nodectl import sync
 from nodectl.errors import INTERRUPTED, ignore_signals_while_cleaning
 from nodectl.inventory import Inventory
-from nodectl.launch import settle_master_port, shared_workdirs, start_run
+from nodectl.launch import settle_master_port, start_run, survey
 from nodectl.plan import build_plan
 from nodectl.preflight.checks import FAIL, PASS, WARN, CheckResult
 from nodectl.render import render_plan
@@ -137,10 +137,10 @@ def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, 
              "--deadline-s", str(deadline or DEFAULT_DEADLINE_S))
     options = dict(gpus=gpus, command=("../lib/collective.py", *sweep), sync_dir=empty, facts=facts)
     plan = build_plan(inventory, **options)
-    shared = shared_workdirs(plan, cluster)
-    if shared:
-        plan = build_plan(inventory, run_id=plan.run_id, shared_workdirs=shared, **options)
     files = sync.nodectl_files(False, None, ("collective.py",))
+    surveyed = survey(plan, cluster, files)
+    if surveyed.shared:
+        plan = build_plan(inventory, run_id=plan.run_id, shared_workdirs=surveyed.shared, **options)
     plan = settle_master_port(plan, cluster)
     rendered = render_plan(plan)
     run = create_run(plan.to_json(), argv=["nodectl", "preflight", "(collective test)"],
@@ -148,7 +148,7 @@ def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, 
                      kind="preflight")
     run_nodes = run.nodes()
     try:
-        results = start_run(plan, rendered, cluster, files, cancel=INTERRUPTED)
+        results = start_run(plan, rendered, cluster, files, cancel=INTERRUPTED, missing=surveyed.missing)
         problems = [r for r in results if not r.ok]
         if problems or INTERRUPTED.is_set():
             stop_nodes(cluster, run_nodes, grace)
