@@ -1,3 +1,3 @@
-from nodectl.cli import main
+from nodectl.cli import run
 
-main(prog_name="nodectl")
+run()

@@ -112,8 +112,14 @@ class Run:
         return document
 
     def set_node_state(self, node: str, **fields) -> None:
+        self.set_node_states({node: fields})
+
+    def set_node_states(self, states: dict[str, dict], **fields) -> None:
+        """Several nodes' states (and top-level fields) in one write of the manifest."""
         document = self.manifest()
-        document.setdefault("node_states", {}).setdefault(node, {}).update(fields)
+        for node, values in states.items():
+            document.setdefault("node_states", {}).setdefault(node, {}).update(values)
+        document.update(fields)
         _write_json(self.manifest_path, document)
 
     def nodes(self, left_out: bool = False) -> list[RunNode]:

@@ -1,9 +1,12 @@
 """The `nodectl` command group. Each command lives in its own module and is registered here explicitly."""
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import os
+import sys
+import threading
 
 import click
 
@@ -116,6 +119,33 @@ def main(ctx: click.Context, inventory, verbose, quiet, as_json, accept_new_host
         inventory_option=inventory, verbose=verbose, quiet=quiet, json=as_json,
         transport_options=TransportOptions(connect_timeout=connect_timeout, fanout=fanout,
                                            accept_new_host_keys=accept_new_host_keys))
+
+
+def run() -> None:
+    """The `nodectl` program: the command, then a prompt exit. Python's own teardown (module cleanup, the SSH
+    connections' threads) needs little CPU, but on a controller whose cores are busy (node 0 of the run itself,
+    its ranks importing torch) it took 0.5 s at 8 nodes and 3 s at 32, after everything was done. Exit
+    handlers run and output is flushed first; while a thread that is not a daemon lives, the normal exit waits
+    for it."""
+    try:
+        main(prog_name="nodectl")
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    if any(not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
+        sys.exit(code)
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away (nodectl runs | head)
+            pass
+    os._exit(code)
 
 
 def _register() -> None:

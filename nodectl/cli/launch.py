@@ -341,12 +341,12 @@ def _start(app, run: Run, plan: LaunchPlan, rendered, cluster, files, grace: flo
     if INTERRUPTED.is_set():
         raise KeyboardInterrupt
     problems = [r for r in results if not r.ok]
-    for r in results:
-        if r.ok:
-            run.set_node_state(r.node.name, pgid=r.value.pgid, files=r.value.files, bytes_sent=r.value.bytes_sent)
+    started = {r.node.name: {"pgid": r.value.pgid, "files": r.value.files, "bytes_sent": r.value.bytes_sent}
+               for r in results if r.ok}
     if not problems:
-        run.update(state="running")
+        run.set_node_states(started, state="running")
         return
+    run.set_node_states(started)
     for r in problems:
         app.err.print(f"[red]{escape(r.node.name)}[/]: {escape(r.error)}")
     app.err.print("stopping the nodes that had started")
