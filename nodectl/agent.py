@@ -34,7 +34,11 @@ def _invocation(node, command: str, args: tuple[str, ...]) -> str:
     # -S: runctl needs only the standard library; skipping site-packages (.pth hooks, editable installs) makes
     # each call ~60 ms cheaper on the node, and a launch makes several calls per node.
     return " ".join([quote_path(node.python), "-S", quote_path(agent_path(node.workdir)), shlex.quote(command),
-                     *(quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args)])
+                     *_quoted(args)])
+
+
+def _quoted(args: tuple[str, ...]) -> list[str]:
+    return [quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args]
 
 
 def _answer(node, command: str, result) -> dict:
@@ -65,8 +69,7 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
     if not getattr(transport, "runctl_seen", False):  # first call on this connection: install on the way
         source = _runctl()[0].encode()
         bootstrap = " ".join([quote_path(node.python), "-S", "-c", shlex.quote(BOOTSTRAP), quote_path(path),
-                              str(len(source)), shlex.quote(command),
-                              *(quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args)])
+                              str(len(source)), shlex.quote(command), *_quoted(args)])
         result = transport.run(bootstrap, stdin=source + body.encode(), timeout=timeout)
         answer = _answer(node, command, result)
         transport.runctl_seen = True

@@ -75,10 +75,6 @@ def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None
     return Survey(frozenset(shared) if len(set(run_dirs)) < len(run_dirs) else frozenset(), missing)
 
 
-def shared_workdirs(plan: LaunchPlan, cluster: Cluster) -> frozenset[str]:
-    return survey(plan, cluster).shared
-
-
 def _node_json(plan: LaunchPlan, node_plan: NodePlan) -> str:
     return json.dumps({"run_id": plan.run_id, "node_rank": node_plan.node_rank, "nproc": node_plan.nproc,
                        "ranks": node_plan.ranks, "nnodes": plan.nnodes, "node": node_plan.node.name,

@@ -123,13 +123,13 @@ class Unreachable:
 
 
 def test_a_shared_home_is_found_even_when_a_node_answers_only_the_second_time():
-    from nodectl.launch import shared_workdirs
+    from nodectl.launch import survey
 
     cluster = _AnsweringCluster({"node0": ["same"], "node1": ["error: Socket is closed", "same"]})
-    assert shared_workdirs(plan(), cluster) == {"node0", "node1"}
+    assert survey(plan(), cluster).shared == {"node0", "node1"}
     assert cluster.asked == ["node0", "node1", "node1"]
     apart = _AnsweringCluster({"node0": ["a"], "node1": ["b"]})
-    assert shared_workdirs(plan(), apart) == frozenset()
+    assert survey(plan(), apart).shared == frozenset()
 
 
 @pytest.mark.parametrize("answer, error, words", [
@@ -137,11 +137,11 @@ def test_a_shared_home_is_found_even_when_a_node_answers_only_the_second_time():
     (Unreachable, "UnreachableError", "node1: connection refused"),
 ])
 def test_a_node_that_never_says_whether_it_shares_its_workdir_stops_the_launch(answer, error, words):
-    from nodectl.launch import shared_workdirs
+    from nodectl.launch import survey
 
     cluster = _AnsweringCluster({"node0": ["same"], "node1": [answer, answer]})
     with pytest.raises(Exception) as raised:
-        shared_workdirs(plan(), cluster)
+        survey(plan(), cluster).shared
     assert type(raised.value).__name__ == error and words in str(raised.value.message)
 
 
