@@ -6,6 +6,13 @@ use_reentrant=False, `fully_shard` per decoder layer and the root, AdamW, eager,
 
     torchrun --nproc-per-node 2 bench/ref_plain_lora.py --model DIR --data train.jsonl --seq 4096 --batch 4
 
+For a Mixture-of-Experts model (transformers 5's fused experts), --expert-lora adapts attention and the routed
+experts as a user would with peft: target_parameters on the fused expert weights, gate_up_proj at twice the rank
+and alpha (the split peft documents, which the trainer uses too), transformers' default grouped_mm experts.
+--random-init builds the model from its config.json on the GPU with transformers' own initialisation (a 30B
+checkpoint need not exist on disk). On one GPU the model is not wrapped by FSDP (nothing to shard: the fastest
+plain setting).
+
 Two things are taken from nodectl's trainer only so that losses can be compared step by step: the order of the
 examples (trainer.data.StepBatches) and the seeded initialisation of LoRA A (B starts at zero in both). Writes
 one JSON line per step (loss averaged over ranks, step time, tokens) to --out.
@@ -40,6 +47,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-checkpointing", action="store_true")
+    parser.add_argument("--random-init", action="store_true", help="from config.json, transformers' initialisation")
+    parser.add_argument("--expert-lora", action="store_true", help="attention + routed experts (target_parameters)")
     parser.add_argument("--out", type=Path, default=Path("ref.jsonl"))
     args = parser.parse_args()
 
@@ -60,22 +69,38 @@ def main() -> None:
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
+    if args.random_init:
+        from transformers import AutoConfig
+
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model), dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16)
     if not args.no_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS,
-                                             task_type="CAUSAL_LM"))
+    lora = dict(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
+    if args.expert_lora:
+        fused = sorted({".".join(n.split(".")[-3:]) for n, p in model.named_parameters() if p.dim() == 3})
+        gate_up = [n for n in fused if n.endswith("gate_up_proj")]
+        lora.update(target_modules=TARGETS[:4], target_parameters=fused, rank_pattern={n: 32 for n in gate_up},
+                    alpha_pattern={n: 64 for n in gate_up})
+        if rank == 0:
+            print(f"expert LoRA on {fused}; experts implementation {model.config._experts_implementation}", flush=True)
+    model = get_peft_model(model, LoraConfig(**lora))
     generator = torch.Generator().manual_seed(args.seed)  # as the trainer: A Kaiming-uniform from a seeded stream
     with torch.no_grad():
         for name, param in model.state_dict(keep_vars=True).items():
             if ".lora_A." in name:
                 bound = 1 / math.sqrt(param.shape[1])
                 param.copy_(torch.empty(param.shape).uniform_(-bound, bound, generator=generator))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.base_model.model.model.layers:
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    if world > 1:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+    else:
+        model.to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = SimpleNamespace(train=SimpleNamespace(warmup_steps=args.warmup, steps=args.steps, lr=args.lr))

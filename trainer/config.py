@@ -30,6 +30,9 @@ class ModelConfig:
                                        # broadcast: rank 0 reads every weight and sends each rank its shards
     init: str = "checkpoint"           # checkpoint: the weights in path; random: for benchmarks, each rank fills
                                        # its own shards at random (path needs only config.json and a tokenizer)
+    moe_kernel: str = "grouped"        # routed-expert LoRA: grouped (base and adapter as grouped GEMMs on the routed
+                                       # tokens, no B@A formed; trainer/moe.py) or peft (peft's ParamWrapper: the
+                                       # whole expert stack's W + B@A on every forward)
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,8 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
         raise ConfigError(f"model.dtype: expected auto, bfloat16 or float32, got {recipe.model.dtype!r}")
     if recipe.model.init not in ("checkpoint", "random"):
         raise ConfigError(f"model.init: expected checkpoint or random, got {recipe.model.init!r}")
+    if recipe.model.moe_kernel not in ("grouped", "peft"):
+        raise ConfigError(f"model.moe_kernel: expected grouped or peft, got {recipe.model.moe_kernel!r}")
     if recipe.model.load not in ("sliced", "broadcast"):
         raise ConfigError(f"model.load: expected sliced or broadcast, got {recipe.model.load!r}")
     if recipe.data.overlong not in ("truncate", "drop"):

@@ -153,14 +153,20 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
     telemetry = Telemetry(Path(os.environ.get("NODECTL_RUN_DIR", out_dir))).start()
     config = model.base_model.model.config
     trainable, frozen = parameter_counts(model)
-    matmul_params = trainable + frozen - model.get_input_embeddings().weight.numel() - inactive_expert_params(model)
-    flops = functools.partial(window_flops, trainable, matmul_params, config.num_hidden_layers, config.hidden_size)
+    idle_frozen, idle_trainable = inactive_expert_params(model)
+    matmul_params = trainable + frozen - model.get_input_embeddings().weight.numel() - idle_frozen - idle_trainable
+    flops = functools.partial(window_flops, trainable - idle_trainable, matmul_params, config.num_hidden_layers,
+                              config.hidden_size)
     peak = peak_flops(torch.cuda.get_device_name(ctx.device) if ctx.on_gpu else None)
     window = torch.zeros(4, device=ctx.device)  # loss sum, target tokens, real tokens, sum of squared row lengths
     window_start, window_steps = time.perf_counter(), 0
     stopper = EarlyStop(recipe.train.early_stop_patience, recipe.train.early_stop_min_delta)
     summary: dict = {"trainable_params": trainable, "frozen_params": frozen, "resumed_from": start_step or None,
                      "end_reason": f"completed {recipe.train.steps} steps"}
+    covered, skipped = getattr(model, "grouped_experts", (0, []))
+    if ctx.rank == 0 and (covered or skipped):
+        print(f"routed experts: grouped LoRA path in {covered} layer(s)"
+              + (f"; peft's path in {len(skipped)} ({skipped[0]}, ...)" if skipped else ""), flush=True)
     if ctx.rank == 0:
         print(f"training {trainable:,} LoRA parameters over a frozen base of {frozen:,} on {ctx.world} rank(s)"
               + (f", resuming at step {start_step}" if start_step else ""), flush=True)

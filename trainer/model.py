@@ -104,19 +104,26 @@ def expert_targets(model: nn.Module, setting: tuple[str, ...]) -> list[str]:
     return list(setting)
 
 
-def inactive_expert_params(model: nn.Module) -> int:
-    """Expert weights a token is not multiplied by: of E experts, each token goes through top-k (the config's
-    num_experts_per_tok), so (1 - k/E) of every fused expert weight is idle for it. Subtracted from the matmul
-    parameters that model FLOPs (and MFU) count."""
+def inactive_expert_params(model: nn.Module) -> tuple[int, int]:
+    """(frozen, trainable) expert weights a token is not multiplied by: of E experts, each token goes through
+    top-k (the config's num_experts_per_tok), so (1 - k/E) of every fused expert weight, and of the per-expert
+    LoRA factors peft keeps beside it, is idle for it. Subtracted from the parameters that model FLOPs (and MFU)
+    count."""
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
     top_k = getattr(config, "num_experts_per_tok", None)
-    idle = 0
+    frozen = trainable = 0
+    if not top_k:
+        return 0, 0
     for module in model.modules():
-        if "Expert" in type(module).__name__ and top_k:
+        experts = getattr(module, "num_experts", 0) if type(module).__name__ == "ParamWrapper" else 0
+        if "Expert" in type(module).__name__:
             for param in module.parameters(recurse=False):
                 if param.dim() == 3 and param.shape[0] > top_k:
-                    idle += param.numel() * (param.shape[0] - top_k) // param.shape[0]
-    return idle
+                    frozen += param.numel() * (param.shape[0] - top_k) // param.shape[0]
+        elif experts > top_k:  # an expert stack's LoRA: experts x r rows of A, columns of B
+            for param in (*module.lora_A.parameters(), *module.lora_B.parameters()):
+                trainable += param.numel() * (experts - top_k) // experts
+    return frozen, trainable
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -175,7 +182,8 @@ def _set_compile_numerics(mode: str) -> None:
 
 
 def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module:
-    """The wrapping order, in one place: LoRA (already applied), activation checkpointing, compile, FSDP2.
+    """The wrapping order, in one place: LoRA (already applied), the routed experts' grouped path
+    (model.moe_kernel), activation checkpointing, compile, FSDP2.
 
     Compilation covers each decoder layer's forward and nothing else: FSDP's hooks stay outside the compiled
     code and parameter names stay as they are. One FSDP unit per decoder layer, then the root; with torch < 2.8
@@ -184,6 +192,10 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
+    if recipe.model.moe_kernel == "grouped":
+        from . import moe
+
+        model.grouped_experts = moe.install(model)
     layers = decoder_layers(model)
     for index in checkpointed_layers(len(layers), recipe.model.activation_checkpointing):
         _checkpoint_forward(layers[index])

@@ -1,0 +1,180 @@
+"""Routed-expert LoRA computed on the routed tokens: the grouped path (`model.moe_kernel: grouped`).
+
+peft adapts a fused expert weight (`mlp.experts.gate_up_proj`, experts first) through `ParamWrapper`, which
+parametrises the weight as W + scale * B @ A for the whole expert stack on every forward (and again on every
+recomputation), and whose backward forms a gradient the size of that stack. The grouped path never forms B @ A:
+the tokens are sorted by expert once per layer, and each projection is one grouped GEMM for the frozen base
+(x @ W_e^T) plus two for the adapter on the same rows, scale * (x @ A_e^T) @ B_e^T, the "split LoRA" product.
+
+The adapter stays peft's: the same modules, parameter names and shapes (`lora_A` is (experts * r, in),
+`lora_B` is (out, r * experts), expert e's rank-r factors at rows e*r.. of A and columns r_i * experts + e of B, as
+`ParamWrapper.get_delta_weight` reads them), so saving, `PeftModel.from_pretrained`, the merged and the vLLM
+exports are untouched. Only the forward of the outermost wrapper of each experts module is replaced; anything this
+path does not cover (merged or disabled adapters, several active adapters, expert-parallel sentinels) runs
+peft's own forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows offsets[e-1]:offsets[e] of x times weight[e] (experts, k, n), for every expert e: transformers'
+    dispatcher (torch's grouped GEMM where this torch and device have one, its own autograd op elsewhere), or a
+    loop over experts with a transformers that has none."""
+    try:
+        from transformers.integrations.moe import _grouped_mm
+    except ImportError:
+        _grouped_mm = None
+    if _grouped_mm is not None:
+        return _grouped_mm(x, weight, offs=offsets)
+    pieces, start = [], 0
+    for expert, stop in enumerate(offsets.tolist()):
+        pieces.append(x[start:stop] @ weight[expert].to(x.dtype))
+        start = stop
+    return torch.cat(pieces) if pieces else x.new_empty(0, weight.shape[-1])
+
+
+def _base_weight(experts: nn.Module, name: str) -> torch.Tensor:
+    """The frozen stack as (experts, in, out) for x @ W; a transposed view where it is stored (experts, out, in)."""
+    weight = getattr(experts, name)
+    return weight if getattr(experts, "is_transposed", False) else weight.transpose(-2, -1)
+
+
+@torch.library.custom_op("nodectl::expert_lora_b", mutates_args=())
+def expert_lora_b(b: torch.Tensor, experts: int) -> torch.Tensor:
+    """peft's lora_B of an expert stack, (out, r * experts) with the expert innermost, as (experts, r, out)
+    rows for a grouped GEMM. A copy (out * r * experts values, small) that no view can replace: no dimension of
+    the permuted view has unit stride. An opaque op, so that a compiler keeps the layout the GEMM needs."""
+    out, width = b.shape
+    return b.view(out, width // experts, experts).permute(2, 1, 0).contiguous()
+
+
+@expert_lora_b.register_fake
+def _expert_lora_b_fake(b: torch.Tensor, experts: int) -> torch.Tensor:
+    return b.new_empty(experts, b.shape[1] // experts, b.shape[0])
+
+
+def _expert_lora_b_backward(ctx, grad: torch.Tensor):
+    experts, rank, out = grad.shape
+    return grad.permute(2, 1, 0).reshape(out, rank * experts), None
+
+
+expert_lora_b.register_autograd(_expert_lora_b_backward)
+
+
+def lora_factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A as (experts, in, r), B as (experts, r, out), scale) of the wrapper's active adapter, or None when it has
+    none. A is a transposed view (a layout grouped GEMMs take as it is); B is laid out again (expert_lora_b)."""
+    if wrapper.disable_adapters:
+        return None
+    name = wrapper.active_adapters[0]
+    if name not in wrapper.lora_A:
+        return None
+    experts = wrapper.num_experts
+    a = wrapper.lora_A[name].weight
+    b = wrapper.lora_B[name].weight
+    down = a.to(dtype).view(experts, a.shape[0] // experts, a.shape[1]).transpose(1, 2)
+    return down, expert_lora_b(b.to(dtype), experts), wrapper.scaling[name]
+
+
+def _project(x: torch.Tensor, experts: nn.Module, name: str, lora, offsets: torch.Tensor,
+             expert_ids: torch.Tensor) -> torch.Tensor:
+    out = grouped_mm(x, _base_weight(experts, name), offsets)
+    if lora is not None:
+        down, up, scale = lora
+        out = out + grouped_mm(grouped_mm(x, down, offsets) * scale, up, offsets)
+    if getattr(experts, "has_bias", False):
+        out = out + getattr(experts, f"{name}_bias")[expert_ids]
+    return out
+
+
+def grouped_forward(experts: nn.Module, adapters: dict[str, tuple | None], hidden_states: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts module's output for (tokens, hidden) inputs routed to top_k_index with top_k_weights, the
+    base and the adapters of every projection computed on the same expert-sorted rows. The routing is
+    transformers' grouped_mm experts forward, except that each row's routing weight scales the expert's
+    intermediate (a third of the width of its output) before the down projection, which is linear: the same
+    product, one full-width pass and one saved full-width tensor fewer."""
+    tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
+    expert_ids, order = torch.sort(top_k_index.reshape(-1))
+    rows = hidden_states[order // top_k]
+    weights = top_k_weights.reshape(-1)[order]
+    # histc rather than bincount: no host sync, as transformers does (it takes float input on CPU)
+    counts = torch.histc(expert_ids.float() if expert_ids.device.type == "cpu" else expert_ids.int(),
+                         bins=experts.num_experts, min=0, max=experts.num_experts - 1)
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    gated = getattr(experts, "has_gate", True)
+    first = "gate_up_proj" if gated else "up_proj"
+    out = _project(rows, experts, first, adapters.get(first), offsets, expert_ids)
+    out = experts._apply_gate(out) if gated else experts.act_fn(out)
+    norm = getattr(experts, "has_post_expert_norm", False) or getattr(experts, "has_bias", False)
+    if not norm:  # weights move inside only where down_proj is linear: no bias, no norm after it
+        out = out * weights.unsqueeze(-1).to(out.dtype)
+    out = _project(out, experts, "down_proj", adapters.get("down_proj"), offsets, expert_ids)
+    if getattr(experts, "has_post_expert_norm", False):
+        out = experts.post_expert_norm(out)
+    if norm:
+        out = out * weights.unsqueeze(-1)
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(order.numel(), device=order.device)
+    return out[restore].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def _wrapper_chain(outer: nn.Module, wrapper_type: type) -> tuple[list[nn.Module], nn.Module]:
+    chain, module = [], outer
+    while isinstance(module, wrapper_type):
+        chain.append(module)
+        module = module.base_layer
+    return chain, module
+
+
+def _covered(chain: list[nn.Module], experts: nn.Module) -> str | None:
+    """Why the grouped path cannot stand in for this experts module, or None."""
+    if not hasattr(experts, "num_experts") or not hasattr(experts, "down_proj"):
+        return f"{type(experts).__name__} has no fused expert weights"
+    if getattr(experts, "is_concatenated", True) is False and not hasattr(experts, "_apply_gate"):
+        return "interleaved gate/up weights without a gate function"
+    for wrapper in chain:
+        if wrapper.parameter_name not in PROJECTIONS or wrapper.num_experts != experts.num_experts:
+            return f"LoRA on {wrapper.parameter_name}"
+    return None
+
+
+def install(model: nn.Module) -> tuple[int, list[str]]:
+    """Point the outermost LoRA wrapper of every fused experts module at the grouped path. Returns how many
+    modules it covers and, for the others, why not (they keep peft's forward)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    inner = {id(m.base_layer) for m in model.modules() if isinstance(m, ParamWrapper)}
+    covered, skipped = 0, []
+    for name, module in model.named_modules():
+        if not isinstance(module, ParamWrapper) or id(module) in inner:
+            continue
+        chain, experts = _wrapper_chain(module, ParamWrapper)
+        reason = _covered(chain, experts)
+        if reason:
+            skipped.append(f"{name}: {reason}")
+            continue
+        module.forward = _GroupedForward(module, chain, experts)
+        covered += 1
+    return covered, skipped
+
+
+class _GroupedForward:
+    """The replacement forward of one outermost wrapper; peft's own forward where the grouped path does not apply."""
+
+    def __init__(self, outer: nn.Module, chain: list[nn.Module], experts: nn.Module) -> None:
+        self.peft_forward = outer.forward
+        self.chain, self.experts = chain, experts
+
+    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 *args, **kwargs) -> torch.Tensor:
+        if args or kwargs or getattr(self.experts, "_is_expert_parallel", False) or any(
+                w.merged or len(w.active_adapters) != 1 for w in self.chain):
+            return self.peft_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        adapters = {w.parameter_name: lora_factors(w, hidden_states.dtype) for w in self.chain}
+        return grouped_forward(self.experts, adapters, hidden_states, top_k_index, top_k_weights)
