@@ -213,3 +213,87 @@ def _hide(package: str, tmp_path: Path) -> Path:
         "            raise ModuleNotFoundError(name)\n"
         "sys.meta_path.insert(0, Hide())\n")
     return folder
+
+
+def _peft_moe(layout: str, targets: tuple[str, ...], seed: int = 0):
+    """A tiny fp32 model of `layout` with peft LoRA on attention and `targets` (fused expert weights), every
+    lora_B drawn at random so that each adapter changes the output."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from make_moe import moe_config
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(moe_config(layout, 64, 2, 4, 2, 32, 4, 300))
+    fused = [t for t in targets if t.endswith("gate_up_proj")]
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=list(targets),
+        rank_pattern={t: 8 for t in fused}, alpha_pattern={t: 16 for t in fused}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.1)
+    return model
+
+
+def _forward_backward(model, ids):
+    model.zero_grad()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return out.logits.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("layout,targets", [
+    ("qwen3_moe", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
+    ("glm4_moe", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
+    ("mixtral", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")),
+    ("qwen3_moe", ("mlp.experts.down_proj",)),
+])
+def test_the_grouped_expert_path_gives_peft_outputs_and_gradients(layout, targets):
+    """model.moe_kernel: grouped computes base and LoRA on the routed tokens (no B@A); the logits and every
+    adapter's gradient equal peft's ParamWrapper path, where each expert's W + scale*B@A is formed."""
+    moe = trainer_module("moe")
+    model = _peft_moe(layout, targets)
+    ids = torch.randint(3, 300, (2, 17), generator=torch.Generator().manual_seed(1))
+    logits, grads = _forward_backward(model, ids)
+    covered, skipped = moe.install(model)
+    assert covered == (1 if layout == "glm4_moe" else 2) and skipped == []  # GLM's first layer is dense
+    fast_logits, fast_grads = _forward_backward(model, ids)
+    torch.testing.assert_close(fast_logits, logits, rtol=1e-5, atol=1e-5)
+    expert_grads = [n for n in grads if ".experts." in n and "lora_" in n]
+    assert len(expert_grads) == 2 * len(targets) * covered
+    for name in grads:
+        assert fast_grads[name].abs().max() > 0, name
+        torch.testing.assert_close(fast_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_grouped_path_leaves_merged_and_disabled_adapters_to_peft():
+    moe = trainer_module("moe")
+    model = _peft_moe("qwen3_moe", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    ids = torch.randint(3, 300, (1, 9), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        adapted = model(input_ids=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids).logits
+        moe.install(model)
+        with model.disable_adapter():
+            torch.testing.assert_close(model(input_ids=ids).logits, base, rtol=1e-5, atol=1e-5)
+        model.merge_adapter()  # the delta is in the weights now: no adapter on top
+        torch.testing.assert_close(model(input_ids=ids).logits, adapted, rtol=1e-4, atol=1e-4)
+        model.unmerge_adapter()
+        torch.testing.assert_close(model(input_ids=ids).logits, adapted, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(adapted, base, atol=1e-3)
+
+
+def test_two_ranks_train_alike_on_either_expert_kernel(tmp_path, demo_cache, moe_models):
+    """The same losses step by step with moe_kernel grouped and peft (fp32 CPU ranks, FSDP over 2)."""
+    losses = {}
+    for kernel in ("grouped", "peft"):
+        out = tmp_path / kernel
+        proc = torchrun(2, out, demo_cache, f"model.path={moe_models['qwen3_moe']}", f"model.moe_kernel={kernel}",
+                        "train.steps=8", "train.log_every=1", "data.max_length=48", "train.lr=1e-2")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert ("grouped LoRA path in 2 layer(s)" in proc.stdout) == (kernel == "grouped")
+        losses[kernel] = [m["loss"] for m in metrics(out)]
+    assert len(losses["grouped"]) == 8 and losses["grouped"][-1] < losses["grouped"][0]
+    assert max(abs(a - b) for a, b in zip(losses["grouped"], losses["peft"])) < 1e-4, losses
