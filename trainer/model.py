@@ -109,13 +109,15 @@ def inactive_expert_params(model: nn.Module) -> tuple[int, int]:
     top-k (the config's num_experts_per_tok), so (1 - k/E) of every fused expert weight, and of the per-expert
     LoRA factors peft keeps beside it, is idle for it. Subtracted from the parameters that model FLOPs (and MFU)
     count."""
+    from peft.tuners.lora.layer import ParamWrapper
+
     config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
     top_k = getattr(config, "num_experts_per_tok", None)
     frozen = trainable = 0
     if not top_k:
         return 0, 0
     for module in model.modules():
-        experts = getattr(module, "num_experts", 0) if type(module).__name__ == "ParamWrapper" else 0
+        experts = getattr(module, "num_experts", 0) if isinstance(module, ParamWrapper) else 0
         if "Expert" in type(module).__name__:
             for param in module.parameters(recurse=False):
                 if param.dim() == 3 and param.shape[0] > top_k:
@@ -181,6 +183,20 @@ def _set_compile_numerics(mode: str) -> None:
         inductor.emulate_precision_casts = mode == "eager"
 
 
+def _frozen_left_out(model: nn.Module, mesh) -> dict:
+    """fully_shard's arguments that leave the frozen weights out of FSDP on a one-rank mesh: there is nothing to
+    shard, and FSDP would copy every weight into its unsharded buffer for each forward and each backward (a 30B
+    model: about 120 GB of device copies per step). The adapters stay FSDP's (mixed precision, the
+    checkpoint code's DTensors). A torch whose fully_shard has no ignored_params (before 2.7) keeps them in."""
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+
+    if mesh.size() != 1 or "ignored_params" not in inspect.signature(fully_shard).parameters:
+        return {}
+    return {"ignored_params": {p for p in model.parameters() if not p.requires_grad}}
+
+
 def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module:
     """The wrapping order, in one place: LoRA (already applied), the routed experts' grouped path
     (model.moe_kernel), activation checkpointing, compile, FSDP2.
@@ -200,6 +216,7 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module
     for index in checkpointed_layers(len(layers), recipe.model.activation_checkpointing):
         _checkpoint_forward(layers[index])
     separate_adapters = len({p.dtype for p in model.parameters()}) > 1 and not _fsdp_takes_mixed_frozen_dtypes()
+    left_out = _frozen_left_out(model, mesh)
     if recipe.model.compile:
         _set_compile_numerics(recipe.model.compile_numerics)
     for layer in layers:
@@ -207,13 +224,14 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module
             layer.forward = torch.compile(layer.forward)
         if separate_adapters:
             fully_shard(_adapter_linears(layer), mesh=mesh, mp_policy=policy)
-        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=recipe.model.reshard_after_forward)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=recipe.model.reshard_after_forward,
+                    **left_out)
     if separate_adapters:
         inside = {id(m) for layer in layers for m in layer.modules()}
         rest = [m for m in _adapter_linears(model) if id(m) not in inside]
         if rest:
             fully_shard(rest, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False, **left_out)
     from . import loss
 
     loss.attach(model)

@@ -9,11 +9,13 @@ the tokens are sorted by expert once per layer, and each projection is one group
 The adapter stays peft's: the same modules, parameter names and shapes (`lora_A` is (experts * r, in),
 `lora_B` is (out, r * experts), expert e's rank-r factors at rows e*r.. of A and columns r_i * experts + e of B, as
 `ParamWrapper.get_delta_weight` reads them), so saving, `PeftModel.from_pretrained`, the merged and the vLLM
-exports are untouched. Only the forward of the outermost wrapper of each experts module is replaced; anything this
-path does not cover (merged or disabled adapters, several active adapters, expert-parallel sentinels) runs
-peft's own forward.
+exports are untouched. Only the outermost wrapper of each experts module changes: its class becomes a
+ParamWrapper subclass whose forward is the grouped path; anything that path does not cover (merged or disabled
+adapters, several active adapters, expert-parallel sentinels) runs peft's own forward.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -81,6 +83,47 @@ def lora_factors(wrapper: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, 
     return down, expert_lora_b(b.to(dtype), experts), wrapper.scaling[name]
 
 
+def _dispatch(x: torch.Tensor, order: torch.Tensor, restore: torch.Tensor, top_k: int) -> torch.Tensor:
+    """(tokens, d) -> (tokens * top_k, d): row i is token order[i] // top_k (each token once per expert it goes
+    to, sorted by expert)."""
+    return x[order // top_k]
+
+
+def _combine(rows: torch.Tensor, order: torch.Tensor, restore: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The adjoint of _dispatch: each token's top_k rows summed back into one. `restore` inverts `order`."""
+    return rows[restore].view(-1, top_k, rows.shape[-1]).sum(dim=1)
+
+
+class _Dispatch(torch.autograd.Function):
+    """_dispatch, whose gradient is _combine (gathers and a sum) rather than indexing's scatter-add."""
+
+    @staticmethod
+    def forward(ctx, x, order, restore, top_k):
+        ctx.save_for_backward(order, restore)
+        ctx.top_k = top_k
+        return _dispatch(x, order, restore, top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        order, restore = ctx.saved_tensors
+        return _combine(grad, order, restore, ctx.top_k), None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """_combine, whose gradient is _dispatch."""
+
+    @staticmethod
+    def forward(ctx, rows, order, restore, top_k):
+        ctx.save_for_backward(order, restore)
+        ctx.top_k = top_k
+        return _combine(rows, order, restore, top_k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        order, restore = ctx.saved_tensors
+        return _dispatch(grad, order, restore, ctx.top_k), None, None, None
+
+
 def _project(x: torch.Tensor, experts: nn.Module, name: str, lora, offsets: torch.Tensor,
              expert_ids: torch.Tensor) -> torch.Tensor:
     out = grouped_mm(x, _base_weight(experts, name), offsets)
@@ -99,9 +142,11 @@ def grouped_forward(experts: nn.Module, adapters: dict[str, tuple | None], hidde
     transformers' grouped_mm experts forward, except that each row's routing weight scales the expert's
     intermediate (a third of the width of its output) before the down projection, which is linear: the same
     product, one full-width pass and one saved full-width tensor fewer."""
-    tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
+    top_k = top_k_index.shape[-1]
     expert_ids, order = torch.sort(top_k_index.reshape(-1))
-    rows = hidden_states[order // top_k]
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(order.numel(), device=order.device)
+    rows = _Dispatch.apply(hidden_states, order, restore, top_k)
     weights = top_k_weights.reshape(-1)[order]
     # histc rather than bincount: no host sync, as transformers does (it takes float input on CPU)
     counts = torch.histc(expert_ids.float() if expert_ids.device.type == "cpu" else expert_ids.int(),
@@ -119,9 +164,7 @@ def grouped_forward(experts: nn.Module, adapters: dict[str, tuple | None], hidde
         out = experts.post_expert_norm(out)
     if norm:
         out = out * weights.unsqueeze(-1)
-    restore = torch.empty_like(order)
-    restore[order] = torch.arange(order.numel(), device=order.device)
-    return out[restore].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    return _Combine.apply(out, order, restore, top_k).to(hidden_states.dtype)
 
 
 def _wrapper_chain(outer: nn.Module, wrapper_type: type) -> tuple[list[nn.Module], nn.Module]:
@@ -144,8 +187,29 @@ def _covered(chain: list[nn.Module], experts: nn.Module) -> str | None:
     return None
 
 
+@functools.cache
+def grouped_wrapper_type() -> type:
+    """peft's ParamWrapper with the grouped forward: the outermost wrapper of a covered experts module becomes one
+    (its class is swapped; names, parameters and state stay peft's). A method of a class, not a per-module
+    callable, so that torch.compile traces every layer with one graph (an object per layer is a guard per layer,
+    and past the recompile limit the remaining layers would run uncompiled)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    class GroupedParamWrapper(ParamWrapper):
+        def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    *args, **kwargs) -> torch.Tensor:
+            chain, experts = _wrapper_chain(self, ParamWrapper)
+            if args or kwargs or getattr(experts, "_is_expert_parallel", False) or any(
+                    w.merged or len(w.active_adapters) != 1 for w in chain):
+                return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            adapters = {w.parameter_name: lora_factors(w, hidden_states.dtype) for w in chain}
+            return grouped_forward(experts, adapters, hidden_states, top_k_index, top_k_weights)
+
+    return GroupedParamWrapper
+
+
 def install(model: nn.Module) -> tuple[int, list[str]]:
-    """Point the outermost LoRA wrapper of every fused experts module at the grouped path. Returns how many
+    """Give the outermost LoRA wrapper of every fused experts module the grouped forward. Returns how many
     modules it covers and, for the others, why not (they keep peft's forward)."""
     from peft.tuners.lora.layer import ParamWrapper
 
@@ -159,22 +223,6 @@ def install(model: nn.Module) -> tuple[int, list[str]]:
         if reason:
             skipped.append(f"{name}: {reason}")
             continue
-        module.forward = _GroupedForward(module, chain, experts)
+        module.__class__ = grouped_wrapper_type()
         covered += 1
     return covered, skipped
-
-
-class _GroupedForward:
-    """The replacement forward of one outermost wrapper; peft's own forward where the grouped path does not apply."""
-
-    def __init__(self, outer: nn.Module, chain: list[nn.Module], experts: nn.Module) -> None:
-        self.peft_forward = outer.forward
-        self.chain, self.experts = chain, experts
-
-    def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                 *args, **kwargs) -> torch.Tensor:
-        if args or kwargs or getattr(self.experts, "_is_expert_parallel", False) or any(
-                w.merged or len(w.active_adapters) != 1 for w in self.chain):
-            return self.peft_forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-        adapters = {w.parameter_name: lora_factors(w, hidden_states.dtype) for w in self.chain}
-        return grouped_forward(self.experts, adapters, hidden_states, top_k_index, top_k_weights)
