@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--shape", default="qwen3-30b-a3b")
     parser.add_argument("--tiny", action="store_true", help="a small model of the same layout (CPU is fine)")
+    parser.add_argument("--layers", type=int, default=0, help="only this many of the shape's layers (what one GPU holds)")
     parser.add_argument("--gpus", type=int, default=1)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--examples", type=int, default=400)
@@ -74,10 +75,10 @@ def main() -> None:
            "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # as nodectl sets it; the reference's best too
-    model = work / ("model-tiny" if args.tiny else f"model-{args.shape}")
+    model = work / ("model-tiny" if args.tiny else f"model-{args.shape}" + (f"-{args.layers}l" if args.layers else ""))
     if not (model / "config.json").exists():
         shape = ["--layout", "qwen3_moe", "--hidden", "64", "--layers", "2", "--experts", "8", "--top-k", "2",
-                 "--expert-intermediate", "32", "--heads", "4"] if args.tiny else ["--shape", args.shape]
+                 "--expert-intermediate", "32", "--heads", "4"] if args.tiny else ["--shape", args.shape, "--shape-layers", str(args.layers)]
         if run([sys.executable, str(REPO / "bench" / "make_moe.py"), str(model), *shape, "--no-weights",
                 "--examples", str(args.examples), "--chars", str(args.seq + 4)], REPO, env, work / "make.log",
                args.timeout):
@@ -105,7 +106,7 @@ def main() -> None:
 
 
 def report(results: dict, args) -> None:
-    print(f"\n== {args.shape}{' (tiny)' if args.tiny else ''}, rows of {args.seq} tokens, {args.gpus} GPU(s); "
+    print(f"\n== {args.shape}{' (tiny)' if args.tiny else ''}{f', {args.layers} layers' if args.layers else ''}, rows of {args.seq} tokens, {args.gpus} GPU(s); "
           f"tokens/s per GPU, median after step {args.skip}")
     print("   by wall: real tokens / wall time between consecutive records; reported: the program's own figure")
     gaps = {name: by_gaps(r.get("steps", []), args.skip, r["world"]) for name, r in results.items()}
@@ -122,9 +123,13 @@ def report(results: dict, args) -> None:
         memory = max((s.get("max_memory_gb") or 0 for s in steps), default=0)
         ratio = f"{wall / ref:.2f}x ref" if wall and ref else ""
         sets = ",".join(s for s in result.get("sets", []) if not s.startswith(("train.lr", "lora.")))
+        step_s = median_after(steps, args.skip, "step_time_s")
+        saved = result.get("summary", {}).get("adapter", {})
         print(f"   {name:10} exit {result['exit']}  by wall {wall or 0:>7.0f}  reported {reported or 0:>7.0f}  "
-              f"{ratio:9}  MFU {100 * (mfu or 0):5.1f}%  peak {memory:5.1f} GB  "
-              f"{'batch ' + str(result.get('batch')) if name == 'ref' else sets}")
+              f"{ratio:9}  MFU {100 * (mfu or 0):5.1f}%  peak {memory:5.1f} GB  {step_s or 0:.2f} s/step  "
+              + (f"adapter saved in {saved['seconds']:.1f}s ({saved.get('gathered_bytes', 0) / 2**20:.0f} MiB)  "
+                 if saved.get("seconds") is not None else "")
+              + f"{'batch ' + str(result.get('batch')) if name == 'ref' else sets}")
     if args.compare:
         a, b = args.compare.split(",")
         la = {s["step"]: s["loss"] for s in results.get(a, {}).get("steps", [])}

@@ -86,6 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a published model's dimensions (overrides the rest)")
+    parser.add_argument("--shape-layers", type=int, default=0, help="with --shape: only this many of its layers")
     parser.add_argument("--layout", choices=LAYOUTS, default="qwen3_moe")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
@@ -101,6 +102,8 @@ def main() -> None:
     layout, shape = SHAPES[args.shape] if args.shape else (args.layout, dict(
         hidden=args.hidden, layers=args.layers, experts=args.experts, top_k=args.top_k,
         expert_intermediate=args.expert_intermediate, heads=args.heads))
+    if args.shape and args.shape_layers:
+        shape = {**shape, "layers": args.shape_layers}
     write_moe(args.out, layout, **shape, weights=not args.no_weights, dtype=args.dtype, examples=args.examples,
               chars=args.chars)
     print(args.out)

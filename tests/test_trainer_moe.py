@@ -92,6 +92,19 @@ def test_experts_are_adapted_by_default_and_the_recipe_says_what_is_wrong(moe_mo
         _skeleton(path, "lora.target_parameters=mlp.experts.w9")
 
 
+def test_model_flops_count_only_the_experts_a_token_goes_through(moe_models):
+    """MFU's parameters: of 4 experts a token goes through top-2, so half of every fused expert weight and half
+    of every expert's LoRA factors are idle for it; attention's and the dense layer's adapters are not."""
+    model = _skeleton(moe_models["glm4_moe"])
+    idle_frozen, idle_trainable = trainer_module("model").inactive_expert_params(model)
+    params = dict(model.named_parameters())
+    fused = [p for n, p in params.items() if p.dim() == 3]
+    expert_lora = [p for n, p in params.items() if ".experts." in n and ".lora_" in n]
+    assert fused and expert_lora
+    assert idle_frozen == sum(p.numel() for p in fused) // 2
+    assert idle_trainable == sum(p.numel() for p in expert_lora) // 2
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_ranks_train_the_experts_and_every_export_reproduces_the_model(tmp_path, demo_cache, moe_models, layout):
     from peft import PeftModel

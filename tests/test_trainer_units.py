@@ -54,6 +54,8 @@ def test_recipe_errors_name_the_key(tmp_path):
         config.load_recipe(None, ["train.steps=many"])
     with pytest.raises(config.ConfigError, match="model.path: /nope has no config.json"):
         config.load_recipe(None, ["model.path=/nope"])
+    with pytest.raises(config.ConfigError, match="model.moe_kernel: expected grouped or peft, got 'fast'"):
+        config.load_recipe(None, ["model.moe_kernel=fast"])
     recipe = config.load_recipe(None, ["train.steps=3", "lora.target_modules=q_proj,v_proj"])
     assert recipe.train.steps == 3 and recipe.lora.target_modules == ("q_proj", "v_proj")
 
