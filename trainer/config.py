@@ -33,6 +33,8 @@ class ModelConfig:
     moe_kernel: str = "grouped"        # routed-expert LoRA: grouped (base and adapter as grouped GEMMs on the routed
                                        # tokens, no B@A formed; trainer/moe.py) or peft (peft's ParamWrapper: the
                                        # whole expert stack's W + B@A on every forward)
+    expert_parallel: bool = False      # routed experts split over the ranks (E/world each, never all-gathered;
+                                       # tokens travel to them by all_to_all); the rest FSDP as usual
 
 
 @dataclass(frozen=True)
@@ -221,6 +223,11 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
         raise ConfigError(f"model.init: expected checkpoint or random, got {recipe.model.init!r}")
     if recipe.model.moe_kernel not in ("grouped", "peft"):
         raise ConfigError(f"model.moe_kernel: expected grouped or peft, got {recipe.model.moe_kernel!r}")
+    if recipe.model.expert_parallel and recipe.model.moe_kernel != "grouped":
+        raise ConfigError("model.expert_parallel: needs model.moe_kernel: grouped")
+    if recipe.model.expert_parallel and recipe.model.load == "broadcast" and recipe.model.init == "checkpoint":
+        raise ConfigError("model.expert_parallel: each rank reads its own experts (model.load: sliced); "
+                          "model.load: broadcast sends whole weights from rank 0")
     if recipe.model.load not in ("sliced", "broadcast"):
         raise ConfigError(f"model.load: expected sliced or broadcast, got {recipe.model.load!r}")
     if recipe.data.overlong not in ("truncate", "drop"):

@@ -116,12 +116,14 @@ def inactive_expert_params(model: nn.Module) -> tuple[int, int]:
     frozen = trainable = 0
     if not top_k:
         return 0, 0
-    for module in model.modules():
+    shapes = _full_shapes(model)
+    for module_name, module in model.named_modules():
         experts = getattr(module, "num_experts", 0) if isinstance(module, ParamWrapper) else 0
         if "Expert" in type(module).__name__:
-            for param in module.parameters(recurse=False):
-                if param.dim() == 3 and param.shape[0] > top_k:
-                    frozen += param.numel() * (param.shape[0] - top_k) // param.shape[0]
+            for name, _ in module.named_parameters(recurse=False):
+                shape = shapes[f"{module_name}.{name}" if module_name else name]
+                if len(shape) == 3 and shape[0] > top_k:
+                    frozen += math.prod(shape) * (shape[0] - top_k) // shape[0]
         elif experts > top_k:  # an expert stack's LoRA: experts x r rows of A, columns of B
             for param in (*module.lora_A.parameters(), *module.lora_B.parameters()):
                 trainable += param.numel() * (experts - top_k) // experts
@@ -183,18 +185,25 @@ def _set_compile_numerics(mode: str) -> None:
         inductor.emulate_precision_casts = mode == "eager"
 
 
-def _frozen_left_out(model: nn.Module, mesh) -> dict:
-    """fully_shard's arguments that leave the frozen weights out of FSDP on a one-rank mesh: there is nothing to
-    shard, and FSDP would copy every weight into its unsharded buffer for each forward and each backward (a 30B
-    model: about 120 GB of device copies per step). The adapters stay FSDP's (mixed precision, the
-    checkpoint code's DTensors). A torch whose fully_shard has no ignored_params (before 2.7) keeps them in."""
+def _left_out(model: nn.Module, mesh, sharded: list[nn.Parameter]) -> dict:
+    """fully_shard's arguments that leave out of FSDP the experts each rank holds itself (expert parallelism),
+    and, on a one-rank mesh, every frozen weight: there is nothing to shard, and FSDP would copy every weight into
+    its unsharded buffer for each forward and each backward (a 30B model: about 120 GB of device copies per step).
+    The adapters stay FSDP's (mixed precision, the checkpoint code's DTensors). A torch whose fully_shard has no
+    ignored_params (before 2.7) keeps them all in, and cannot shard experts."""
     import inspect
 
     from torch.distributed.fsdp import fully_shard
 
-    if mesh.size() != 1 or "ignored_params" not in inspect.signature(fully_shard).parameters:
+    if "ignored_params" not in inspect.signature(fully_shard).parameters:
+        if sharded:
+            raise ConfigError(f"model.expert_parallel: needs torch >= 2.7 (FSDP's ignored_params); this node has "
+                              f"{torch.__version__}")
         return {}
-    return {"ignored_params": {p for p in model.parameters() if not p.requires_grad}}
+    left = set(sharded)
+    if mesh.size() == 1:
+        left |= {p for p in model.parameters() if not p.requires_grad}
+    return {"ignored_params": left} if left else {}
 
 
 def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module:
@@ -208,15 +217,18 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
+    sharded = []
     if recipe.model.moe_kernel == "grouped":
         from . import moe
 
         model.grouped_experts = moe.install(model)
+        if recipe.model.expert_parallel:
+            sharded = moe.shard_experts(model, mesh.get_local_rank(), mesh.size())
     layers = decoder_layers(model)
     for index in checkpointed_layers(len(layers), recipe.model.activation_checkpointing):
         _checkpoint_forward(layers[index])
     separate_adapters = len({p.dtype for p in model.parameters()}) > 1 and not _fsdp_takes_mixed_frozen_dtypes()
-    left_out = _frozen_left_out(model, mesh)
+    left_out = _left_out(model, mesh, sharded)
     if recipe.model.compile:
         _set_compile_numerics(recipe.model.compile_numerics)
     for layer in layers:
@@ -300,6 +312,7 @@ def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device,
     start as on the broadcast path, so both paths give the same model."""
     checkpoint = Checkpoint(model_path, model)
     generator = torch.Generator().manual_seed(seed)
+    experts = getattr(model, "sharded_experts", {})  # expert parallelism: name -> (first, last + 1, full shape)
     model.to_empty(device=device)
     try:
         with torch.no_grad():
@@ -307,9 +320,12 @@ def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device,
                 local = param.to_local() if hasattr(param, "to_local") else param
                 sharded = hasattr(param, "to_local")
                 start, stop = _rows(param, world, rank) if sharded else (0, param.shape[0] if param.dim() else 0)
+                shape = tuple(param.shape)
+                if name in experts:
+                    start, stop, shape = experts[name]
                 full = _lora_init(name, param.shape, generator)  # drawn at full size, as the broadcast path does
                 if full is None:
-                    full = checkpoint.rows(_checkpoint_name(name, checkpoint), start, stop, tuple(param.shape))
+                    full = checkpoint.rows(_checkpoint_name(name, checkpoint), start, stop, shape)
                 elif param.dim():
                     full = full[start:stop]
                 local.copy_(full.to(local.dtype))
@@ -349,8 +365,15 @@ def _reset_rotary(model: nn.Module, device: torch.device) -> None:
                 setattr(module, name, buffer.to(device))
 
 
+def _full_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+    """Every parameter's shape at full size (a rank's expert-parallel shard counted as its whole stack)."""
+    experts = getattr(model, "sharded_experts", {})
+    return {name: experts[name][2] if name in experts else tuple(p.shape) for name, p in model.named_parameters()}
+
+
 def parameter_counts(model: nn.Module) -> tuple[int, int]:
     """(trainable, frozen) parameters at full size."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    shapes = _full_shapes(model)
+    trainable = sum(math.prod(shapes[n]) for n, p in model.named_parameters() if p.requires_grad)
+    frozen = sum(math.prod(shapes[n]) for n, p in model.named_parameters() if not p.requires_grad)
     return trainable, frozen

@@ -124,14 +124,15 @@ class _Combine(torch.autograd.Function):
         return _dispatch(grad, order, restore, ctx.top_k), None, None, None
 
 
-def _project(x: torch.Tensor, experts: nn.Module, name: str, lora, offsets: torch.Tensor,
-             expert_ids: torch.Tensor) -> torch.Tensor:
+def _project(x: torch.Tensor, experts: nn.Module, name: str, lora, offsets: torch.Tensor) -> torch.Tensor:
     out = grouped_mm(x, _base_weight(experts, name), offsets)
     if lora is not None:
         down, up, scale = lora
         out = out + grouped_mm(grouped_mm(x, down, offsets) * scale, up, offsets)
-    if getattr(experts, "has_bias", False):
-        out = out + getattr(experts, f"{name}_bias")[expert_ids]
+    if getattr(experts, "has_bias", False):  # each row's expert's bias: expert e's rows are offsets[e-1]:offsets[e]
+        bias = getattr(experts, f"{name}_bias")
+        counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).to(torch.int64)
+        out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
     return out
 
 
@@ -141,7 +142,8 @@ def grouped_forward(experts: nn.Module, adapters: dict[str, tuple | None], hidde
     base and the adapters of every projection computed on the same expert-sorted rows. The routing is
     transformers' grouped_mm experts forward, except that each row's routing weight scales the expert's
     intermediate (a third of the width of its output) before the down projection, which is linear: the same
-    product, one full-width pass and one saved full-width tensor fewer."""
+    product, one full-width pass and one saved full-width tensor fewer. With expert parallelism the rows travel
+    to the ranks that hold their experts and back (ExpertShard)."""
     top_k = top_k_index.shape[-1]
     expert_ids, order = torch.sort(top_k_index.reshape(-1))
     restore = torch.empty_like(order)
@@ -151,20 +153,112 @@ def grouped_forward(experts: nn.Module, adapters: dict[str, tuple | None], hidde
     # histc rather than bincount: no host sync, as transformers does (it takes float input on CPU)
     counts = torch.histc(expert_ids.float() if expert_ids.device.type == "cpu" else expert_ids.int(),
                          bins=experts.num_experts, min=0, max=experts.num_experts - 1)
+    shard = getattr(experts, "expert_shard", None)
+    if shard is None:
+        out = _experts_on_rows(experts, adapters, rows, counts, weights)
+    else:
+        out = shard.exchange(rows, counts, lambda local, local_counts: _experts_on_rows(
+            experts, {k: v and shard.local_factors(v) for k, v in adapters.items()}, local, local_counts, None))
+        out = out * weights.unsqueeze(-1).to(out.dtype)
+    return _Combine.apply(out, order, restore, top_k).to(hidden_states.dtype)
+
+
+def _experts_on_rows(experts: nn.Module, adapters: dict, rows: torch.Tensor, counts: torch.Tensor,
+                     weights: torch.Tensor | None) -> torch.Tensor:
+    """Every expert of this module (or of this rank's shard) on its rows, which come sorted by expert with
+    counts[e] rows for expert e; the routing weights applied where the down projection allows (or by the
+    caller, weights None)."""
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
     gated = getattr(experts, "has_gate", True)
     first = "gate_up_proj" if gated else "up_proj"
-    out = _project(rows, experts, first, adapters.get(first), offsets, expert_ids)
+    out = _project(rows, experts, first, adapters.get(first), offsets)
     out = experts._apply_gate(out) if gated else experts.act_fn(out)
-    norm = getattr(experts, "has_post_expert_norm", False) or getattr(experts, "has_bias", False)
-    if not norm:  # weights move inside only where down_proj is linear: no bias, no norm after it
+    inside = weights is not None and not (getattr(experts, "has_post_expert_norm", False)
+                                          or getattr(experts, "has_bias", False))
+    if inside:  # down_proj is linear (no bias, no norm after it): scale its narrower input
         out = out * weights.unsqueeze(-1).to(out.dtype)
-    out = _project(out, experts, "down_proj", adapters.get("down_proj"), offsets, expert_ids)
+    out = _project(out, experts, "down_proj", adapters.get("down_proj"), offsets)
     if getattr(experts, "has_post_expert_norm", False):
         out = experts.post_expert_norm(out)
-    if norm:
+    if weights is not None and not inside:
         out = out * weights.unsqueeze(-1)
-    return _Combine.apply(out, order, restore, top_k).to(hidden_states.dtype)
+    return out
+
+
+class ExpertShard:
+    """Expert parallelism for one experts module: this rank holds experts start:stop of the module's E (its
+    frozen weights hold only those), and every rank's rows for them are sent here with one all_to_all, computed,
+    and sent back with another (torch.distributed.nn's all_to_all_single, so gradients travel back the same
+    way). The adapters stay whole on every rank under FSDP: this rank uses, and its gradient fills, only its
+    experts' factors, and FSDP's reduce-scatter sums the ranks' gradients."""
+
+    def __init__(self, rank: int, world: int, num_experts: int, group=None) -> None:
+        self.rank, self.world, self.group = rank, world, group
+        self.local = num_experts // world
+        self.start, self.stop = rank * self.local, (rank + 1) * self.local
+
+    def local_factors(self, lora: tuple) -> tuple:
+        down, up, scale = lora
+        return down[self.start:self.stop], up[self.start:self.stop], scale
+
+    def exchange(self, rows: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
+        """compute(local rows sorted by local expert, their counts) on the rows this rank's experts receive
+        from every rank; the results back in the order of `rows` (sorted by global expert)."""
+        import torch.distributed as dist
+        from torch.distributed.nn.functional import all_to_all_single
+
+        counts = counts.to(torch.int64).view(self.world, self.local)  # [destination rank, its local expert]
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=self.group)  # [source rank, my local expert]
+        send = counts.sum(dim=1).tolist()
+        recv = received.sum(dim=1).tolist()  # the one host sync: the all_to_all's split sizes
+        arrived = all_to_all_single(rows.new_empty(sum(recv), rows.shape[1]), rows, recv, send, group=self.group)
+        # arrived: by source rank, then by local expert; compute wants them by local expert
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(self.local, device=rows.device).repeat(self.world), received.flatten())
+        by_expert = torch.argsort(expert_of_row, stable=True)
+        back = torch.empty_like(by_expert)
+        back[by_expert] = torch.arange(by_expert.numel(), device=rows.device)
+        out = compute(arrived[by_expert], received.sum(dim=0))[back]
+        return all_to_all_single(out.new_empty(rows.shape[0], out.shape[1]), out, send, recv, group=self.group)
+
+
+def shard_experts(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]:
+    """model.expert_parallel: each covered experts module keeps only this rank's E/world experts of its frozen
+    weights (still on the meta device, filled by loading) and gets an ExpertShard. Returns those weights, which
+    FSDP must leave alone; `model.sharded_experts` maps each one's name to (first expert, last + 1, full shape)
+    for loading and parameter counts."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from .config import ConfigError
+
+    held, layout = [], {}
+    for outer_name, module in model.named_modules():
+        if not isinstance(module, grouped_wrapper_type()):
+            continue
+        chain, experts = _wrapper_chain(module, ParamWrapper)
+        prefix = outer_name + ".base_layer" * len(chain)
+        if experts.num_experts % world:
+            raise ConfigError(f"model.expert_parallel: {experts.num_experts} experts do not split evenly over "
+                              f"{world} ranks")
+        if getattr(experts, "has_bias", False):
+            raise ConfigError(f"model.expert_parallel: {type(experts).__name__} has expert biases, which the "
+                              f"expert-parallel path does not shard")
+        experts.expert_shard = shard = ExpertShard(rank, world, experts.num_experts)
+        for name, param in list(experts.named_parameters(recurse=False)):
+            if param.dim() != 3:
+                continue
+            local = nn.Parameter(torch.empty(shard.local, *param.shape[1:], dtype=param.dtype, device=param.device),
+                                 requires_grad=False)
+            setattr(experts, name, local)
+            held.append(local)
+            layout[f"{prefix}.{name}"] = (shard.start, shard.stop, tuple(param.shape))
+    if not held:
+        raise ConfigError("model.expert_parallel: the model has no fused experts with LoRA on the grouped path "
+                          "(a transformers 5 Mixture-of-Experts model, lora.target_parameters: auto, "
+                          "model.moe_kernel: grouped)")
+    model.sharded_experts = layout
+    return held
 
 
 def _wrapper_chain(outer: nn.Module, wrapper_type: type) -> tuple[list[nn.Module], nn.Module]:
@@ -199,8 +293,12 @@ def grouped_wrapper_type() -> type:
         def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                     *args, **kwargs) -> torch.Tensor:
             chain, experts = _wrapper_chain(self, ParamWrapper)
-            if args or kwargs or getattr(experts, "_is_expert_parallel", False) or any(
-                    w.merged or len(w.active_adapters) != 1 for w in chain):
+            peft_only = args or kwargs or getattr(experts, "_is_expert_parallel", False) or any(
+                w.merged or len(w.active_adapters) != 1 for w in chain)
+            if peft_only and getattr(experts, "expert_shard", None) is not None:
+                raise RuntimeError("experts sharded by model.expert_parallel run only the grouped path (no merged "
+                                   "adapters, one active adapter)")
+            if peft_only:
                 return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
             adapters = {w.parameter_name: lora_factors(w, hidden_states.dtype) for w in chain}
             return grouped_forward(experts, adapters, hidden_states, top_k_index, top_k_weights)
