@@ -94,34 +94,29 @@ def _combine(rows: torch.Tensor, order: torch.Tensor, restore: torch.Tensor, top
     return rows[restore].view(-1, top_k, rows.shape[-1]).sum(dim=1)
 
 
-class _Dispatch(torch.autograd.Function):
-    """_dispatch, whose gradient is _combine (gathers and a sum) rather than indexing's scatter-add."""
+def _with_adjoint_gradient(function, adjoint) -> type:
+    """An autograd function computing `function(x, order, restore, top_k)`, whose gradient is `adjoint` of the
+    incoming gradient: dispatch and combine are each other's adjoints, so both backward passes are gathers and a
+    sum (indexing's own backward would be a sort-based scatter-add)."""
 
-    @staticmethod
-    def forward(ctx, x, order, restore, top_k):
-        ctx.save_for_backward(order, restore)
-        ctx.top_k = top_k
-        return _dispatch(x, order, restore, top_k)
+    class WithAdjoint(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, order, restore, top_k):
+            ctx.save_for_backward(order, restore)
+            ctx.top_k = top_k
+            return function(x, order, restore, top_k)
 
-    @staticmethod
-    def backward(ctx, grad):
-        order, restore = ctx.saved_tensors
-        return _combine(grad, order, restore, ctx.top_k), None, None, None
+        @staticmethod
+        def backward(ctx, grad):
+            order, restore = ctx.saved_tensors
+            return adjoint(grad, order, restore, ctx.top_k), None, None, None
+
+    WithAdjoint.__name__ = WithAdjoint.__qualname__ = f"{function.__name__.strip('_').title()}"
+    return WithAdjoint
 
 
-class _Combine(torch.autograd.Function):
-    """_combine, whose gradient is _dispatch."""
-
-    @staticmethod
-    def forward(ctx, rows, order, restore, top_k):
-        ctx.save_for_backward(order, restore)
-        ctx.top_k = top_k
-        return _combine(rows, order, restore, top_k)
-
-    @staticmethod
-    def backward(ctx, grad):
-        order, restore = ctx.saved_tensors
-        return _dispatch(grad, order, restore, ctx.top_k), None, None, None
+_Dispatch = _with_adjoint_gradient(_dispatch, _combine)
+_Combine = _with_adjoint_gradient(_combine, _dispatch)
 
 
 def _project(x: torch.Tensor, experts: nn.Module, name: str, lora, offsets: torch.Tensor) -> torch.Tensor:
