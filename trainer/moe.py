@@ -124,10 +124,6 @@ def _project(x: torch.Tensor, experts: nn.Module, name: str, lora, offsets: torc
     if lora is not None:
         down, up, scale = lora
         out = out + grouped_mm(grouped_mm(x, down, offsets) * scale, up, offsets)
-    if getattr(experts, "has_bias", False):  # each row's expert's bias: expert e's rows are offsets[e-1]:offsets[e]
-        bias = getattr(experts, f"{name}_bias")
-        counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).to(torch.int64)
-        out = out + torch.repeat_interleave(bias, counts, dim=0, output_size=x.shape[0])
     return out
 
 
@@ -168,9 +164,8 @@ def _experts_on_rows(experts: nn.Module, adapters: dict, rows: torch.Tensor, cou
     first = "gate_up_proj" if gated else "up_proj"
     out = _project(rows, experts, first, adapters.get(first), offsets)
     out = experts._apply_gate(out) if gated else experts.act_fn(out)
-    inside = weights is not None and not (getattr(experts, "has_post_expert_norm", False)
-                                          or getattr(experts, "has_bias", False))
-    if inside:  # down_proj is linear (no bias, no norm after it): scale its narrower input
+    inside = weights is not None and not getattr(experts, "has_post_expert_norm", False)
+    if inside:  # down_proj is linear (no norm after it): scale its narrower input
         out = out * weights.unsqueeze(-1).to(out.dtype)
     out = _project(out, experts, "down_proj", adapters.get("down_proj"), offsets)
     if getattr(experts, "has_post_expert_norm", False):
@@ -236,9 +231,6 @@ def shard_experts(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]
         if experts.num_experts % world:
             raise ConfigError(f"model.expert_parallel: {experts.num_experts} experts do not split evenly over "
                               f"{world} ranks")
-        if getattr(experts, "has_bias", False):
-            raise ConfigError(f"model.expert_parallel: {type(experts).__name__} has expert biases, which the "
-                              f"expert-parallel path does not shard")
         experts.expert_shard = shard = ExpertShard(rank, world, experts.num_experts)
         for name, param in list(experts.named_parameters(recurse=False)):
             if param.dim() != 3:
@@ -270,6 +262,8 @@ def _covered(chain: list[nn.Module], experts: nn.Module) -> str | None:
         return f"{type(experts).__name__} has no fused expert weights"
     if getattr(experts, "is_concatenated", True) is False and not hasattr(experts, "_apply_gate"):
         return "interleaved gate/up weights without a gate function"
+    if getattr(experts, "has_bias", False):
+        return "expert biases (not on the grouped path yet)"
     for wrapper in chain:
         if wrapper.parameter_name not in PROJECTIONS or wrapper.num_experts != experts.num_experts:
             return f"LoRA on {wrapper.parameter_name}"
