@@ -372,3 +372,30 @@ def test_expert_parallel_recipe_errors(tmp_path, demo_cache, moe_models):
                     "model.expert_parallel=true", "train.steps=2")
     assert proc.returncode != 0
     assert "recipe error: model.expert_parallel: 4 experts do not split evenly over 3 ranks" in proc.stderr
+
+
+def test_expert_parallel_checkpoints_resume_exactly_and_on_fewer_ranks(tmp_path, demo_cache, moe_models):
+    """With the experts split over 2 ranks, a run stopped at its step-4 checkpoint and resumed logs the same
+    losses as a straight run; the same checkpoint continues on 1 rank (which then holds every expert)."""
+    import shutil
+
+    common = [f"model.path={moe_models['qwen3_moe']}", "model.expert_parallel=true", "data.max_length=48",
+              "train.log_every=1", "train.lr=0.01", "train.checkpoint_every=4"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    for out, steps in ((straight, 8), (stopped, 4), (stopped, 8)):
+        proc = torchrun(2, out, demo_cache, *common, f"train.steps={steps}")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resuming at step 4" in proc.stdout
+    def losses(out):
+        return {m["step"]: m["loss"] for m in metrics(out) if "loss" in m}  # not the checkpoint events
+
+    by_step = losses(stopped)
+    assert [by_step[s] for s in range(1, 9)] == [losses(straight)[s] for s in range(1, 9)]
+
+    fewer = tmp_path / "fewer"
+    shutil.copytree(stopped / "checkpoints" / "ckpt-0000004", fewer / "checkpoints" / "ckpt-0000004")
+    proc = torchrun(1, fewer, demo_cache, *common, "train.steps=8")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "resuming at step 4" in proc.stdout
+    continued = losses(fewer)
+    assert sorted(continued) == [5, 6, 7, 8] and continued[8] < by_step[4]
