@@ -65,7 +65,7 @@ def main() -> None:
     parser.add_argument("--ref-noac", action="store_true")
     parser.add_argument("--no-ref", action="store_true")
     parser.add_argument("--run", action="append", default=[], help="NAME:section.key=value,...")
-    parser.add_argument("--compare", default="", help="A,B: step-by-step loss of two runs")
+    parser.add_argument("--compare", action="append", default=[], help="A,B: step-by-step loss of two runs (repeatable)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, default=None, help="the figures' JSON (default: WORK/gpu_moe_speed.json)")
     args = parser.parse_args()
@@ -130,8 +130,8 @@ def report(results: dict, args) -> None:
               + (f"adapter saved in {saved['seconds']:.1f}s ({saved.get('gathered_bytes', 0) / 2**20:.0f} MiB)  "
                  if saved.get("seconds") is not None else "")
               + f"{'batch ' + str(result.get('batch')) if name == 'ref' else sets}")
-    if args.compare:
-        a, b = args.compare.split(",")
+    for pair in args.compare:
+        a, b = pair.split(",")
         la = {s["step"]: s["loss"] for s in results.get(a, {}).get("steps", [])}
         lb = {s["step"]: s["loss"] for s in results.get(b, {}).get("steps", [])}
         common = sorted(set(la) & set(lb))
