@@ -4,7 +4,7 @@
 Sent by nodectl to the node's configured python over stdin (`python3 - WORKDIR`), so it must stay a single
 self-contained file: standard library first; psutil, pynvml (nvidia-ml-py) and torch only when importable. Each
 section runs on its own: a failing section records {"error": ...} under its key and the report still prints.
-The redaction rules at the top are also what the controller uses (SPEC: secrets never printed or stored).
+The redaction rules at the top are also what the controller uses (docs/REFERENCE.md: secrets never printed or stored).
 """
 from __future__ import annotations
 

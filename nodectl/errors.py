@@ -1,4 +1,4 @@
-"""User-facing errors and the exit codes of SPEC §2.
+"""User-facing errors and the exit codes of docs/REFERENCE.md §2.
 
 Anything raised that is not one of these is a bug in nodectl and may show a traceback.
 """
@@ -14,6 +14,15 @@ EXIT_FAILED = 1        # a check failed or the run failed
 EXIT_USAGE = 2         # usage or inventory error
 EXIT_UNREACHABLE = 3   # a node could not be reached
 EXIT_INTERRUPTED = 130
+
+
+def exit_code_for(results) -> int:
+    """The one rule from per-node outcomes (NodeResults) to a command's exit code: 3 when any node could not be
+    reached, 1 when a node answered with an error, else 0."""
+    results = list(results)
+    if any(r.unreachable for r in results):
+        return EXIT_UNREACHABLE
+    return EXIT_FAILED if any(not r.ok for r in results) else EXIT_OK
 
 
 class NodectlError(click.ClickException):

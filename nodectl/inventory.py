@@ -1,4 +1,4 @@
-"""The inventory (SPEC §1): hosts.yaml or a DeepSpeed hostfile, parsed once into frozen dataclasses.
+"""The inventory (docs/REFERENCE.md §1): hosts.yaml or a DeepSpeed hostfile, parsed once into frozen dataclasses.
 
 Every problem is an `InventoryError` (exit 2) naming the file, the line, the key and what was expected; no other
 exception escapes `load_inventory` for any input document.
@@ -118,7 +118,7 @@ def detect_local_gpus() -> int:
 
 
 def builtin_inventory(count: int = 1, template: Node | None = None) -> Inventory:
-    """SPEC §1's default: local node(s) on this machine, cuda with every detected GPU, else one CPU rank."""
+    """docs/REFERENCE.md §1's default: local node(s) on this machine, cuda with every detected GPU, else one CPU rank."""
     if template is None:
         gpus = detect_local_gpus()
         template = Node(name="local0", host="localhost", addr="127.0.0.1", index=0, transport="local",

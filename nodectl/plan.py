@@ -17,7 +17,7 @@ from nodectl.inventory import Inventory, Node
 
 BUILTIN_TRAINER_MODULE = "trainer"
 
-# Good distributed defaults (SPEC §4); the inventory's env: overrides any of them.
+# Good distributed defaults (docs/REFERENCE.md §4); the inventory's env: overrides any of them.
 DEFAULT_ENV = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",

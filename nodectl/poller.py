@@ -55,8 +55,8 @@ class Poller:
                 value = agent.call(transport, "poll", run_node.run_dir, request={"offsets": wanted},
                                    timeout=self.timeout)
                 result = NodeResult(run_node.node, value=value)
-            except agent.AgentError as exc:
-                result = NodeResult(run_node.node, value={"error": str(exc)})
+            except agent.AgentError as exc:  # the node answered, with an error
+                result = NodeResult(run_node.node, error=str(exc))
             except Exception as exc:  # Unreachable, CommandTimeout, a broken connection: this node's news only
                 result = NodeResult(run_node.node, error=str(exc) or exc.__class__.__name__,
                                     unreachable=True)

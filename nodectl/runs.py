@@ -1,4 +1,7 @@
-"""The local run folders (SPEC §3): runs/<run_id>/ with manifest.json, scripts/, env/, preflight.json, nodes/."""
+"""The local run folders (docs/REFERENCE.md, "Files on disk"): runs/<run_id>/ with manifest.json, scripts/, env/,
+preflight.json, nodes/.
+
+The manifest is a `Manifest`; `Run.update` is its one writer (read, replace fields, write atomically)."""
 from __future__ import annotations
 
 import json
@@ -6,15 +9,101 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, field, fields, replace
+from enum import Enum
 from pathlib import Path
+from typing import Any
 
 from nodectl import __version__
 from nodectl.errors import UsageError
 from nodectl.inventory import Node
 
 
-FINAL_STATES = ("succeeded", "failed", "failed-to-start", "interrupted", "stopped", "lost")
+class RunState(str, Enum):
+    """A run's state as the manifest records it (its JSON value is the string)."""
+
+    STARTING = "starting"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    FAILED_TO_START = "failed-to-start"
+    INTERRUPTED = "interrupted"
+    STOPPED = "stopped"
+    LOST = "lost"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def final(self) -> bool:
+        """No process of the run can be alive any more, as far as nodectl knows; only the nodes can change a
+        state that is not final (a killed controller leaves "starting" or "running")."""
+        return self not in (RunState.STARTING, RunState.RUNNING)
+
+    @classmethod
+    def parse(cls, value: Any) -> "RunState":
+        """A recorded state; one this version does not know reads as "starting", which the nodes then settle."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.STARTING
+
+
+FINAL_STATES = frozenset(state for state in RunState if state.final)
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """runs/<run_id>/manifest.json. `plan` is the LaunchPlan's JSON (env redacted); `attempts` the earlier
+    attempts of a restarted or resumed run; `left_out` the plan entries of nodes a restart left out. Keys this
+    version does not know are kept in `extra` and written back."""
+
+    run_id: str
+    plan: dict
+    kind: str = "train"            # train, or preflight (preflight's own collective jobs)
+    attempt: int = 0
+    state: RunState = RunState.STARTING
+    command: list = field(default_factory=list)
+    config: str | None = None
+    fingerprint: str | None = None
+    inventory: dict = field(default_factory=dict)
+    git_revision: str | None = None
+    nodectl_version: str | None = None
+    python: str | None = None
+    started: float | None = None
+    ended: float | None = None
+    node_states: dict = field(default_factory=dict)
+    failure: dict | None = None
+    attempts: list = field(default_factory=list)
+    left_out: list = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "state", RunState(self.state))  # a typo in nodectl's own code fails here
+
+    @classmethod
+    def from_json(cls, document: dict) -> "Manifest":
+        if not isinstance(document, dict) or not isinstance(document.get("plan"), dict):
+            raise ValueError("not a run manifest")
+        known = {f.name: f for f in fields(cls) if f.name != "extra"}
+        # a null where a list or mapping belongs reads as empty
+        values = {key: document[key] for key, f in known.items()
+                  if key in document and (document[key] is not None or f.default_factory is MISSING)}
+        values.setdefault("run_id", document["plan"].get("run_id"))
+        values["state"] = RunState.parse(document.get("state"))
+        return cls(**values, extra={k: v for k, v in document.items() if k not in known})
+
+    def to_json(self) -> dict:
+        document = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
+        document["state"] = self.state.value
+        return {**document, **self.extra}
+
+    @property
+    def node_names(self) -> list[str]:
+        return [entry["node"]["name"] for entry in self.plan.get("nodes", [])]
 
 
 def runs_root() -> Path:
@@ -95,39 +184,35 @@ class Run:
     @property
     def kind(self) -> str:
         try:
-            return json.loads(self.manifest_path.read_text()).get("kind", "train")
-        except (OSError, ValueError):
+            return self.read().kind
+        except UsageError:
             return "train"
 
-    def manifest(self) -> dict:
+    def read(self) -> Manifest:
         try:
-            return json.loads(self.manifest_path.read_text())
-        except (OSError, ValueError) as exc:
+            return Manifest.from_json(json.loads(self.manifest_path.read_text()))
+        except (OSError, ValueError, TypeError, KeyError) as exc:
             raise UsageError(f"run {self.run_id}: manifest unreadable ({exc})") from None
 
-    def update(self, **fields) -> dict:
-        document = self.manifest()
-        document.update(fields)
-        _write_json(self.manifest_path, document)
-        return document
+    def update(self, **changes) -> Manifest:
+        """The manifest's one writer: these fields replaced, written atomically."""
+        manifest = replace(self.read(), **changes)
+        _write_json(self.manifest_path, manifest.to_json())
+        return manifest
 
-    def set_node_state(self, node: str, **fields) -> None:
-        self.set_node_states({node: fields})
-
-    def set_node_states(self, states: dict[str, dict], **fields) -> None:
+    def set_node_states(self, states: dict[str, dict], **changes) -> Manifest:
         """Several nodes' states (and top-level fields) in one write of the manifest."""
-        document = self.manifest()
+        node_states = {name: dict(values) for name, values in self.read().node_states.items()}
         for node, values in states.items():
-            document.setdefault("node_states", {}).setdefault(node, {}).update(values)
-        document.update(fields)
-        _write_json(self.manifest_path, document)
+            node_states.setdefault(node, {}).update(values)
+        return self.update(node_states=node_states, **changes)
 
     def nodes(self, left_out: bool = False) -> list[RunNode]:
         """The nodes of the run's current attempt; with `left_out`, also those a restart left out (their
         processes may outlive the attempt that dropped them)."""
-        manifest = self.manifest()
+        manifest = self.read()
         out = []
-        for entry in manifest["plan"]["nodes"] + (manifest.get("left_out", []) if left_out else []):
+        for entry in manifest.plan["nodes"] + (manifest.left_out if left_out else []):
             node_fields = dict(entry["node"])
             node_fields["env"] = {}  # redacted in the manifest; not needed to reach the node
             out.append(RunNode(Node(**node_fields), entry["node_rank"], tuple(entry["ranks"]), entry["run_dir"]))
@@ -146,13 +231,13 @@ def create_run(plan_json: dict, *, argv: list[str], config_fingerprint: str, inv
     run" of tail/status/stop, and `runs` lists them only with --all."""
     run = Run(runs_root() / plan_json["run_id"])
     run.folder.mkdir(parents=True, exist_ok=False)
-    _write_json(run.manifest_path, {
-        "run_id": plan_json["run_id"], "kind": kind, "attempt": plan_json.get("attempt", 0), "state": "starting",
-        "command": argv, "config": plan_json.get("config"), "fingerprint": config_fingerprint,
-        "inventory": {"source": inventory_source, "nodes": [n["node"] for n in plan_json["nodes"]]},
-        "git_revision": git, "nodectl_version": __version__, "python": sys.version.split()[0],
-        "started": time.time(), "ended": None, "plan": plan_json, "node_states": {},
-    })
+    manifest = Manifest(
+        run_id=plan_json["run_id"], kind=kind, attempt=plan_json.get("attempt", 0), command=argv,
+        config=plan_json.get("config"), fingerprint=config_fingerprint,
+        inventory={"source": inventory_source, "nodes": [n["node"] for n in plan_json["nodes"]]},
+        git_revision=git, nodectl_version=__version__, python=sys.version.split()[0], started=time.time(),
+        plan=plan_json)
+    _write_json(run.manifest_path, manifest.to_json())
     _register(run)
     return run
 

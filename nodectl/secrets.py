@@ -1,4 +1,4 @@
-"""Secret redaction (SPEC: never print or store a secret). The rules live in launchers/probe.py, which runs on
+"""Secret redaction (docs/REFERENCE.md: never print or store a secret). The rules live in launchers/probe.py, which runs on
 nodes and may import nothing from nodectl; the controller loads that very file so there is one set of rules."""
 from __future__ import annotations
 

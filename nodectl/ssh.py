@@ -1,4 +1,4 @@
-"""Opening SSH connections the way SPEC §1 asks: fabric for ~/.ssh/config, ssh-agent and ProxyJump, with every
+"""Opening SSH connections the way docs/REFERENCE.md §1 asks: fabric for ~/.ssh/config, ssh-agent and ProxyJump, with every
 host key on the path checked and every hop bound by the same timeouts.
 
 fabric builds ProxyJump hops itself with paramiko's AutoAddPolicy (an unknown or even a wrong bastion key is

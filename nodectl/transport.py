@@ -2,7 +2,7 @@
 
 One connection per node is opened lazily and reused for all of a command's work. `fan_out` runs a function
 for every node in parallel with a bound and returns one `NodeResult` per node instead of stopping at the first
-failure (fabric's GroupResult); no exception escapes it. Host keys follow SPEC §1 (nodectl/ssh.py). Commands run
+failure (fabric's GroupResult); no exception escapes it. Host keys follow docs/REFERENCE.md §1 (nodectl/ssh.py). Commands run
 under /bin/sh whatever the login shell, and files travel over the exec channel, so an sshd without the sftp
 subsystem is enough.
 """

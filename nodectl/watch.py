@@ -9,7 +9,7 @@ from rich.markup import escape
 
 from nodectl import agent
 from nodectl.poller import Poller
-from nodectl.runs import RunNode
+from nodectl.runs import RunNode, RunState
 from nodectl.transport import Cluster, NodeResult
 
 COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
@@ -58,16 +58,7 @@ def poll(cluster: Cluster, run_nodes: list[RunNode], offsets: dict[int, int] | N
         request = {"offsets": wanted, **({"gpus": True} if gpus else {})}
         return agent.call(transport, "poll", rn.run_dir, request=request, timeout=30)
 
-    return {r.node.name: r for r in cluster.fan_out(_guard(work), [rn.node for rn in run_nodes])}
-
-
-def _guard(work):
-    def wrapper(transport):
-        try:
-            return work(transport)
-        except agent.AgentError as exc:
-            return {"error": str(exc)}
-    return wrapper
+    return {r.node.name: r for r in cluster.fan_out(work, [rn.node for rn in run_nodes])}
 
 
 STOP_SLACK = 10.0   # seconds beyond the grace a node gets to confirm a stop (runctl needs at most grace + ~6)
@@ -83,13 +74,13 @@ def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
         rn = by_name[transport.node.name]
         return agent.call(transport, "stop", rn.run_dir, request={"grace": grace}, timeout=grace + STOP_SLACK)
 
-    return {r.node.name: r for r in cluster.fan_out(_guard(work), [rn.node for rn in run_nodes], on_done=on_done)}
+    return {r.node.name: r for r in cluster.fan_out(work, [rn.node for rn in run_nodes], on_done=on_done)}
 
 
 def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int], lines: int,
                timeout: float = 30) -> dict[int, dict]:
-    result = cluster.fan_out(_guard(lambda t: agent.call(t, "tail", run_node.run_dir, timeout=timeout,
-                                                         request={"ranks": ranks, "lines": lines})),
+    result = cluster.fan_out(lambda t: agent.call(t, "tail", run_node.run_dir, timeout=timeout,
+                                                  request={"ranks": ranks, "lines": lines}),
                              [run_node.node])[0]
     if not result.ok or "logs" not in (result.value or {}):
         return {}
@@ -101,7 +92,7 @@ def rank_failures(states: dict[str, NodeResult]) -> list[Failure]:
     failures = []
     for name, result in states.items():
         answer = result.value if result.ok else None
-        if not answer or "error" in answer:
+        if not answer:
             continue
         failed_ranks = [Failure("rank", name, rank["rank"], rank["exit"]["code"], rank["exit"].get("time", 0))
                         for rank in answer["ranks"] if rank.get("exit") and rank["exit"].get("code") not in (0, None)]
@@ -114,26 +105,26 @@ def rank_failures(states: dict[str, NodeResult]) -> list[Failure]:
     return sorted(failures, key=lambda f: (f.time, f.rank if f.rank is not None else 1 << 30))
 
 
-def derive_state(states: dict[str, NodeResult]) -> str | None:
+def derive_state(states: dict[str, NodeResult]) -> RunState | None:
     """What a run is, from every node's answer: running, succeeded, failed, stopped, or lost (its processes
     are gone and no torchrun recorded an exit: a reboot, or killed from outside). None if a node did not answer."""
-    answers = [r.value for r in states.values() if r.ok and r.value and "error" not in r.value]
+    answers = [r.value for r in states.values() if r.ok and r.value]
     if len(answers) < len(states) or not answers:
         return None
     if any(a.get("alive") for a in answers):
-        return "running"
+        return RunState.RUNNING
     exits = [a.get("launcher_exit") for a in answers]
     if all(e and e.get("code") == 0 for e in exits):
-        return "succeeded"
+        return RunState.SUCCEEDED
     if any(a.get("stopped") for a in answers):
-        return "stopped"
+        return RunState.STOPPED
     if any(e and e.get("code") not in (0, None) for e in exits):
-        return "failed"
-    return "lost"
+        return RunState.FAILED
+    return RunState.LOST
 
 
 def finished_ok(states: dict[str, NodeResult]) -> bool:
-    answers = [r.value for r in states.values() if r.ok and r.value and "error" not in r.value]
+    answers = [r.value for r in states.values() if r.ok and r.value]
     return len(answers) == len(states) and all((a.get("launcher_exit") or {}).get("code") == 0 for a in answers)
 
 
@@ -214,8 +205,8 @@ class LogStream:
 
 
 def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream | None, *, interval: float = 1.0,
-                 lost_after: float = 15.0, stall_after: float | None = None) -> tuple[str, Failure | None]:
-    """Watch until the run succeeds ('succeeded') or something fails ('failed' with the first failure).
+                 lost_after: float = 15.0, stall_after: float | None = None) -> tuple[RunState, Failure | None]:
+    """Watch until the run succeeds (SUCCEEDED) or something fails (FAILED with the first failure).
 
     Every node is polled by a thread of its own (nodectl/poller.py) and decisions use each node's latest answer,
     so a node whose commands hang never delays what the others report; a node that has not answered properly
@@ -230,7 +221,7 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
             fresh = {name: a.result for name, a in answers.items() if seen.get(name) != a.seq}
             seen.update({name: a.seq for name, a in answers.items()})
             for name, a in answers.items():
-                if a.result.ok and "error" not in (a.result.value or {}):
+                if a.result.ok:
                     last_good[name] = a.at
             if stream:
                 stream.feed(fresh)
@@ -238,7 +229,7 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
             if outcome is None:
                 outcome = _lost_node(run_nodes, answers, last_good, poller.started, lost_after)
             if outcome:
-                return ("failed", outcome) if isinstance(outcome, Failure) else (outcome, None)
+                return (RunState.FAILED, outcome) if isinstance(outcome, Failure) else (RunState.SUCCEEDED, None)
 
 
 def _judge(states: dict[str, NodeResult], nodes: int, stall_after) -> Failure | str | None:
@@ -264,7 +255,7 @@ def _lost_node(run_nodes: list[RunNode], answers: dict, last_good: dict[str, flo
         if answer is None or now - answer.at >= lost_after or answer.hung:
             detail = f"no answer for {silent:.0f}s (its commands hang: a stuck login shell or file system?)"
         else:
-            reason = answer.result.error or (answer.result.value or {}).get("error")
+            reason = answer.result.error
             detail = f"unreachable for {silent:.0f}s ({reason})"
         return Failure("lost", name, detail=detail, time=now - silent)
     return None
@@ -287,7 +278,7 @@ def _vanished(states) -> Failure | None:
     """A node whose processes are all gone without torchrun recording an exit (killed from outside)."""
     for name, result in states.items():
         answer = result.value if result.ok else None
-        if answer and "error" not in answer and answer.get("started") and answer.get("alive") == 0 \
+        if answer and answer.get("started") and answer.get("alive") == 0 \
                 and not answer.get("launcher_exit"):
             return Failure("launcher", name, detail="its processes are gone and torchrun recorded no exit code "
                                                     "(killed from outside?)",

@@ -71,7 +71,7 @@ def hoist_global_options(args: list[str], commands: dict[str, click.Command]) ->
 
 
 class NodectlGroup(click.Group):
-    """Click turns Ctrl-C into "Aborted!" and exit 1; nodectl says it was interrupted and exits 130 (SPEC §2),
+    """Click turns Ctrl-C into "Aborted!" and exit 1; nodectl says it was interrupted and exits 130 (docs/REFERENCE.md §2),
     after the command has stopped whatever it started. Global options are accepted after the command too."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:

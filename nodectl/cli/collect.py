@@ -11,7 +11,7 @@ from rich.markup import escape
 from nodectl import agent
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, run_option
-from nodectl.errors import EXIT_UNREACHABLE
+from nodectl.errors import exit_code_for
 
 
 def collect_node(transport, run_dir: str, target: Path) -> dict:
@@ -38,16 +38,14 @@ def command(app: AppContext, run_id: str | None) -> None:
         results = cluster.fan_out(
             lambda t: collect_node(t, run_nodes[t.node.name].run_dir, run.folder / "nodes" / t.node.name),
             on_done=advance)
-    unreachable = False
     for result in results:
         if result.ok:
             app.info(f"{result.node.name}: {result.value['bytes'] / 1024:.0f} KiB -> "
                      f"{run.folder / 'nodes' / result.node.name}/")
         else:
-            unreachable = True
             app.err.print(f"[red]{escape(result.node.name)}[/]: {escape(result.error)}")
     if app.json:
         app.emit_json({"run_id": run.run_id, "folder": str(run.folder / "nodes"),
                        "nodes": {r.node.name: r.value if r.ok else {"error": r.error} for r in results}})
-    if unreachable:
-        raise SystemExit(EXIT_UNREACHABLE)
+    if exit_code_for(results):
+        raise SystemExit(exit_code_for(results))

@@ -1,7 +1,7 @@
-"""`nodectl launch`: plan, render, (dry-run stops here), sync, start on every node, then watch or detach."""
+"""`nodectl launch`: parse, then the job pipeline (nodectl/job.py: plan, render, [--dry-run stops], settle,
+record, start) and the attended run (nodectl/attend.py: watch, fail-fast, restart); this file prints."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -12,19 +12,17 @@ import click
 from rich.markup import escape
 from rich.syntax import Syntax
 
-from nodectl import sync
+from nodectl import attend, sync
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import node_selection
+from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, ignore_signals_while_cleaning
 from nodectl.inventory import MAX_RANKS_PER_NODE
-from nodectl.errors import (EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, INTERRUPTED, RunFailed, UsageError,
-                            ignore_signals_while_cleaning)
-from nodectl.launch import settle_master_port, start_run, survey
-from nodectl.plan import LaunchPlan, build_plan
-from nodectl.render import render_plan
-from nodectl.secrets import REDACTED, redact_args
+from nodectl.job import (Job, JobSpec, StartFailed, launch_argv, plan_job, processes_left, record_job, save_preflight,
+                         settle_job, start_job, stop_run)
 from nodectl.resources import resource_dir
-from nodectl.runs import Run, create_run, git_revision, open_run
-from nodectl.watch import STOP_SLACK, LogStream, poll, stop_nodes, tail_lines, wait_for_end
+from nodectl.runs import Run, RunState, open_run
+from nodectl.secrets import REDACTED, redact_args
+from nodectl.watch import LogStream, poll
 
 
 def _check_command(args: tuple[str, ...], files: list[sync.SyncFile], sync_dir: str) -> tuple[str, ...]:
@@ -56,7 +54,8 @@ def _check_command(args: tuple[str, ...], files: list[sync.SyncFile], sync_dir: 
                      f"have it; un-ignore it or sync another folder")
 
 
-def _print_dry_run(app: AppContext, plan: LaunchPlan, rendered) -> None:
+def _print_dry_run(app: AppContext, job: Job, unsettled: list[str]) -> None:
+    plan, rendered = job.plan, job.rendered
     if app.json:
         app.emit_json({"plan": plan.to_json(), "scripts": {r.node: {"launch.sh": r.launch_redacted,
                                                                     "env.sh": r.env_redacted}
@@ -69,6 +68,8 @@ def _print_dry_run(app: AppContext, plan: LaunchPlan, rendered) -> None:
         app.heading(f"{escape(r.node)}: env.sh (mode 0600 on the node; secrets shown as ***)")
         app.out.print(r.env_redacted, markup=False, highlight=False)
     app.info(f"dry run: {plan.nnodes} node(s), world size {plan.world_size}; nothing was started")
+    for note in unsettled:
+        app.info(f"  at start, {note}")
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -128,58 +129,107 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
                       "the nodes it sits on the command line, visible to every user there (ps); pass it through "
                       "the inventory's env: instead")
     config = os.path.abspath(config) if config else None
-    facts, preflight = {}, None
-    if not skip_preflight and not dry_run:
-        from nodectl.preflight.gate import quick_gate
-
-        facts, preflight = quick_gate(app, inventory, gpus)
-    options = dict(gpus=gpus, command=command, sync_dir=sync_dir, config=config, max_restarts=max_restarts,
-                   overrides=tuple(overrides), facts=facts, run_id=previous.run_id if previous else None)
-    plan = _attempt(build_plan(inventory, **options), previous)
-    files = files + sync.nodectl_files(plan.builtin_trainer, config)
-    rendered = render_plan(plan, template)
+    facts, preflight = _preflight(app, inventory, gpus, skip_preflight, dry_run)
+    spec = JobSpec(inventory, command=command, sync_dir=sync_dir,
+                   files=tuple(files + sync.nodectl_files(not command, config)), gpus=gpus, config=config,
+                   overrides=tuple(overrides), max_restarts=max_restarts, template=template, facts=facts,
+                   argv=launch_argv(), run_id=previous.run_id if previous else None,
+                   attempt=previous.read().attempt + 1 if previous else 0)
+    job = plan_job(spec)
     if dry_run:
-        _print_dry_run(app, plan, rendered)
+        _print_dry_run(app, job, _unsettled(job, facts, skip_preflight))
         return
     with app.cluster(inventory) as cluster:
         if previous:
             _refuse_if_running(app, previous)
-        surveyed = survey(plan, cluster, files)
-        shared = surveyed.shared
-        if shared:
-            app.info(f"{', '.join(sorted(shared))} share a workdir (a network home?): each gets its own run folder")
-            plan = _attempt(build_plan(inventory, shared_workdirs=shared, **options), previous)
-        plan = settle_master_port(plan, cluster)
-        rendered = render_plan(plan, template)
-        run = _record_attempt(previous, plan, rendered, app) if previous else \
-            _record(plan, rendered, inventory.source, app)
+        job = settle_job(job, cluster)
+        if job.spec.shared_workdirs:
+            app.info(f"{', '.join(sorted(job.spec.shared_workdirs))} share a workdir (a network home?): each gets its "
+                     f"own run folder")
+        run = record_job(job, previous)
+        plan = job.plan
+        if previous:
+            app.info(f"run {plan.run_id}: attempt {plan.attempt} on {plan.nnodes} node(s)")
+        else:
+            app.info(f"run {plan.run_id}: {plan.nnodes} node(s) x {plan.nodes[0].nproc} rank(s), backend "
+                     f"{plan.backend}, master {plan.master_addr}:{plan.master_port}")
         try:
             if preflight:
-                _save_preflight(run, plan, preflight, facts)
-            _start(app, run, plan, rendered, cluster, files, grace, surveyed.missing)
+                save_preflight(run, plan.attempt, preflight, facts)
+            _start(app, job, run, cluster, grace)
             if detach:
-                _detached(app, run, plan)
+                _detached(app, run, job)
                 return
-            restarts_left = plan.max_restarts
-            while (failure := _watch(app, run, plan, cluster, follow, grace, stall_after)) and restarts_left:
-                restarts_left -= 1
-                app.err.print(f"[yellow]restarting run {plan.run_id}[/] as attempt {plan.attempt + 1} after: "
-                              f"{escape(failure.describe())} ({restarts_left} restart(s) left)")
-                attempt = plan.attempt + 1
-                left_out = []
-                if exclude_failed:
-                    plan, left_out = _without_failed_nodes(app, plan, inventory, failure, cluster, gpus, options,
-                                                           shared)
-                plan = settle_master_port(replace(plan, attempt=attempt), cluster)
-                rendered = render_plan(plan, template)
-                run = _record_attempt(run, plan, rendered, app)
-                if left_out:  # `stop` still reaches them once they are back: their processes may live on
-                    run.update(left_out=run.manifest().get("left_out", []) + left_out)
-                _start(app, run, plan, rendered, cluster, files, grace)
-            if failure:
-                _report_failure(app, run, plan, failure)
+            outcome = attend.attend(job, run, cluster, grace=grace, stall_after=stall_after,
+                                    connect_timeout=app.transport_options.connect_timeout,
+                                    exclude_failed=exclude_failed, stream_for=_stream_maker(app, follow),
+                                    notify=_printer(app), progress=app.node_progress)
+            if outcome.failure:
+                _report_failure(app, outcome)
+            app.info(f"run {outcome.job.run_id} succeeded")
+            if app.json:
+                app.emit_json({"run_id": outcome.job.run_id, "state": "succeeded", "attempt": outcome.job.plan.attempt})
+        except StartFailed as failed:
+            _not_started(app, failed)
         except KeyboardInterrupt:
-            _interrupted(app, run, plan, cluster, grace)
+            _interrupted(app, run, cluster, grace)
+
+
+def _preflight(app: AppContext, inventory, gpus, skip: bool, dry_run: bool) -> tuple[dict, dict | None]:
+    """(probe reports per node, the preflight document): the quick preflight, or a passing report from the last
+    10 minutes. A dry run touches no node: it uses such a report when there is one, as the launch would."""
+    from nodectl.preflight.gate import quick_gate
+    from nodectl.preflight.run import reusable
+
+    if skip:
+        return {}, None
+    if dry_run:
+        cached = reusable(inventory, gpus)
+        return (cached["reports"], cached) if cached else ({}, None)
+    return quick_gate(app, inventory, gpus)
+
+
+def _unsettled(job: Job, facts: dict, skip_preflight: bool) -> list[str]:
+    """What the dry run could not know without reading the nodes, which the launch settles at start."""
+    notes = []
+    if not facts and not skip_preflight:
+        notes.append("the quick preflight reads each node (ranks per node where gpus: is not set, "
+                     "OMP_NUM_THREADS from its CPUs); no passing report from the last 10 minutes to show here")
+    if job.plan.port_was_chosen:
+        notes.append(f"master port {job.plan.master_port} (chosen by nodectl) moves if it is taken on "
+                     f"{job.plan.nodes[0].node.name}")
+    notes.append("nodes whose workdirs are one storage (a network home) get a run folder each")
+    return notes
+
+
+def _stream_maker(app: AppContext, follow: str):
+    console = app.err if app.json else app.out
+
+    def make(run_nodes) -> LogStream:
+        ranks = {rank: rn.node.name for rn in run_nodes for rank in rn.ranks}
+        followed = ranks if follow == "all" else {0: ranks[0]}
+        return LogStream(console, followed, prefixed=follow == "all")
+    return make
+
+
+def _printer(app: AppContext):
+    """How the attended run's events read on the terminal."""
+    def show(event) -> None:
+        if isinstance(event, attend.Stopping):
+            app.err.print(f"[red]{escape(event.failure.describe())}[/]; stopping the run on every node")
+        elif isinstance(event, attend.NotAnswering):
+            app.err.print(f"{escape(event.node)} is not answering: its processes may still run; when it is back: "
+                          f"nodectl stop --run {event.run_id}")
+        elif isinstance(event, attend.Restarting):
+            app.err.print(f"[yellow]restarting run {event.run_id}[/] as attempt {event.attempt} after: "
+                          f"{escape(event.failure.describe())} ({event.restarts_left} restart(s) left)")
+        elif isinstance(event, attend.CheckingNodes):
+            app.info(f"checking the {event.count} node(s) of run {event.run_id} before the restart (quick preflight)")
+        elif isinstance(event, attend.LeavingOut):
+            app.err.print(f"[yellow]leaving out {escape(event.node)}[/]: {escape(event.why)}")
+        elif isinstance(event, attend.AttemptRecorded):
+            app.info(f"run {event.run_id}: attempt {event.attempt} on {event.nnodes} node(s)")
+    return show
 
 
 def _check_recipe(config: str | None, overrides: tuple[str, ...]) -> None:
@@ -205,62 +255,6 @@ def _trainer_config():
     return sys.modules[name]
 
 
-def _without_failed_nodes(app, plan: LaunchPlan, inventory, failure, cluster, gpus, options: dict,
-                          shared) -> tuple[LaunchPlan, list[dict]]:
-    """The plan for the next attempt without the nodes that fail the quick preflight now (or were lost): node
-    ranks closed up in inventory order, a new master if node 0 went. The built-in trainer continues from its
-    checkpoint's replica on the smaller world."""
-    from nodectl.preflight.run import run_preflight
-
-    current = replace(inventory, nodes=tuple(np.node for np in plan.nodes))
-    app.info(f"checking the {len(current.nodes)} node(s) of run {plan.run_id} before the restart (quick preflight)")
-    with app.node_progress("checking nodes", len(current.nodes)) as advance:
-        report = run_preflight(current, cluster, gpus=gpus, quick=True, full=False,
-                               connect_timeout=app.transport_options.connect_timeout, on_probe=advance)
-    bad = {name: why for name, why in report.unreachable.items()}
-    for result in report.failed:
-        bad.setdefault(result.node, f"{result.check}: {result.detail}")
-    if failure.kind == "lost":
-        bad.setdefault(failure.node, failure.detail)
-    kept = [node for node in current.nodes if node.name not in bad]
-    if not bad:
-        return plan, []
-    for name, why in bad.items():
-        app.err.print(f"[yellow]leaving out {escape(name)}[/]: {escape(str(why))}")
-    if not kept:
-        raise RunFailed(f"run {plan.run_id}: no node passed the check before the restart")
-    nodes = tuple(replace(node, index=i) for i, node in enumerate(kept))
-    names = {node.name for node in nodes}
-    left_out = [entry for entry in plan.to_json()["nodes"] if entry["node"]["name"] in bad]
-    return build_plan(replace(inventory, nodes=nodes), **{**options, "run_id": plan.run_id,
-                                                           "shared_workdirs": frozenset(shared) & names}), left_out
-
-
-def _attempt(plan: LaunchPlan, previous: Run | None) -> LaunchPlan:
-    return replace(plan, attempt=previous.manifest().get("attempt", 0) + 1) if previous else plan
-
-
-def _save_preflight(run: Run, plan: LaunchPlan, preflight: dict, facts: dict) -> None:
-    """The preflight of this attempt (a resumed run keeps the earlier ones as preflight-<attempt>.json)."""
-    name = "preflight.json" if plan.attempt == 0 else f"preflight-{plan.attempt}.json"
-    (run.folder / name).write_text(json.dumps(preflight, indent=2, default=str))
-    env_dir = run.folder / "env"
-    env_dir.mkdir(exist_ok=True)
-    for node_name, report in facts.items():
-        (env_dir / f"{node_name}.json").write_text(json.dumps(report, indent=2, default=str))
-
-
-def _detached(app: AppContext, run: Run, plan: LaunchPlan) -> None:
-    if app.json:
-        app.emit_json({"run_id": plan.run_id, "state": "running", "attempt": plan.attempt, "nnodes": plan.nnodes,
-                       "world_size": plan.world_size, "folder": str(run.folder.resolve()),
-                       "nodes": {np.node.name: np.run_dir for np in plan.nodes}})
-        return
-    app.out.print(f"run {plan.run_id} started on {plan.nnodes} node(s), world size {plan.world_size}")
-    app.out.print(f"follow it:  nodectl tail rank0 -f --run {plan.run_id}")
-    app.out.print(f"stop it:    nodectl stop --run {plan.run_id}")
-
-
 def _refuse_if_running(app: AppContext, previous: Run) -> None:
     """--resume must never touch a run that still has live processes: it would stop them."""
     run_nodes = previous.nodes()
@@ -276,8 +270,7 @@ def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | Non
                  overrides: tuple[str, ...]):
     """What --resume relaunches: the recorded nodes (with today's inventory settings), ranks, command, config."""
     previous = open_run(run_id)
-    manifest = previous.manifest()
-    plan = manifest["plan"]
+    plan = previous.read().plan
     if command:
         raise UsageError("--resume relaunches the recorded command; give no SCRIPT")
     names = [entry["node"]["name"] for entry in plan["nodes"]]
@@ -299,35 +292,7 @@ def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | Non
             overrides)
 
 
-def _record_attempt(previous: Run, plan: LaunchPlan, rendered, app: AppContext) -> Run:
-    manifest = previous.manifest()
-    history = manifest.get("attempts", []) + [{"attempt": manifest.get("attempt", 0), "state": manifest.get("state"),
-                                                "started": manifest.get("started"), "ended": manifest.get("ended"),
-                                                "failure": manifest.get("failure")}]
-    previous.update(attempt=plan.attempt, state="starting", attempts=history, ended=None,
-                    started=time.time(), plan=plan.to_json(), failure=None)
-    for r in rendered:
-        (previous.folder / "scripts" / f"{r.node}.sh").write_text(r.launch_redacted)
-        (previous.folder / "scripts" / f"{r.node}.env").write_text(r.env_redacted)
-    app.info(f"run {plan.run_id}: attempt {plan.attempt} on {plan.nnodes} node(s)")
-    return previous
-
-
-def _record(plan: LaunchPlan, rendered, source: str, app: AppContext) -> Run:
-    run = create_run(plan.to_json(), argv=["nodectl", *redact_args(sys.argv[1:])], config_fingerprint=plan.fingerprint(),
-                     inventory_source=source, git=git_revision(plan.sync_dir))
-    scripts = run.folder / "scripts"
-    scripts.mkdir()
-    for r in rendered:
-        (scripts / f"{r.node}.sh").write_text(r.launch_redacted)
-        (scripts / f"{r.node}.env").write_text(r.env_redacted)
-    app.info(f"run {plan.run_id}: {plan.nnodes} node(s) x {plan.nodes[0].nproc} rank(s), backend {plan.backend}, "
-             f"master {plan.master_addr}:{plan.master_port}")
-    return run
-
-
-def _start(app, run: Run, plan: LaunchPlan, rendered, cluster, files, grace: float,
-           missing: dict[str, list[str]] | None = None) -> None:
+def _start(app: AppContext, job: Job, run: Run, cluster, grace: float) -> None:
     began = time.monotonic()
 
     def ready(prepared) -> None:  # every node has its code and run folder; nothing started yet
@@ -335,94 +300,51 @@ def _start(app, run: Run, plan: LaunchPlan, rendered, cluster, files, grace: flo
         app.info(f"code ready on {len(prepared)} node(s) in {time.monotonic() - began:.1f}s "
                  f"({sent / 2**20:.1f} MiB sent); starting")
 
-    with app.node_progress("syncing and starting", plan.nnodes) as advance:
-        results = start_run(plan, rendered, cluster, files, on_done=advance, cancel=INTERRUPTED, missing=missing,
-                            on_ready=ready)
-    if INTERRUPTED.is_set():
-        raise KeyboardInterrupt
-    problems = [r for r in results if not r.ok]
-    started = {r.node.name: {"pgid": r.value.pgid, "files": r.value.files, "bytes_sent": r.value.bytes_sent}
-               for r in results if r.ok}
-    if not problems:
-        run.set_node_states(started, state="running")
-        return
-    run.set_node_states(started)
-    for r in problems:
+    start_job(job, run, cluster, grace=grace, progress=app.node_progress, on_ready=ready)
+
+
+def _not_started(app: AppContext, failed: StartFailed) -> None:
+    for r in failed.problems:
         app.err.print(f"[red]{escape(r.node.name)}[/]: {escape(r.error)}")
-    app.err.print("stopping the nodes that had started")
-    with app.node_progress("stopping", plan.nnodes) as advance:
-        stop_nodes(cluster, run.nodes(), grace, on_done=advance)
-    run.update(state="failed-to-start", ended=time.time(),
-               failure={"kind": "start", "description": "; ".join(f"{r.node.name}: {r.error}" for r in problems)})
+    app.err.print("the nodes that had started were stopped")
     if app.json:
-        app.emit_json({"run_id": plan.run_id, "state": "failed-to-start",
-                       "nodes": {r.node.name: r.error for r in problems}})
-    raise SystemExit(EXIT_UNREACHABLE if any(r.unreachable for r in problems) else EXIT_FAILED)
+        app.emit_json({"run_id": failed.run_id, "state": "failed-to-start",
+                       "nodes": {r.node.name: r.error for r in failed.problems}})
+    raise SystemExit(failed.exit_code)
 
 
-def _interrupted(app, run: Run, plan: LaunchPlan, cluster, grace: float) -> None:
+def _detached(app: AppContext, run: Run, job: Job) -> None:
+    plan = job.plan
+    if app.json:
+        app.emit_json({"run_id": plan.run_id, "state": "running", "attempt": plan.attempt, "nnodes": plan.nnodes,
+                       "world_size": plan.world_size, "folder": str(run.folder.resolve()),
+                       "nodes": {np.node.name: np.run_dir for np in plan.nodes}})
+        return
+    app.out.print(f"run {plan.run_id} started on {plan.nnodes} node(s), world size {plan.world_size}")
+    app.out.print(f"follow it:  nodectl tail rank0 -f --run {plan.run_id}")
+    app.out.print(f"stop it:    nodectl stop --run {plan.run_id}")
+
+
+def _interrupted(app: AppContext, run: Run, cluster, grace: float) -> None:
     """Ctrl-C or SIGTERM at any phase after the run was recorded: stop whatever may have started, say so, 130."""
     ignore_signals_while_cleaning()
-    app.err.print(f"interrupted: stopping run {plan.run_id} on every node")
-    with app.node_progress("stopping", plan.nnodes) as advance:
-        stopped = stop_nodes(cluster, run.nodes(), grace, on_done=advance)
-    left = sum((r.value or {}).get("left", 0) for r in stopped.values() if r.ok)
-    run.update(state="interrupted", ended=time.time())
+    app.err.print(f"interrupted: stopping run {run.run_id} on every node")
+    left = processes_left(stop_run(run, cluster, grace, RunState.INTERRUPTED, progress=app.node_progress))
     if app.json:
-        app.emit_json({"run_id": plan.run_id, "state": "interrupted", "processes_left": left})
+        app.emit_json({"run_id": run.run_id, "state": "interrupted", "processes_left": left})
     raise SystemExit(EXIT_INTERRUPTED)
 
 
-def _watch(app, run: Run, plan: LaunchPlan, cluster, follow: str, grace: float, stall_after):
-    """Follow the run to its end: None when it succeeded, else its first failure (the run stopped everywhere)."""
-    run_nodes = run.nodes()
-    ranks = {rank: rn.node.name for rn in run_nodes for rank in rn.ranks}
-    followed = ranks if follow == "all" else {0: ranks[0]}
-    console = app.err if app.json else app.out
-    stream = LogStream(console, followed, prefixed=follow == "all")
-    try:
-        outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=app.transport_options.connect_timeout + 5,
-                                        stall_after=stall_after)
-    finally:
-        stream.flush()
-    if outcome == "succeeded":
-        run.update(state="succeeded", ended=time.time())
-        app.info(f"run {plan.run_id} succeeded")
-        if app.json:
-            app.emit_json({"run_id": plan.run_id, "state": "succeeded", "attempt": plan.attempt})
-        return None
-    _stop_failed(app, run, plan, cluster, run_nodes, failure, grace)
-    return failure
-
-
-def _stop_failed(app, run: Run, plan: LaunchPlan, cluster, run_nodes, failure, grace: float) -> None:
-    """Fail-fast: stop the run on every node, keep the failing rank's last lines, record the failure."""
-    app.err.print(f"[red]{escape(failure.describe())}[/]; stopping the run on every node")
-    with app.node_progress("stopping", len(run_nodes)) as advance:
-        stopped = stop_nodes(cluster, run_nodes, grace, on_done=advance)
-    for name, result in stopped.items():
-        if not result.ok or "error" in (result.value or {}):
-            app.err.print(f"{escape(name)} is not answering: its processes may still run; when it is back: "
-                          f"nodectl stop --run {plan.run_id}")
-    if failure.rank is not None:
-        rn = next(rn for rn in run_nodes if failure.rank in rn.ranks)
-        logs = tail_lines(cluster, rn, [failure.rank], 20, timeout=STOP_SLACK)
-        failure.last_lines = logs.get(failure.rank, {}).get("text", "")
-    failure.processes_left = {name: (r.value or {}).get("left") for name, r in stopped.items() if r.ok}
-    run.update(state="failed", ended=time.time(),
-               failure={"kind": failure.kind, "node": failure.node, "rank": failure.rank, "code": failure.code,
-                        "detail": failure.detail, "description": failure.describe()})
-
-
-def _report_failure(app, run: Run, plan: LaunchPlan, failure) -> None:
+def _report_failure(app: AppContext, outcome: attend.Outcome) -> None:
+    failure, run_id = outcome.failure, outcome.job.run_id
     if app.json:
-        app.emit_json({"run_id": plan.run_id, "state": "failed", "attempt": plan.attempt,
-                       "failure": run.manifest()["failure"], "last_lines": failure.last_lines,
+        app.emit_json({"run_id": run_id, "state": "failed", "attempt": outcome.job.plan.attempt,
+                       "failure": outcome.run.read().failure, "last_lines": failure.last_lines,
                        "processes_left": failure.processes_left})
     else:
-        app.err.print(f"[bold red]run {plan.run_id} failed:[/] {escape(failure.describe())}")
+        app.err.print(f"[bold red]run {run_id} failed:[/] {escape(failure.describe())}")
         if failure.last_lines:
             app.err.print(f"last lines of rank {failure.rank}:")
             app.err.print(failure.last_lines.rstrip(), markup=False, highlight=False)
-        app.err.print(f"all logs: nodectl tail all --run {plan.run_id}   (or nodectl collect --run {plan.run_id})")
+        app.err.print(f"all logs: nodectl tail all --run {run_id}   (or nodectl collect --run {run_id})")
     raise SystemExit(EXIT_FAILED)

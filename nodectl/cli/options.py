@@ -36,7 +36,7 @@ class NodeCount(click.ParamType):
 
 
 def node_selection(fn):
-    """--nodes N|NAMES and --exclude NAMES (SPEC §1: the first N nodes after the excluded ones; names and
+    """--nodes N|NAMES and --exclude NAMES (docs/REFERENCE.md §1: the first N nodes after the excluded ones; names and
     host ranges select those nodes, in node-rank order)."""
     fn = click.option("--exclude", multiple=True, callback=_split_names, metavar="NAMES",
                       help="Leave these nodes out (names, hosts or ranges like gpu[03-04]).")(fn)

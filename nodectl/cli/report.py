@@ -1,4 +1,4 @@
-"""`nodectl report [RUN]`: plots under runs/<run_id>/report/ and a short summary, after `collect`."""
+"""`nodectl report [--run RUN]` (a positional RUN works too): plots under runs/<run_id>/report/ and a short summary, after `collect`."""
 from __future__ import annotations
 
 import json
@@ -6,16 +6,21 @@ import json
 import click
 
 from nodectl.cli.context import AppContext
+from nodectl.cli.runs_cmds import run_option
+from nodectl.errors import UsageError
 from nodectl.report import load_collected, render, summarise
 from nodectl.runs import open_run
 
 
 @click.command("report")
-@click.argument("run_id", metavar="[RUN]", required=False)
+@run_option
+@click.argument("positional", metavar="[RUN]", required=False)
 @click.pass_obj
-def command(app: AppContext, run_id: str | None) -> None:
+def command(app: AppContext, run_id: str | None, positional: str | None) -> None:
     """Plot loss, eval loss, tokens/s, MFU, memory, GPU utilisation and step time per rank of a collected run."""
-    run = open_run(run_id)
+    if run_id and positional and run_id != positional:
+        raise UsageError(f"two runs named: --run {run_id} and {positional}; give one")
+    run = open_run(run_id or positional)
     data = load_collected(run.folder)
     plots = render(data, run.folder / "report")
     summary = summarise(data)

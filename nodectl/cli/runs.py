@@ -11,7 +11,7 @@ from rich.table import Table
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import refresh_state
-from nodectl.runs import FINAL_STATES, Run, list_runs
+from nodectl.runs import Run, list_runs
 from nodectl.transport import Cluster, TransportOptions
 from nodectl.watch import poll
 
@@ -21,7 +21,7 @@ def _settle(app: AppContext, runs: list[Run]) -> None:
                                fanout=app.transport_options.fanout,
                                accept_new_host_keys=app.transport_options.accept_new_host_keys)
     for run in runs:
-        if run.manifest().get("state") in FINAL_STATES:
+        if run.read().state.final:
             continue
         run_nodes = run.nodes()
         with Cluster([rn.node for rn in run_nodes], options) as cluster:
@@ -37,12 +37,11 @@ def command(app: AppContext, show_all: bool) -> None:
     _settle(app, runs)
     rows = []
     for run in runs:
-        manifest = run.manifest()
-        plan = manifest.get("plan", {})
-        rows.append({"run_id": run.run_id, "kind": manifest.get("kind", "train"), "state": manifest.get("state"),
-                     "nodes": [n["node"]["name"] for n in plan.get("nodes", [])],
-                     "world_size": sum(n["nproc"] for n in plan.get("nodes", [])),
-                     "started": manifest.get("started"), "folder": str(run.folder.resolve()),
+        manifest = run.read()
+        plan = manifest.plan
+        rows.append({"run_id": run.run_id, "kind": manifest.kind, "state": manifest.state.value,
+                     "nodes": manifest.node_names, "world_size": sum(n["nproc"] for n in plan.get("nodes", [])),
+                     "started": manifest.started, "folder": str(run.folder.resolve()),
                      "command": " ".join(plan.get("command", []))})
     if app.json:
         app.emit_json({"runs": rows})

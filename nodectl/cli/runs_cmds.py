@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 
 from nodectl.cli.context import AppContext
-from nodectl.runs import FINAL_STATES, Run, open_run
+from nodectl.runs import Run, RunState, open_run
 from nodectl.watch import derive_state
 
 
@@ -16,19 +16,18 @@ def opened(app: AppContext, run_id: str | None) -> Run:
     return open_run(run_id)
 
 
-def refresh_state(run: Run, states: dict) -> str | None:
+def refresh_state(run: Run, states: dict) -> RunState:
     """Correct a recorded state that only the nodes can settle: an attached controller that was killed leaves
     "starting" or "running", and nobody watches a detached run end. Final states stay as recorded."""
-    manifest = run.manifest()
-    recorded = manifest.get("state")
-    if recorded in FINAL_STATES:
-        return recorded
+    manifest = run.read()
+    if manifest.state.final:
+        return manifest.state
     derived = derive_state(states)
-    if derived and derived != recorded:
-        fields = {"state": derived}
-        if derived != "running":
-            fields["ended"] = manifest.get("ended") or max(
+    if derived and derived != manifest.state:
+        changes = {"state": derived}
+        if derived != RunState.RUNNING:
+            changes["ended"] = manifest.ended or max(
                 ((r.value or {}).get("launcher_exit") or {}).get("time", 0) for r in states.values()) or None
-        run.update(**fields)
+        run.update(**changes)
         return derived
-    return recorded
+    return manifest.state

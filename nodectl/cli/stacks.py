@@ -7,7 +7,7 @@ from rich.markup import escape
 from nodectl import agent
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, run_option
-from nodectl.errors import EXIT_UNREACHABLE
+from nodectl.errors import EXIT_FAILED, exit_code_for
 
 
 @click.command("stacks")
@@ -23,12 +23,14 @@ def command(app: AppContext, run_id: str | None) -> None:
             app.node_progress("gathering stacks", len(run_nodes)) as advance:
         results = cluster.fan_out(lambda t: agent.call(t, "stacks", run_nodes[t.node.name].run_dir, timeout=120),
                                   on_done=advance)
-    gathered, unreachable = {}, False
+    gathered = {}
     for result in results:
         if not result.ok:
-            unreachable = True
             app.err.print(f"[red]{escape(result.node.name)}[/]: {escape(result.error)}")
             continue
+        if not result.value["stacks"]:
+            app.err.print(f"[red]{escape(result.node.name)}[/]: no rank of run {escape(run.run_id)} there to take "
+                          f"a stack of (not started, or its folder is gone)")
         for rank, entry in result.value["stacks"].items():
             text = entry.get("text") or f"(no stack: {entry.get('error')})\n"
             (folder / f"rank{rank}.txt").write_text(text)
@@ -40,6 +42,8 @@ def command(app: AppContext, run_id: str | None) -> None:
             app.heading(f"rank {rank} on {escape(gathered[rank]['node'])}")
             app.out.print(gathered[rank].get("text") or f"no stack: {gathered[rank].get('error')}",
                           markup=False, highlight=False)
-        app.info(f"saved under {folder}/")
-    if unreachable:
-        raise SystemExit(EXIT_UNREACHABLE)
+        if gathered:
+            app.info(f"saved under {folder}/")
+    code = exit_code_for(results) or (EXIT_FAILED if not gathered else 0)
+    if code:
+        raise SystemExit(code)

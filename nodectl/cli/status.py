@@ -7,7 +7,7 @@ from rich.table import Table
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, refresh_state, run_option
-from nodectl.errors import EXIT_UNREACHABLE
+from nodectl.errors import exit_code_for
 from nodectl.watch import poll, rank_failures, tail_lines
 
 
@@ -16,8 +16,8 @@ def rank_rows(states: dict, run_nodes, stall_after: float) -> list[dict]:
     for rn in run_nodes:
         result = states[rn.node.name]
         answer = result.value if result.ok else None
-        if not answer or "error" in answer:
-            reason = result.error or (answer or {}).get("error")
+        if not answer:
+            reason = result.error
             rows += [{"node": rn.node.name, "rank": r, "state": "lost", "detail": reason} for r in rn.ranks]
             continue
         for rank in answer["ranks"]:
@@ -64,7 +64,6 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
             rn = next(rn for rn in run_nodes if first.rank in rn.ranks)
             first.last_lines = tail_lines(cluster, rn, [first.rank], 20).get(first.rank, {}).get("text", "")
     state = refresh_state(run, states)
-    manifest = run.manifest()
     if app.json:
         app.emit_json({"run_id": run.run_id, "state": state, "ranks": rows,
                        "first_failure": first.__dict__ if first else None})
@@ -85,5 +84,5 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
             app.out.print(f"[red]first failure:[/] {escape(first.describe())}")
             if first.last_lines:
                 app.out.print(first.last_lines.rstrip(), markup=False, highlight=False)
-    if any(row["state"] == "lost" and row.get("detail") for row in rows):
-        raise SystemExit(EXIT_UNREACHABLE)
+    if exit_code_for(states.values()):
+        raise SystemExit(exit_code_for(states.values()))

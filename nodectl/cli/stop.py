@@ -8,7 +8,8 @@ from rich.markup import escape
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, run_option
-from nodectl.errors import EXIT_UNREACHABLE
+from nodectl.errors import exit_code_for
+from nodectl.runs import RunState
 from nodectl.watch import stop_nodes
 
 
@@ -23,21 +24,20 @@ def command(app: AppContext, run_id: str | None, grace: float) -> None:
     run_nodes = run.nodes(left_out=True)
     with app.cluster_for(run_nodes) as cluster, app.node_progress("stopping", len(run_nodes)) as advance:
         results = stop_nodes(cluster, run_nodes, grace, on_done=advance)
-    summary, unreachable = {}, False
+    summary = {}
     for name, result in results.items():
         answer = result.value if result.ok else None
-        if not answer or "error" in answer:
-            unreachable = True
-            summary[name] = {"error": result.error or answer.get("error")}
+        if not answer:
+            summary[name] = {"error": result.error}
             app.err.print(f"[red]{escape(name)}[/]: {escape(summary[name]['error'])}")
             continue
         summary[name] = answer
         app.info(f"{name}: {answer['terminated']} process(es) stopped, {answer['killed']} needed SIGKILL, "
                  f"{answer['left']} left")
-    manifest = run.manifest()
-    if manifest.get("state") in ("running", "starting") and not unreachable:
-        run.update(state="stopped", ended=time.time())
+    code = exit_code_for(results.values())
+    if not run.read().state.final and not code:
+        run.update(state=RunState.STOPPED, ended=time.time())
     if app.json:
         app.emit_json({"run_id": run.run_id, "nodes": summary})
-    if unreachable:
-        raise SystemExit(EXIT_UNREACHABLE)
+    if code:
+        raise SystemExit(code)

@@ -19,7 +19,7 @@ def _gpu_of_ranks(run: Run) -> dict[int, tuple[str, int]]:
     """Global rank -> (node, GPU index as nvidia-smi numbers it): local rank i uses the i-th of the node's
     CUDA_VISIBLE_DEVICES (when it lists indices), else GPU i."""
     out = {}
-    for entry in run.manifest().get("plan", {}).get("nodes", []):
+    for entry in run.read().plan.get("nodes", []):
         visible = (entry.get("env") or {}).get("CUDA_VISIBLE_DEVICES", "")
         indices = [int(x) for x in visible.split(",")] if visible and all(
             x.strip().isdigit() for x in visible.split(",")) else None
@@ -40,9 +40,9 @@ def snapshot(run: Run, cluster, run_nodes, stall_after: float) -> dict:
         node, index = placement.get(row["rank"], (row["node"], None))
         row["gpu"] = gpus.get(node, {}).get(index)
     state = refresh_state(run, states)
-    manifest = run.manifest()
-    return {"run_id": run.run_id, "state": state, "attempt": manifest.get("attempt", 0),
-            "elapsed_s": round(time.time() - manifest["started"], 1) if manifest.get("started") else None,
+    manifest = run.read()
+    return {"run_id": run.run_id, "state": state.value, "attempt": manifest.attempt,
+            "elapsed_s": round(time.time() - manifest.started, 1) if manifest.started else None,
             "ranks": rows}
 
 

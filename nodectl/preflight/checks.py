@@ -2,10 +2,12 @@
 function here reads only the reports it is given, so each is unit-tested on saved or crafted reports."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
-PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
+from nodectl.preflight.health import check_ib_rates
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, skip_if_unreadable, unreadable
+
 SHM_MIN = 1 << 30
 DISK_WARN, DISK_FAIL = 20 << 30, 2 << 30
 GPU_BUSY_BYTES = 1 << 30
@@ -13,19 +15,6 @@ SKEW_WARN, SKEW_FAIL = 1.0, 30.0
 NOFILE_FAIL, NOFILE_WARN = 1024, 65536
 SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 VIRTUAL_PREFIXES = ("docker", "veth", "virbr", "br-", "lo", "cni", "flannel", "cali", "tun", "tap")
-
-
-@dataclass(frozen=True)
-class CheckResult:
-    check: str
-    node: str           # a node name, or "cluster" for cross-node checks
-    verdict: str
-    detail: str
-    hint: str = ""
-    env: Mapping[str, str] | None = None   # variables this hint recommends for hosts.yaml
-
-    def to_json(self) -> dict:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -37,46 +26,13 @@ class Expectation:
     master_addr: str
 
 
-def _get(report: Mapping, *path, default=None) -> Any:
-    value: Any = report
-    for key in path:
-        if not isinstance(value, Mapping) or key not in value:
-            return default
-        value = value[key]
-    return value
-
-
-def unreadable(report: Mapping, section: str) -> str | None:
-    """Why a section of the probe report holds no facts (its probe failed or never ran), or None. A check
-    whose facts could not be read says skip with this reason: never pass."""
-    value = report.get(section)
-    if value is None:
-        return f"the probe reported no {section} facts"
-    if isinstance(value, Mapping) and value.get("error"):
-        return f"{section} facts could not be read ({value['error']})"
-    return None
-
-
-def _skip_if_unreadable(check: str, section: str):
-    """Decorator: a check of `section` facts returns skip with the reason when they could not be read."""
-    def wrap(fn):
-        def checked(node: str, report: Mapping, *args, **kwargs) -> CheckResult:
-            reason = unreadable(report, section)
-            if reason:
-                return CheckResult(check, node, SKIP, reason)
-            return fn(node, report, *args, **kwargs)
-        checked.__name__, checked.__doc__ = fn.__name__, fn.__doc__
-        return checked
-    return wrap
-
-
 def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
 def check_torch(node: str, report: Mapping, device: str) -> CheckResult:
     torch = report.get("torch") or {}
-    python = _get(report, "python", "executable", default="python3")
+    python = get(report, "python", "executable", default="python3")
     if "error" in torch:
         return CheckResult("torch", node, FAIL, f"torch does not import for {python}: {torch['error']}",
                            f"install it into that interpreter: {python} -m pip install torch (the CUDA build "
@@ -89,38 +45,38 @@ def check_torch(node: str, report: Mapping, device: str) -> CheckResult:
                                             f"NCCL {torch.get('nccl') or '-'})")
 
 
-@_skip_if_unreadable("gpus", "gpus")
+@skip_if_unreadable("gpus", "gpus")
 def check_gpu_count(node: str, report: Mapping, want: int | None, inventory_gpus: int | None = None) -> CheckResult:
     """The GPUs the ranks will see (CUDA_VISIBLE_DEVICES applied by the probe) against what the launch asks:
     --gpus, else the node's `gpus:`; a CUDA_VISIBLE_DEVICES entry that names no GPU of the node fails."""
-    count = _get(report, "gpus", "count", default=0)
-    if not _get(report, "gpus", "available", default=False):
-        return CheckResult("gpus", node, FAIL, f"no GPU visible: {_get(report, 'gpus', 'reason', default='?')}",
+    count = get(report, "gpus", "count", default=0)
+    if not get(report, "gpus", "available", default=False):
+        return CheckResult("gpus", node, FAIL, f"no GPU visible: {get(report, 'gpus', 'reason', default='?')}",
                            "install the NVIDIA driver and nvidia-ml-py on the node, or use device: cpu")
-    unresolved = _get(report, "gpus", "unresolved", default=[])
+    unresolved = get(report, "gpus", "unresolved", default=[])
     if unresolved:
-        total = _get(report, "gpus", "count_all", default="?")
+        total = get(report, "gpus", "count_all", default="?")
         return CheckResult("gpus", node, FAIL,
-                           f"CUDA_VISIBLE_DEVICES={_get(report, 'gpus', 'visible')} names {unresolved[0]!r}, which is "
+                           f"CUDA_VISIBLE_DEVICES={get(report, 'gpus', 'visible')} names {unresolved[0]!r}, which is "
                            f"no GPU of this node (it has {total}: indexes 0-{total - 1 if isinstance(total, int) else '?'}"
                            f" or GPU-<uuid>); CUDA ignores it and every entry after it",
                            "fix CUDA_VISIBLE_DEVICES in this node's env: (nvidia-smi -L lists the GPUs)")
     asked, source = (want, "--gpus") if want else (inventory_gpus, "gpus: in hosts.yaml")
     if asked and count < asked:
-        visible = " visible" if _get(report, "gpus", "visible") is not None else ""
+        visible = " visible" if get(report, "gpus", "visible") is not None else ""
         return CheckResult("gpus", node, FAIL, f"{count}{visible} GPU(s), {asked} asked by {source}",
                            f"lower {source} to {count} for this node, or make more GPUs visible to it")
-    models = {d["name"] for d in _get(report, "gpus", "devices", default=[])}
+    models = {d["name"] for d in get(report, "gpus", "devices", default=[])}
     if len(models) > 1:
         return CheckResult("gpus", node, FAIL, f"mixed GPU models on one node: {', '.join(sorted(models))}",
                            "set CUDA_VISIBLE_DEVICES in this node's env: to GPUs of one model")
     return CheckResult("gpus", node, PASS, f"{count}x {next(iter(models), '?')}")
 
 
-@_skip_if_unreadable("gpu idle", "gpus")
+@skip_if_unreadable("gpu idle", "gpus")
 def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = frozenset()) -> CheckResult:
     busy, notes = [], []
-    for device in _get(report, "gpus", "devices", default=[]):
+    for device in get(report, "gpus", "devices", default=[]):
         for proc in device.get("compute_processes", []):
             if proc.get("pid") not in own_pids:
                 busy.append(f"GPU{device['index']}: pid {proc['pid']} ({proc.get('user', '?')})")
@@ -138,10 +94,10 @@ def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = froze
     return CheckResult("gpu idle", node, PASS, "no foreign compute process")
 
 
-@_skip_if_unreadable("ecc", "gpus")
+@skip_if_unreadable("ecc", "gpus")
 def check_ecc(node: str, report: Mapping) -> CheckResult:
     bad = []
-    for d in _get(report, "gpus", "devices", default=[]):
+    for d in get(report, "gpus", "devices", default=[]):
         if (d.get("ecc_volatile_uncorrected") or 0) > 0:
             bad.append(f"GPU{d['index']}: {d['ecc_volatile_uncorrected']} uncorrectable ECC errors")
         if d.get("retired_pages_pending"):
@@ -154,9 +110,9 @@ def check_ecc(node: str, report: Mapping) -> CheckResult:
     return CheckResult("ecc", node, PASS, "no uncorrectable errors or pending retirements")
 
 
-@_skip_if_unreadable("persistence", "gpus")
+@skip_if_unreadable("persistence", "gpus")
 def check_persistence(node: str, report: Mapping) -> CheckResult:
-    off = [str(d["index"]) for d in _get(report, "gpus", "devices", default=[]) if not d.get("persistence_mode")]
+    off = [str(d["index"]) for d in get(report, "gpus", "devices", default=[]) if not d.get("persistence_mode")]
     if off:
         return CheckResult("persistence", node, WARN, f"persistence mode off on GPU {','.join(off)}",
                            "sudo nvidia-smi -pm 1 (or enable nvidia-persistenced) to avoid slow first CUDA calls")
@@ -186,9 +142,9 @@ def check_p2p(node: str, p2p: Mapping | None) -> CheckResult:
                                           f"slowest {slowest:.0f} GB/s")
 
 
-@_skip_if_unreadable("nvlink", "gpus")
+@skip_if_unreadable("nvlink", "gpus")
 def check_nvlink(node: str, report: Mapping) -> CheckResult:
-    devices = _get(report, "gpus", "devices", default=[])
+    devices = get(report, "gpus", "devices", default=[])
     if len(devices) < 2:
         return CheckResult("nvlink", node, SKIP, "fewer than 2 GPUs")
     active = [d.get("nvlinks_active", 0) for d in devices]
@@ -220,9 +176,9 @@ def check_infiniband(node: str, report: Mapping) -> CheckResult:
                                                  f"{'/'.join(map(str, layers))}")
 
 
-@_skip_if_unreadable("memlock", "limits")
+@skip_if_unreadable("memlock", "limits")
 def check_memlock(node: str, report: Mapping) -> CheckResult:
-    soft = _get(report, "limits", "memlock_soft")
+    soft = get(report, "limits", "memlock_soft")
     if not report.get("infiniband"):
         return CheckResult("memlock", node, SKIP if soft != "unlimited" else PASS,
                            f"memlock {soft} (only matters with InfiniBand)")
@@ -233,11 +189,11 @@ def check_memlock(node: str, report: Mapping) -> CheckResult:
     return CheckResult("memlock", node, PASS, "unlimited")
 
 
-@_skip_if_unreadable("nofile", "limits")
+@skip_if_unreadable("nofile", "limits")
 def check_nofile(node: str, report: Mapping) -> CheckResult:
     """Open files: every rank holds sockets to its peers (NCCL, gloo, the TCP store), data loader workers share
     tensors through descriptors; 1024 is soon spent at scale, a few hundred at once."""
-    soft, hard = _get(report, "limits", "nofile_soft"), _get(report, "limits", "nofile_hard")
+    soft, hard = get(report, "limits", "nofile_soft"), get(report, "limits", "nofile_hard")
     if soft is None:
         return CheckResult("nofile", node, SKIP, "the probe did not read the open-files limit")
     fix = ("add '* soft nofile 1048576' and '* hard nofile 1048576' to /etc/security/limits.conf "
@@ -290,9 +246,9 @@ def check_socket_ifname(node: str, report: Mapping, env: Mapping[str, str]) -> C
     return CheckResult("socket ifname", node, PASS, ", ".join(f"{var}={value}" for var, value in named.items()))
 
 
-@_skip_if_unreadable("shm", "disk")
+@skip_if_unreadable("shm", "disk")
 def check_shm(node: str, report: Mapping) -> CheckResult:
-    shm = _get(report, "disk", "shm_bytes")
+    shm = get(report, "disk", "shm_bytes")
     if shm is None:
         return CheckResult("shm", node, FAIL, "/dev/shm is missing", "mount a tmpfs on /dev/shm")
     if shm < SHM_MIN:
@@ -302,10 +258,10 @@ def check_shm(node: str, report: Mapping) -> CheckResult:
     return CheckResult("shm", node, PASS, _gib(shm))
 
 
-@_skip_if_unreadable("disk", "disk")
+@skip_if_unreadable("disk", "disk")
 def check_disk(node: str, report: Mapping) -> CheckResult:
-    free = _get(report, "disk", "free_bytes")
-    where = _get(report, "disk", "workdir", default="workdir")
+    free = get(report, "disk", "free_bytes")
+    where = get(report, "disk", "workdir", default="workdir")
     if free is None:
         return CheckResult("disk", node, SKIP, "free space could not be read")
     if free < DISK_FAIL:
@@ -317,10 +273,10 @@ def check_disk(node: str, report: Mapping) -> CheckResult:
 
 def _version(report: Mapping, what: str) -> str:
     if what == "python":
-        return ".".join(str(_get(report, "python", "version", default="?")).split(".")[:2])
+        return ".".join(str(get(report, "python", "version", default="?")).split(".")[:2])
     if what == "driver":
-        return str(_get(report, "gpus", "driver", default="-"))
-    return str(_get(report, "torch", what, default="-"))
+        return str(get(report, "gpus", "driver", default="-"))
+    return str(get(report, "torch", what, default="-"))
 
 
 def check_versions(reports: Mapping[str, Mapping]) -> list[CheckResult]:
@@ -361,15 +317,15 @@ def _spread(facts: Mapping[str, str]) -> str:
 UNIFORM_FACTS = (
     # (check, how to read it from a report, hint) -- differences warn: they explain one node running slower or
     # failing differently, and vendors qualify firmware and drivers as a set
-    ("same kernel", lambda r: _get(r, "os", "kernel"), "one kernel build everywhere (uname -r)"),
-    ("same vbios", lambda r: [d.get("vbios") for d in _get(r, "gpus", "devices", default=[]) or []],
+    ("same kernel", lambda r: get(r, "os", "kernel"), "one kernel build everywhere (uname -r)"),
+    ("same vbios", lambda r: [d.get("vbios") for d in get(r, "gpus", "devices", default=[]) or []],
      "flash one VBIOS version on every GPU (nvidia-smi -q | grep VBIOS)"),
     ("same hca firmware", lambda r: [d.get("fw_ver") for d in r.get("infiniband") or [] if isinstance(d, Mapping)],
      "update every HCA to one firmware (mlxfwmanager / ibv_devinfo shows fw_ver)"),
     ("same ofed", lambda r: [d.get("driver_version") for d in r.get("infiniband") or [] if isinstance(d, Mapping)],
      "install one MLNX_OFED / rdma-core version everywhere (ofed_info -s)"),
-    ("same swap", lambda r: None if _get(r, "memory", "swap_total_bytes") is None else
-     ("on" if _get(r, "memory", "swap_total_bytes") else "off"),
+    ("same swap", lambda r: None if get(r, "memory", "swap_total_bytes") is None else
+     ("on" if get(r, "memory", "swap_total_bytes") else "off"),
      "swap on some nodes only: a node that pages runs every rank at its pace; swapoff -a (and /etc/fstab)"),
 )
 
@@ -386,7 +342,7 @@ def check_uniformity(reports: Mapping[str, Mapping]) -> list[CheckResult]:
             results.append(CheckResult(check, "cluster", WARN, _spread(facts), hint))
         else:
             results.append(CheckResult(check, "cluster", PASS, next(iter(facts.values()))))
-    governors = _facts_by_node(reports, lambda r: _get(r, "cpu", "governor"))
+    governors = _facts_by_node(reports, lambda r: get(r, "cpu", "governor"))
     slow = {node: g for node, g in governors.items() if g != "performance"}
     if not governors:
         results.append(CheckResult("cpu governor", "cluster", SKIP, "no node exposes cpufreq (a VM or container?)"))
@@ -414,7 +370,7 @@ def check_packages(reports: Mapping[str, Mapping]) -> CheckResult:
 
 
 def check_gpu_models(reports: Mapping[str, Mapping]) -> CheckResult:
-    models = {node: sorted({d["name"] for d in _get(r, "gpus", "devices", default=[])}) for node, r in reports.items()}
+    models = {node: sorted({d["name"] for d in get(r, "gpus", "devices", default=[])}) for node, r in reports.items()}
     distinct = {tuple(m) for m in models.values() if m}
     if len(distinct) > 1:
         return CheckResult("one GPU model", "cluster", FAIL,
@@ -438,10 +394,10 @@ def check_workdir(node: str, report: Mapping) -> CheckResult:
 
 
 def check_clock(node: str, report: Mapping) -> CheckResult:
-    skew = _get(report, "clock", "skew_s")
+    skew = get(report, "clock", "skew_s")
     if skew is None:
         return CheckResult("clock", node, SKIP, "no clock reading")
-    slack = (_get(report, "clock", "round_trip_s", default=0) or 0) / 2
+    slack = (get(report, "clock", "round_trip_s", default=0) or 0) / 2
     effective = max(0.0, abs(skew) - slack)
     hint = "run chrony or systemd-timesyncd on every node; logs and heartbeats are compared by time"
     if effective > SKEW_FAIL:
@@ -513,8 +469,6 @@ def judge_node(node: str, report: Mapping, device: str, expect: Expectation,
 
 
 def judge_cluster(reports: Mapping[str, Mapping], devices: Mapping[str, str]) -> list[CheckResult]:
-    from nodectl.preflight.health import check_ib_rates
-
     results = check_versions(reports) + check_uniformity(reports)
     if any(d == "cuda" for d in devices.values()):
         results += [check_gpu_models(reports), check_ib_rates(reports)]

@@ -1,20 +1,19 @@
-"""The collective test: a short torchrun job through the launch path, and what its logs say of NCCL's
+"""The collective test: a short torchrun job through the launch pipeline (nodectl/job.py), and what its logs say of NCCL's
 transports. Parsing is pure and unit-tested on saved log lines."""
 from __future__ import annotations
 
 import json
 import re
 import tempfile
+import time
 from dataclasses import replace
 
 from nodectl import sync
-from nodectl.errors import INTERRUPTED, ignore_signals_while_cleaning
+from nodectl.errors import ignore_signals_while_cleaning
 from nodectl.inventory import Inventory
-from nodectl.launch import settle_master_port, start_run, survey
-from nodectl.plan import build_plan
-from nodectl.preflight.checks import FAIL, PASS, WARN, CheckResult
-from nodectl.render import render_plan
-from nodectl.runs import create_run
+from nodectl.job import JobSpec, StartFailed, plan_job, record_job, settle_job, start_job, stop_run
+from nodectl.preflight.verdict import FAIL, PASS, WARN, CheckResult
+from nodectl.runs import RunState
 from nodectl.transport import Cluster
 from nodectl.watch import stop_nodes, tail_lines, wait_for_end
 
@@ -135,40 +134,28 @@ def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, 
     empty = tempfile.mkdtemp(prefix="nodectl-preflight-")
     sweep = ("--max-bytes", str(max_bytes), *(("--min-bytes", str(min_bytes)) if min_bytes else ()),
              "--deadline-s", str(deadline or DEFAULT_DEADLINE_S))
-    options = dict(gpus=gpus, command=("../lib/collective.py", *sweep), sync_dir=empty, facts=facts)
-    plan = build_plan(inventory, **options)
-    files = sync.nodectl_files(False, None, ("collective.py",))
-    surveyed = survey(plan, cluster, files)
-    if surveyed.shared:
-        plan = build_plan(inventory, run_id=plan.run_id, shared_workdirs=surveyed.shared, **options)
-    plan = settle_master_port(plan, cluster)
-    rendered = render_plan(plan)
-    run = create_run(plan.to_json(), argv=["nodectl", "preflight", "(collective test)"],
-                     config_fingerprint=plan.fingerprint(), inventory_source=inventory.source, git=None,
-                     kind="preflight")
+    spec = JobSpec(inventory, command=("../lib/collective.py", *sweep), sync_dir=empty,
+                   files=tuple(sync.nodectl_files(False, None, ("collective.py",))), gpus=gpus, facts=facts or {},
+                   kind="preflight", argv=("nodectl", "preflight", "(collective test)"))
+    job = settle_job(plan_job(spec), cluster)
+    run = record_job(job)
     run_nodes = run.nodes()
     try:
-        results = start_run(plan, rendered, cluster, files, cancel=INTERRUPTED, missing=surveyed.missing)
-        problems = [r for r in results if not r.ok]
-        if problems or INTERRUPTED.is_set():
-            stop_nodes(cluster, run_nodes, grace)
-            run.update(state="failed-to-start")
-            if INTERRUPTED.is_set():
-                raise KeyboardInterrupt
-            return None, {}, "; ".join(f"{r.node.name}: {r.error}" for r in problems), plan.run_id
+        start_job(job, run, cluster, grace=grace)
         outcome, failure = wait_for_end(cluster, run_nodes, None, lost_after=connect_timeout + 5)
+    except StartFailed as failed:
+        return None, {}, str(failed.message), job.run_id
     except KeyboardInterrupt:  # the user stopped preflight: its job must not outlive it
         ignore_signals_while_cleaning()
-        stop_nodes(cluster, run_nodes, grace)
-        run.update(state="interrupted")
+        stop_run(run, cluster, grace, RunState.INTERRUPTED)
         raise
-    if outcome != "succeeded":
+    if outcome != RunState.SUCCEEDED:
         stop_nodes(cluster, run_nodes, grace)
-    run.update(state=outcome)
+    run.update(state=outcome, ended=time.time())
     logs = ""
     for run_node in run_nodes:
         logs += tail_lines(cluster, run_node, [run_node.ranks[0]], 5000).get(run_node.ranks[0], {}).get("text", "")
-    return result_in(logs), transports_in(logs), _failure_text(cluster, run_nodes, failure), plan.run_id
+    return result_in(logs), transports_in(logs), _failure_text(cluster, run_nodes, failure), job.run_id
 
 
 def _failure_text(cluster: Cluster, run_nodes, failure) -> str | None:

@@ -6,7 +6,7 @@ import re
 import statistics
 from typing import Mapping
 
-from nodectl.preflight.checks import FAIL, PASS, SKIP, WARN, CheckResult, _get, _skip_if_unreadable, unreadable
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, skip_if_unreadable, unreadable
 
 # A GPU under this share of the median of its peers (same model) is named: healthy GPUs of one model land within
 # a few percent of each other in these figures; throttling, a bad HBM stack or a downtrained link do not.
@@ -31,7 +31,7 @@ IB_RATE = re.compile(r"([\d.]+)\s*Gb/sec")
 
 
 def _devices(report: Mapping) -> list[Mapping]:
-    return _get(report, "gpus", "devices", default=[]) or []
+    return get(report, "gpus", "devices", default=[]) or []
 
 
 def _gpu(device: Mapping) -> str:
@@ -40,7 +40,7 @@ def _gpu(device: Mapping) -> str:
 
 # ---- per-GPU facts the probe reads without loading the GPU (every tier) -----------------------------------------
 
-@_skip_if_unreadable("pcie link", "gpus")
+@skip_if_unreadable("pcie link", "gpus")
 def check_pcie_link(node: str, report: Mapping) -> CheckResult:
     """Link width below the maximum is a downtrained link (a reseat or a riser). The generation trains down at idle
     to save power, so it is judged under load, by the GPU job."""
@@ -56,7 +56,7 @@ def check_pcie_link(node: str, report: Mapping) -> CheckResult:
     return CheckResult("pcie link", node, PASS, f"x{'/x'.join(map(str, widths))} on {len(devices)} GPU(s)")
 
 
-@_skip_if_unreadable("thermal", "gpus")
+@skip_if_unreadable("thermal", "gpus")
 def check_thermal(node: str, report: Mapping) -> CheckResult:
     """At rest: a GPU already slowed by hardware, or within 5 C of its slowdown temperature, will throttle under
     load."""
@@ -78,7 +78,7 @@ def check_thermal(node: str, report: Mapping) -> CheckResult:
     return CheckResult("thermal", node, PASS, f"{min(temps)}-{max(temps)} C, no slowdown")
 
 
-@_skip_if_unreadable("mig", "gpus")
+@skip_if_unreadable("mig", "gpus")
 def check_mig_compute_mode(node: str, report: Mapping) -> CheckResult:
     """MIG splits a GPU into instances that NCCL cannot join into one job; a prohibited compute mode forbids any
     CUDA context. A pending MIG change applies only at the next GPU reset."""
@@ -104,7 +104,7 @@ def check_mig_compute_mode(node: str, report: Mapping) -> CheckResult:
     return CheckResult("mig", node, PASS, "MIG off, compute mode default")
 
 
-@_skip_if_unreadable("fabric manager", "gpus")
+@skip_if_unreadable("fabric manager", "gpus")
 def check_fabric(node: str, report: Mapping) -> CheckResult:
     """On NVSwitch systems (HGX) every GPU must be registered with the fabric (nvidia-fabricmanager) before CUDA
     can use NVLink between GPUs; until then CUDA calls fail or hang."""
@@ -122,7 +122,7 @@ def check_fabric(node: str, report: Mapping) -> CheckResult:
     return CheckResult("fabric manager", node, PASS, f"{len(known)} GPU(s) registered with the NVSwitch fabric")
 
 
-@_skip_if_unreadable("nvlink errors", "gpus")
+@skip_if_unreadable("nvlink errors", "gpus")
 def check_nvlink_health(node: str, report: Mapping) -> CheckResult:
     """A GPU with fewer active links than its peers runs the node's NVLink traffic at its pace; replay and
     recovery counts mean a marginal link (NVLink error counters, NVML field values)."""

@@ -5,7 +5,7 @@ import yaml
 from rich.markup import escape
 from rich.table import Table
 
-from nodectl.preflight.checks import FAIL, PASS, SKIP, WARN
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN
 from nodectl.preflight.run import PreflightReport
 
 STYLE = {PASS: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from nodectl import agent
 from nodectl.inventory import Inventory
-from nodectl.preflight.checks import FAIL, WARN, CheckResult, Expectation, judge_cluster, judge_node
+from nodectl.preflight.checks import Expectation, judge_cluster, judge_node
+from nodectl.preflight.verdict import FAIL, WARN, CheckResult
 from nodectl.preflight.health import check_gpu_perf, cluster_medians
 from nodectl.preflight.collective import judge_collective, judge_pairs, run_collective, run_pairs
 from nodectl.plan import visible_devices

@@ -1,7 +1,6 @@
 """Faults injected into real runs on real sshd nodes: dying ranks, a killed controller, unreachable nodes."""
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys

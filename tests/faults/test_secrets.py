@@ -14,7 +14,7 @@ from launch_helpers import kill_leftovers, latest_run_id, wait_for
 
 pytestmark = pytest.mark.slow
 CANARY = "hf_canary_5e1f0c0ffee"
-SCRIPT = f'''\
+SCRIPT = '''\
 import hashlib, os, time
 print("token digest", hashlib.sha256(os.environ["HF_TOKEN"].encode()).hexdigest(), flush=True)
 print("url", os.environ["PIP_INDEX_URL"].split("@")[-1], flush=True)

@@ -150,7 +150,7 @@ def test_a_node_tokenizes_once_while_its_other_ranks_wait(tmp_path, tokenizer):
     again."""
     path = tmp_path / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in RECORDS * 20))
-    script = TOKENIZE_ONCE.format(tests=str(Path(__file__).parent), path=str(path), tok=str(tmp_path / "tok"))
+    script = TOKENIZE_ONCE.format(tests=str(Path(__file__).resolve().parents[1]), path=str(path), tok=str(tmp_path / "tok"))
     env = {"NODECTL_DATA_CACHE": str(tmp_path / "cache"), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1"}
 
     def ranks(count):

@@ -1,7 +1,6 @@
 """Every preflight check judged on crafted probe reports, including hardware this machine lacks."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import time
 
 import psutil
 import pytest
@@ -98,7 +96,7 @@ def test_kill9_a_rank_then_resume_logs_the_same_losses_and_report(ssh_cluster, t
         ["train.steps=23"]
 
     assert run_nodectl(["collect", "--run", run_b], env=env, cwd=project).exit_code == 0
-    report = run_nodectl(["--json", "report", run_b], env=env, cwd=project)
+    report = run_nodectl(["--json", "report", "--run", run_b], env=env, cwd=project)
     assert report.exit_code == 0, report.output
     document = report.json()
     assert document["summary"]["steps"] == 23 and document["summary"]["end_reason"] == "completed 23 steps"
@@ -145,7 +143,7 @@ def test_eval_subset_is_fixed_and_eval_loss_matches_one_process(tmp_path, demo_c
             "data.eval_samples=24", "train.micro_batch_size=5")
     proc = torchrun(2, tmp_path / "out", demo_cache, *sets)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    logged = [json.loads(l) for l in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     at_start = next(r["eval_loss"] for r in logged if r.get("eval_loss") is not None and r["step"] == 0)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -1,5 +1,5 @@
 """Hostile and broken input: arguments stay literal through the rendered script; recipes and CLI arguments end
-in success or a clean error with the SPEC exit code, never a traceback."""
+in success or a clean error with the exit code docs/REFERENCE.md names, never a traceback."""
 from __future__ import annotations
 
 import subprocess

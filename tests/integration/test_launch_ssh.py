@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import REPO, run_nodectl
+from conftest import run_nodectl
 from launch_helpers import kill_leftovers, latest_run_id, make_project, run_processes, wait_for
 
 pytestmark = pytest.mark.slow
@@ -89,7 +89,7 @@ def test_failing_rank_stops_every_node(ssh_cluster, project):
 
 
 def test_max_restarts_needs_an_attached_launch(ssh_cluster, project):
-    """Restarts are nodectl's own (stop everywhere, a new attempt on every node: tests/test_resume_eval.py and
+    """Restarts are nodectl's own (stop everywhere, a new attempt on every node: tests/integration/test_resume_eval.py and
     tests/faults/test_node_lost.py prove them end to end); a detached launch has nobody to restart it."""
     detach = run_nodectl(nodectl_args(ssh_cluster, "launch", "--detach", "--max-restarts", "1", "--", "train.py"),
                          env=ssh_cluster.env(), cwd=project)

@@ -1,0 +1,152 @@
+"""The attended run: watch a started job to its end, fail fast, restart it, leave out nodes that fail.
+
+Prints nothing. What happens reaches the caller as events (the dataclasses below, through `notify`); the ranks'
+log lines go to the LogStream the caller makes (`stream_for`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Callable
+
+from nodectl.errors import RunFailed
+from nodectl.job import Job, Progress, no_progress, next_attempt, record_job, settle_job, start_job, stop_run
+from nodectl.runs import Run, RunNode, RunState
+from nodectl.transport import Cluster
+from nodectl.watch import STOP_SLACK, Failure, LogStream, tail_lines, wait_for_end
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """A rank failed (or a node was lost, or a rank stalled): the run is being stopped on every node."""
+    failure: Failure
+
+
+@dataclass(frozen=True)
+class NotAnswering:
+    """A node did not confirm the stop: its processes may live on."""
+    node: str
+    run_id: str
+
+
+@dataclass(frozen=True)
+class Restarting:
+    run_id: str
+    failure: Failure
+    attempt: int          # the attempt about to start
+    restarts_left: int
+
+
+@dataclass(frozen=True)
+class CheckingNodes:
+    """--exclude-failed: the quick preflight on the run's nodes before a restart."""
+    run_id: str
+    count: int
+
+
+@dataclass(frozen=True)
+class LeavingOut:
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class AttemptRecorded:
+    run_id: str
+    attempt: int
+    nnodes: int
+
+
+Event = Stopping | NotAnswering | Restarting | CheckingNodes | LeavingOut | AttemptRecorded
+
+
+@dataclass(frozen=True)
+class Outcome:
+    job: Job              # the last attempt's
+    run: Run
+    failure: Failure | None  # None: the run succeeded
+
+
+def attend(job: Job, run: Run, cluster: Cluster, *, grace: float, connect_timeout: float,
+           stall_after: float | None = None, exclude_failed: bool = False,
+           stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
+           notify: Callable[[Event], None] = lambda event: None, progress: Progress = no_progress) -> Outcome:
+    """Watch the started `job` until it succeeds, or fails with no restart left (`plan.max_restarts`). A
+    failure stops the run on every node first (fail-fast); each restart is the same run's next attempt."""
+    restarts_left = job.plan.max_restarts
+    while True:
+        failure = watch(run, cluster, grace=grace, lost_after=connect_timeout + 5, stall_after=stall_after,
+                        stream_for=stream_for, notify=notify, progress=progress)
+        if failure is None or not restarts_left:
+            return Outcome(job, run, failure)
+        restarts_left -= 1
+        notify(Restarting(job.run_id, failure, job.plan.attempt + 1, restarts_left))
+        left_out, inventory = [], None
+        if exclude_failed:
+            inventory, left_out = _passing_nodes(job, failure, cluster, connect_timeout, notify, progress)
+        job = settle_job(next_attempt(job, inventory=inventory), cluster, survey_nodes=False)
+        run = record_job(job, run)
+        notify(AttemptRecorded(job.run_id, job.plan.attempt, job.plan.nnodes))
+        if left_out:  # `stop` still reaches them once they are back: their processes may live on
+            run.update(left_out=run.read().left_out + left_out)
+        start_job(job, run, cluster, grace=grace, progress=progress)
+
+
+def watch(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_after: float | None = None,
+          stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
+          notify: Callable[[Event], None] = lambda event: None, progress: Progress = no_progress) -> Failure | None:
+    """Follow the run to its end: None when it succeeded, else its first failure (the run stopped everywhere,
+    the failing rank's last lines kept)."""
+    run_nodes = run.nodes()
+    stream = stream_for(run_nodes)
+    try:
+        outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=lost_after, stall_after=stall_after)
+    finally:
+        if stream:
+            stream.flush()
+    if outcome == RunState.SUCCEEDED:
+        run.update(state=RunState.SUCCEEDED, ended=time.time())
+        return None
+    notify(Stopping(failure))
+    record = {"kind": failure.kind, "node": failure.node, "rank": failure.rank, "code": failure.code,
+              "detail": failure.detail, "description": failure.describe()}
+    stopped = stop_run(run, cluster, grace, RunState.FAILED, progress=progress, failure=record)
+    for name, result in stopped.items():
+        if not result.ok:
+            notify(NotAnswering(name, run.run_id))
+    if failure.rank is not None:
+        run_node = next(rn for rn in run_nodes if failure.rank in rn.ranks)
+        logs = tail_lines(cluster, run_node, [failure.rank], 20, timeout=STOP_SLACK)
+        failure.last_lines = logs.get(failure.rank, {}).get("text", "")
+    failure.processes_left = {name: (r.value or {}).get("left") for name, r in stopped.items() if r.ok}
+    return failure
+
+
+def _passing_nodes(job: Job, failure: Failure, cluster: Cluster, connect_timeout: float, notify,
+                   progress: Progress):
+    """(the inventory of the next attempt, the plan entries left out): the run's nodes without those that
+    fail the quick preflight now or were lost; node ranks close up in inventory order, and a new master is
+    chosen if node 0 went. None when every node passes. The built-in trainer continues from its checkpoint's
+    replica on the smaller world."""
+    from nodectl.preflight.run import run_preflight
+
+    plan = job.plan
+    current = replace(job.spec.inventory, nodes=tuple(np.node for np in plan.nodes))
+    notify(CheckingNodes(plan.run_id, len(current.nodes)))
+    with progress("checking nodes", len(current.nodes)) as advance:
+        report = run_preflight(current, cluster, gpus=job.spec.gpus, quick=True, full=False,
+                               connect_timeout=connect_timeout, on_probe=advance)
+    bad = dict(report.unreachable)
+    for result in report.failed:
+        bad.setdefault(result.node, f"{result.check}: {result.detail}")
+    if failure.kind == "lost":
+        bad.setdefault(failure.node, failure.detail)
+    if not bad:
+        return None, []
+    for name, why in bad.items():
+        notify(LeavingOut(name, str(why)))
+    kept = [node for node in current.nodes if node.name not in bad]
+    if not kept:
+        raise RunFailed(f"run {plan.run_id}: no node passed the check before the restart")
+    inventory = replace(current, nodes=tuple(replace(node, index=i) for i, node in enumerate(kept)))
+    return inventory, [entry for entry in plan.to_json()["nodes"] if entry["node"]["name"] in bad]

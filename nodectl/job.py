@@ -1,0 +1,191 @@
+"""Starting a job on the nodes: one pipeline for `launch`, its restarts, `--resume` and preflight's collective test.
+
+    JobSpec --plan_job--> Job (plan + rendered scripts)      `launch --dry-run` stops here
+            --settle_job--> Job (nodes' workdirs surveyed, master port checked)
+            --record_job--> Run (runs/<run_id>/, a new run or the next attempt of one)
+            --start_job---> every node synced, then started (or nothing started, and the run says why)
+
+Like torchx's `schedule(submit_dryrun(...))`: the dry run and the real start are the same calls with the same
+inputs. Nothing here prints; callers hear of progress through `progress` and `on_ready`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Callable, ContextManager, Mapping
+
+from nodectl import sync
+from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE, INTERRUPTED, NodectlError
+from nodectl.inventory import Inventory
+from nodectl.launch import NodeStart, settle_master_port, start_run, survey
+from nodectl.plan import LaunchPlan, build_plan
+from nodectl.render import RenderedNode, render_plan
+from nodectl.runs import Run, RunState, create_run, git_revision
+from nodectl.secrets import redact_args
+from nodectl.transport import Cluster, NodeResult
+from nodectl.watch import stop_nodes
+
+# progress(label, total) -> a context that yields the callback advanced once per node (the CLI's progress bar)
+Progress = Callable[[str, int], ContextManager[Callable[[NodeResult], None]]]
+
+
+def no_progress(label: str, total: int) -> ContextManager[Callable[[NodeResult], None]]:
+    return nullcontext(lambda result: None)
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """Everything a job is made from, before any node is read."""
+
+    inventory: Inventory
+    command: tuple[str, ...]          # SCRIPT ARGS..., -m MODULE ARGS..., or () for the built-in trainer
+    sync_dir: str
+    files: tuple[sync.SyncFile, ...]  # what reaches each node: the project's files and nodectl's own
+    gpus: int | None = None
+    config: str | None = None
+    overrides: tuple[str, ...] = ()
+    max_restarts: int = 0
+    template: str | None = None
+    facts: Mapping[str, dict] = field(default_factory=dict)  # probe reports per node, when a preflight ran
+    kind: str = "train"               # or "preflight": preflight's own jobs
+    argv: tuple[str, ...] = ()        # the command line recorded in the manifest (secrets redacted)
+    run_id: str | None = None         # a new id when None
+    attempt: int = 0
+    shared_workdirs: frozenset[str] = frozenset()
+
+    def plan(self) -> LaunchPlan:
+        plan = build_plan(self.inventory, gpus=self.gpus, command=self.command, sync_dir=self.sync_dir,
+                          config=self.config, run_id=self.run_id, max_restarts=self.max_restarts,
+                          overrides=self.overrides, facts=self.facts, shared_workdirs=self.shared_workdirs)
+        return replace(plan, attempt=self.attempt) if self.attempt else plan
+
+
+@dataclass(frozen=True)
+class Job:
+    spec: JobSpec
+    plan: LaunchPlan
+    rendered: tuple[RenderedNode, ...]
+    missing: Mapping[str, list[str]] | None = None  # per node, the objects its store lacks (from the survey)
+
+    @property
+    def run_id(self) -> str:
+        return self.plan.run_id
+
+
+class StartFailed(NodectlError):
+    """Some node could not be prepared or started: the others were stopped and the run records why."""
+
+    def __init__(self, run_id: str, problems: list[NodeResult]) -> None:
+        self.run_id, self.problems = run_id, problems
+        super().__init__("; ".join(f"{r.node.name}: {r.error}" for r in problems))
+        self.exit_code = EXIT_UNREACHABLE if any(r.unreachable for r in problems) else EXIT_FAILED
+
+
+def plan_job(spec: JobSpec) -> Job:
+    """Plan and render: reads no node. A fixed run id keeps a re-planned job the same run."""
+    plan = spec.plan()
+    spec = replace(spec, run_id=plan.run_id)
+    return Job(spec, plan, tuple(render_plan(plan, spec.template)))
+
+
+def settle_job(job: Job, cluster: Cluster, *, survey_nodes: bool = True) -> Job:
+    """What only the nodes can say: whether their workdirs are one storage (an NFS home: each node then gets a
+    subfolder) and which files they lack, then whether node 0 can listen on the master port (a port nodectl
+    chose moves when taken). A restart, whose nodes were surveyed already, checks the port alone."""
+    spec, missing = job.spec, None
+    if survey_nodes:
+        surveyed = survey(job.plan, cluster, list(spec.files))
+        missing = surveyed.missing
+        if surveyed.shared:
+            spec = replace(spec, shared_workdirs=surveyed.shared)
+    plan = settle_master_port(spec.plan() if spec is not job.spec else job.plan, cluster)
+    return Job(spec, plan, tuple(render_plan(plan, spec.template)), missing)
+
+
+def next_attempt(job: Job, *, inventory: Inventory | None = None) -> Job:
+    """The same run's next attempt (on fewer nodes, with `inventory`), planned and rendered."""
+    spec = replace(job.spec, attempt=job.plan.attempt + 1)
+    if inventory is None:  # the same nodes, ranks and port (settle_job moves a chosen port if it is taken now)
+        plan = replace(job.plan, attempt=spec.attempt)
+        return Job(spec, plan, tuple(render_plan(plan, spec.template)))
+    names = {node.name for node in inventory.nodes}
+    return plan_job(replace(spec, inventory=inventory, shared_workdirs=spec.shared_workdirs & names))
+
+
+def record_job(job: Job, previous: Run | None = None) -> Run:
+    """The local run folder: a new run, or the next attempt of `previous` (its earlier attempts kept)."""
+    plan = job.plan
+    if previous is None:
+        run = create_run(plan.to_json(), argv=list(job.spec.argv), config_fingerprint=plan.fingerprint(),
+                         inventory_source=job.spec.inventory.source,
+                         git=git_revision(plan.sync_dir) if job.spec.kind == "train" else None, kind=job.spec.kind)
+        (run.folder / "scripts").mkdir()
+    else:
+        run = previous
+        manifest = run.read()
+        history = manifest.attempts + [{"attempt": manifest.attempt, "state": manifest.state.value,
+                                        "started": manifest.started, "ended": manifest.ended,
+                                        "failure": manifest.failure}]
+        run.update(attempt=plan.attempt, state=RunState.STARTING, attempts=history, ended=None,
+                   started=time.time(), plan=plan.to_json(), failure=None)
+    for r in job.rendered:
+        (run.folder / "scripts" / f"{r.node}.sh").write_text(r.launch_redacted)
+        (run.folder / "scripts" / f"{r.node}.env").write_text(r.env_redacted)
+    return run
+
+
+def save_preflight(run: Run, attempt: int, preflight: dict, facts: Mapping[str, dict]) -> None:
+    """The preflight of this attempt (a resumed run keeps the earlier ones as preflight-<attempt>.json)."""
+    name = "preflight.json" if attempt == 0 else f"preflight-{attempt}.json"
+    (run.folder / name).write_text(json.dumps(preflight, indent=2, default=str))
+    env_dir = run.folder / "env"
+    env_dir.mkdir(exist_ok=True)
+    for node_name, report in facts.items():
+        (env_dir / f"{node_name}.json").write_text(json.dumps(report, indent=2, default=str))
+
+
+def start_job(job: Job, run: Run, cluster: Cluster, *, grace: float, cancel: threading.Event = INTERRUPTED,
+              progress: Progress = no_progress,
+              on_ready: Callable[[list[NodeResult]], None] | None = None) -> list[NodeStart]:
+    """Sync every node, then start every node. When a node cannot be prepared or started, the nodes that did
+    start are stopped, the run is recorded as failed-to-start and StartFailed says why. A cancel (Ctrl-C)
+    raises KeyboardInterrupt: the caller stops the run (`stop_run`)."""
+    with progress("syncing and starting", job.plan.nnodes) as advance:
+        results = start_run(job.plan, list(job.rendered), cluster, list(job.spec.files), on_done=advance,
+                            cancel=cancel, missing=job.missing, on_ready=on_ready)
+    if cancel.is_set():
+        raise KeyboardInterrupt
+    problems = [r for r in results if not r.ok]
+    started = {r.node.name: {"pgid": r.value.pgid, "files": r.value.files, "bytes_sent": r.value.bytes_sent}
+               for r in results if r.ok}
+    if not problems:
+        run.set_node_states(started, state=RunState.RUNNING)
+        return [r.value for r in results]
+    run.set_node_states(started)
+    stop_run(run, cluster, grace, RunState.FAILED_TO_START, progress=progress,
+             failure={"kind": "start", "description": "; ".join(f"{r.node.name}: {r.error}" for r in problems)})
+    raise StartFailed(job.run_id, problems)
+
+
+def stop_run(run: Run, cluster: Cluster, grace: float, state: RunState, *, progress: Progress = no_progress,
+             failure: dict | None = None) -> dict[str, NodeResult]:
+    """Stop the run's current attempt on every node (SIGTERM, SIGKILL after `grace`) and record `state`."""
+    run_nodes = run.nodes()
+    with progress("stopping", len(run_nodes)) as advance:
+        stopped = stop_nodes(cluster, run_nodes, grace, on_done=advance)
+    changes = {"failure": failure} if failure else {}
+    run.update(state=state, ended=time.time(), **changes)
+    return stopped
+
+
+def processes_left(stopped: Mapping[str, NodeResult]) -> int:
+    return sum((r.value or {}).get("left", 0) for r in stopped.values() if r.ok)
+
+
+def launch_argv() -> tuple[str, ...]:
+    """This command line as the manifest records it: secrets redacted."""
+    return ("nodectl", *redact_args(sys.argv[1:]))

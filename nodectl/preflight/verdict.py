@@ -1,0 +1,55 @@
+"""The verdict every preflight check returns, and the helpers checks share to read a probe report: pure, no
+node is read here."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Mapping
+
+PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    check: str
+    node: str           # a node name, or "cluster" for cross-node checks
+    verdict: str
+    detail: str
+    hint: str = ""
+    env: Mapping[str, str] | None = None   # variables this hint recommends for hosts.yaml
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def get(report: Mapping, *path, default=None) -> Any:
+    """report[path[0]][path[1]]..., or `default` where a key is missing or a value is not a mapping."""
+    value: Any = report
+    for key in path:
+        if not isinstance(value, Mapping) or key not in value:
+            return default
+        value = value[key]
+    return value
+
+
+def unreadable(report: Mapping, section: str) -> str | None:
+    """Why a section of the probe report holds no facts (its probe failed or never ran), or None. A check
+    whose facts could not be read says skip with this reason: never pass."""
+    value = report.get(section)
+    if value is None:
+        return f"the probe reported no {section} facts"
+    if isinstance(value, Mapping) and value.get("error"):
+        return f"{section} facts could not be read ({value['error']})"
+    return None
+
+
+def skip_if_unreadable(check: str, section: str):
+    """Decorator: a check of `section` facts returns skip with the reason when they could not be read."""
+    def wrap(fn):
+        def checked(node: str, report: Mapping, *args, **kwargs) -> CheckResult:
+            reason = unreadable(report, section)
+            if reason:
+                return CheckResult(check, node, SKIP, reason)
+            return fn(node, report, *args, **kwargs)
+        checked.__name__, checked.__doc__ = fn.__name__, fn.__doc__
+        return checked
+    return wrap

@@ -1,0 +1,105 @@
+"""The architecture (docs/ARCHITECTURE.md) kept true: which side imports what, no import cycle, ruff clean."""
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PURE_PREFLIGHT = ("nodectl.preflight.verdict", "nodectl.preflight.checks", "nodectl.preflight.health")
+REMOTE = ("nodectl.transport", "nodectl.ssh", "nodectl.agent", "nodectl.sync", "nodectl.probe", "fabric", "paramiko")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path) -> set[str]:
+    """Modules `path` imports, a function's deferred imports too."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def package_modules(package: str) -> dict[str, Path]:
+    return {module_name(p): p for p in (REPO / package).rglob("*.py")}
+
+
+def test_launchers_and_trainer_import_nothing_of_nodectl():
+    """They run on the nodes, where nodectl is not installed."""
+    for package in ("launchers", "trainer"):
+        for name, path in package_modules(package).items():
+            bad = sorted(m for m in imports(path) if m == "nodectl" or m.startswith("nodectl."))
+            assert not bad, f"{name} imports {bad}"
+
+
+def test_pure_preflight_checks_reach_nothing_remote():
+    """Judging is pure: the checks read reports, transitively importing nothing that talks to a node."""
+    modules = package_modules("nodectl")
+    for start in PURE_PREFLIGHT:
+        seen, todo = set(), [start]
+        while todo:
+            name = todo.pop()
+            if name in seen or name not in modules:
+                continue
+            seen.add(name)
+            for imported in imports(modules[name]):
+                assert not imported.startswith(REMOTE), f"{start} reaches {imported} through {name}"
+                todo.append(imported)
+
+
+def test_only_the_cli_imports_the_cli():
+    for name, path in package_modules("nodectl").items():
+        if name.startswith("nodectl.cli") or name == "nodectl.__main__":
+            continue
+        bad = sorted(m for m in imports(path) if m.startswith("nodectl.cli"))
+        assert not bad, f"{name} imports {bad}: the library must not depend on the command line"
+
+
+def test_no_import_cycle_among_nodectl_modules():
+    modules = package_modules("nodectl")
+    graph = {name: {m for m in imports(path) if m in modules and m != name}
+             for name, path in modules.items()}
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for nxt in sorted(graph[name]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(nxt):] + [nxt]))
+            if not state.get(nxt):
+                visit(nxt, trail + [nxt])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if not state.get(name):
+            visit(name, [name])
+
+
+def test_no_private_name_is_imported_across_modules():
+    for package in ("nodectl", "trainer"):
+        for name, path in package_modules(package).items():
+            tree = ast.parse(path.read_text())
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package):
+                    private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                    assert not private, f"{name} imports private {private} from {node.module}"
+
+
+@pytest.mark.skipif(shutil.which("ruff", path=str(Path(sys.executable).parent)) is None
+                    and shutil.which("ruff") is None, reason="ruff is not installed (pip install -e .[test])")
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    result = subprocess.run([ruff, "check", "--output-format", "concise", "."], cwd=REPO, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
