@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from test_trainer_runs import torchrun
+from trainer_helpers import torchrun
 
 pytestmark = pytest.mark.slow
 

@@ -49,6 +49,7 @@ def namespaced_cluster(tmp_path):
     try:
         for k, ns in enumerate(names):
             host_if, node_if = f"nctl-h{k}", f"nctl-n{k}"
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # left by a killed earlier run
             sh("ip", "netns", "add", ns)
             sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if)
             sh("ip", "link", "set", node_if, "netns", ns)

@@ -10,7 +10,7 @@ import torch
 
 from conftest import run_nodectl
 from launch_helpers import kill_leftovers, wait_for
-from test_trainer_runs import torchrun
+from trainer_helpers import torchrun
 from trainer_import import trainer_module
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from test_trainer_runs import metrics, torchrun
+from trainer_helpers import metrics, torchrun
 from trainer_import import trainer_module
 
 sys.path.insert(0, str(REPO / "bench"))

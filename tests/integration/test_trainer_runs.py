@@ -3,39 +3,16 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import REPO, run_nodectl
+from trainer_helpers import metrics, torchrun
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(nproc: int, out: Path, demo_cache: Path, *sets: str, timeout: float = 240,
-             pythonpath: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ":".join([*pythonpath, str(REPO)]), "NODECTL_DEMO_CACHE": str(demo_cache),
-           "OMP_NUM_THREADS": "1"}
-    env.pop("NODECTL_RUN_DIR", None)
-    argv = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1",
-            f"--master-port={free_port()}", "-m", "trainer", "--set", f"train.output_dir={out}"]
-    for assignment in sets:
-        argv += ["--set", assignment]
-    return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, cwd=out.parent)
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_two_ranks_learn_and_the_adapter_reloads_with_peft(tmp_path, demo_cache):
