@@ -12,7 +12,8 @@ from typing import Callable
 from nodectl.errors import RunFailed
 from nodectl.job import Job, Progress, no_progress, next_attempt, record_job, settle_job, start_job, stop_run
 from nodectl.runs import Run, RunNode, RunState
-from nodectl.transport import Cluster
+from nodectl.remote.answers import NO_LOG
+from nodectl.remote.transport import Cluster
 from nodectl.watch import STOP_SLACK, Failure, LogStream, tail_lines, wait_for_end
 
 
@@ -117,8 +118,8 @@ def watch(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_
     if failure.rank is not None:
         run_node = next(rn for rn in run_nodes if failure.rank in rn.ranks)
         logs = tail_lines(cluster, run_node, [failure.rank], 20, timeout=STOP_SLACK)
-        failure.last_lines = logs.get(failure.rank, {}).get("text", "")
-    failure.processes_left = {name: (r.value or {}).get("left") for name, r in stopped.items() if r.ok}
+        failure.last_lines = logs.get(failure.rank, NO_LOG).text
+    failure.processes_left = {name: r.value.left for name, r in stopped.items() if r.ok}
     return failure
 
 

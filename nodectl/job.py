@@ -18,15 +18,15 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Callable, ContextManager, Mapping
 
-from nodectl import sync
+from nodectl.remote import sync
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE, INTERRUPTED, NodectlError
 from nodectl.inventory import Inventory
-from nodectl.launch import NodeStart, settle_master_port, start_run, survey
+from nodectl.remote.start import NodeStart, settle_master_port, start_run, survey
 from nodectl.plan import LaunchPlan, build_plan
 from nodectl.render import RenderedNode, render_plan
 from nodectl.runs import Run, RunState, create_run, git_revision
 from nodectl.secrets import redact_args
-from nodectl.transport import Cluster, NodeResult
+from nodectl.remote.transport import Cluster, NodeResult
 from nodectl.watch import stop_nodes
 
 # progress(label, total) -> a context that yields the callback advanced once per node (the CLI's progress bar)
@@ -183,7 +183,7 @@ def stop_run(run: Run, cluster: Cluster, grace: float, state: RunState, *, progr
 
 
 def processes_left(stopped: Mapping[str, NodeResult]) -> int:
-    return sum((r.value or {}).get("left", 0) for r in stopped.values() if r.ok)
+    return sum(r.value.left for r in stopped.values() if r.ok)
 
 
 def launch_argv() -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from nodectl.errors import UsageError
 from nodectl.plan import LaunchPlan, NodePlan
 from nodectl.resources import resource_dir
 from nodectl.secrets import redact_args, redact_env
-from nodectl.transport import quote_path
+from nodectl.remote.transport import quote_path
 
 LAUNCH_TEMPLATE = "launch_node.sh.j2"
 ENV_TEMPLATE = "env.sh.j2"

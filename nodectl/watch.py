@@ -7,10 +7,11 @@ from dataclasses import dataclass, field
 
 from rich.markup import escape
 
-from nodectl import agent
-from nodectl.poller import Poller
+from nodectl.remote import agent
+from nodectl.remote.answers import LogChunk
+from nodectl.remote.poller import Poller
 from nodectl.runs import RunNode, RunState
-from nodectl.transport import Cluster, NodeResult
+from nodectl.remote.transport import Cluster, NodeResult
 
 COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
 
@@ -78,13 +79,13 @@ def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
 
 
 def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int], lines: int,
-               timeout: float = 30) -> dict[int, dict]:
+               timeout: float = 30) -> dict[int, LogChunk]:
     result = cluster.fan_out(lambda t: agent.call(t, "tail", run_node.run_dir, timeout=timeout,
                                                   request={"ranks": ranks, "lines": lines}),
                              [run_node.node])[0]
-    if not result.ok or "logs" not in (result.value or {}):
+    if not result.ok:
         return {}
-    return {int(rank): entry for rank, entry in result.value["logs"].items()}
+    return {int(rank): entry for rank, entry in result.value.logs.items() if rank.isdigit()}
 
 
 def rank_failures(states: dict[str, NodeResult]) -> list[Failure]:
@@ -94,13 +95,13 @@ def rank_failures(states: dict[str, NodeResult]) -> list[Failure]:
         answer = result.value if result.ok else None
         if not answer:
             continue
-        failed_ranks = [Failure("rank", name, rank["rank"], rank["exit"]["code"], rank["exit"].get("time", 0))
-                        for rank in answer["ranks"] if rank.get("exit") and rank["exit"].get("code") not in (0, None)]
-        launcher = answer.get("launcher_exit")
+        failed_ranks = [Failure("rank", name, rank.rank, rank.exit.code, rank.exit.time)
+                        for rank in answer.ranks if rank.exit and rank.exit.code != 0]
+        launcher = answer.launcher_exit
         if failed_ranks:
             failures += failed_ranks
-        elif launcher and launcher.get("code") not in (0, None):
-            failures.append(Failure("launcher", name, None, launcher["code"], launcher.get("time", 0),
+        elif launcher and launcher.code != 0:
+            failures.append(Failure("launcher", name, None, launcher.code, launcher.time,
                                     "(see logs/launcher.log on the node)"))
     return sorted(failures, key=lambda f: (f.time, f.rank if f.rank is not None else 1 << 30))
 
@@ -111,21 +112,21 @@ def derive_state(states: dict[str, NodeResult]) -> RunState | None:
     answers = [r.value for r in states.values() if r.ok and r.value]
     if len(answers) < len(states) or not answers:
         return None
-    if any(a.get("alive") for a in answers):
+    if any(a.alive for a in answers):
         return RunState.RUNNING
-    exits = [a.get("launcher_exit") for a in answers]
-    if all(e and e.get("code") == 0 for e in exits):
+    exits = [a.launcher_exit for a in answers]
+    if all(e and e.code == 0 for e in exits):
         return RunState.SUCCEEDED
-    if any(a.get("stopped") for a in answers):
+    if any(a.stopped for a in answers):
         return RunState.STOPPED
-    if any(e and e.get("code") not in (0, None) for e in exits):
+    if any(e and e.code != 0 for e in exits):
         return RunState.FAILED
     return RunState.LOST
 
 
 def finished_ok(states: dict[str, NodeResult]) -> bool:
     answers = [r.value for r in states.values() if r.ok and r.value]
-    return len(answers) == len(states) and all((a.get("launcher_exit") or {}).get("code") == 0 for a in answers)
+    return len(answers) == len(states) and all(a.launcher_exit and a.launcher_exit.code == 0 for a in answers)
 
 
 LINE_MAX = 16 * 1024
@@ -158,13 +159,15 @@ class LogStream:
 
     def feed(self, states: dict[str, NodeResult]) -> None:
         for result in states.values():
-            logs = (result.value or {}).get("logs", {}) if result.ok else {}
+            logs = result.value.logs if result.ok else {}
             for rank_text, entry in logs.items():
-                rank = int(rank_text)
-                if entry.get("from", self.offsets.get(rank)) != self.offsets.get(rank):
+                rank = int(rank_text) if rank_text.isdigit() else None
+                if rank not in self.offsets:
+                    continue  # not a rank this stream follows
+                if entry.start is not None and entry.start != self.offsets[rank]:
                     continue  # an answer to an older request: its text was already shown
-                self.offsets[rank] = entry["offset"]
-                self.take(rank, entry["text"])
+                self.offsets[rank] = entry.offset
+                self.take(rank, entry.text)
 
     def take(self, rank: int, text: str) -> None:
         *lines, rest = (self.partial.pop(rank, "") + text).split("\n")
@@ -208,7 +211,7 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
                  lost_after: float = 15.0, stall_after: float | None = None) -> tuple[RunState, Failure | None]:
     """Watch until the run succeeds (SUCCEEDED) or something fails (FAILED with the first failure).
 
-    Every node is polled by a thread of its own (nodectl/poller.py) and decisions use each node's latest answer,
+    Every node is polled by a thread of its own (nodectl/remote/poller.py) and decisions use each node's latest answer,
     so a node whose commands hang never delays what the others report; a node that has not answered properly
     for `lost_after` seconds (unreachable, erroring, or hanging) is lost."""
     offsets = (lambda: dict(stream.offsets)) if stream else dict
@@ -265,12 +268,11 @@ def _stalled_rank(states, stall_after: float | None) -> Failure | None:
     if not stall_after:
         return None
     for name, result in states.items():
-        for rank in ((result.value or {}).get("ranks", []) if result.ok else []):
-            age = rank.get("heartbeat_age")
-            if rank.get("alive") and age is not None and age > stall_after:
-                step = rank.get("heartbeat", {}).get("step")
-                return Failure("stalled", name, rank["rank"], detail=f"no heartbeat for {age:.0f}s (last step {step})",
-                               time=time.time())
+        for rank in (result.value.ranks if result.ok else ()):
+            age = rank.heartbeat_age
+            if rank.alive and age is not None and age > stall_after:
+                return Failure("stalled", name, rank.rank, detail=f"no heartbeat for {age:.0f}s (last step "
+                                                                  f"{rank.step})", time=time.time())
     return None
 
 
@@ -278,8 +280,7 @@ def _vanished(states) -> Failure | None:
     """A node whose processes are all gone without torchrun recording an exit (killed from outside)."""
     for name, result in states.items():
         answer = result.value if result.ok else None
-        if answer and answer.get("started") and answer.get("alive") == 0 \
-                and not answer.get("launcher_exit"):
+        if answer and answer.started and answer.alive == 0 and not answer.launcher_exit:
             return Failure("launcher", name, detail="its processes are gone and torchrun recorded no exit code "
                                                     "(killed from outside?)",
                            time=time.time())

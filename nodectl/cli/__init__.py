@@ -13,7 +13,7 @@ import click
 from nodectl import __version__
 from nodectl.cli.context import AppContext
 from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, install_signal_handlers
-from nodectl.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, TransportOptions
+from nodectl.remote.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, TransportOptions
 
 
 def quiet_libraries() -> None:

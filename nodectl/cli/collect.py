@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from nodectl import agent
+from nodectl.remote import agent
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, run_option
 from nodectl.errors import exit_code_for
@@ -18,12 +18,12 @@ def collect_node(transport, run_dir: str, target: Path) -> dict:
     packed = agent.call(transport, "pack", run_dir, timeout=600)
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "collect.tar.gz"
-        transport.get(packed["archive"], local)
-        agent.call(transport, "cleanup", packed["archive"])
+        transport.get(packed.archive, local)
+        agent.call(transport, "cleanup", packed.archive)
         target.mkdir(parents=True, exist_ok=True)
         with tarfile.open(local) as tar:
             tar.extractall(target, filter="data")
-    return {"bytes": packed["bytes"], "entries": packed["entries"]}
+    return {"bytes": packed.bytes, "entries": packed.entries}
 
 
 @click.command("collect")

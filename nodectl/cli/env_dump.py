@@ -11,7 +11,7 @@ from nodectl.cli.context import AppContext
 from nodectl.cli.options import node_selection
 from nodectl.envdump import diff_reports, summary_row
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
-from nodectl.probe import probe_nodes
+from nodectl.remote.probe_nodes import probe_nodes
 
 
 @click.command("env-dump")

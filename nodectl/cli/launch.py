@@ -12,7 +12,8 @@ import click
 from rich.markup import escape
 from rich.syntax import Syntax
 
-from nodectl import attend, sync
+from nodectl import attend
+from nodectl.remote import sync
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import node_selection
 from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, ignore_signals_while_cleaning
@@ -260,7 +261,7 @@ def _refuse_if_running(app: AppContext, previous: Run) -> None:
     run_nodes = previous.nodes()
     with app.cluster_for(run_nodes) as cluster:
         states = poll(cluster, run_nodes)
-    alive = [name for name, r in states.items() if r.ok and (r.value or {}).get("alive")]
+    alive = [name for name, r in states.items() if r.ok and r.value.alive]
     if alive:
         raise UsageError(f"run {previous.run_id} is still running on {', '.join(alive)}; stop it first "
                          f"(nodectl stop --run {previous.run_id}), then --resume it")

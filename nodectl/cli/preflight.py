@@ -7,8 +7,8 @@ from nodectl.cli.context import AppContext
 from nodectl.cli.options import node_selection
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
-from nodectl.preflight.render import print_report
-from nodectl.preflight.collective import DEFAULT_DEADLINE_S
+from nodectl.preflight.table import print_report
+from nodectl.preflight.collective_job import DEFAULT_DEADLINE_S
 from nodectl.preflight.run import run_preflight, save
 
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import refresh_state
 from nodectl.runs import Run, list_runs
-from nodectl.transport import Cluster, TransportOptions
+from nodectl.remote.transport import Cluster, TransportOptions
 from nodectl.watch import poll
 
 

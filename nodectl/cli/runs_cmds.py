@@ -27,7 +27,7 @@ def refresh_state(run: Run, states: dict) -> RunState:
         changes = {"state": derived}
         if derived != RunState.RUNNING:
             changes["ended"] = manifest.ended or max(
-                ((r.value or {}).get("launcher_exit") or {}).get("time", 0) for r in states.values()) or None
+                (r.value.launcher_exit.time if r.ok and r.value.launcher_exit else 0) for r in states.values()) or None
         run.update(**changes)
         return derived
     return manifest.state

@@ -4,7 +4,7 @@ from __future__ import annotations
 import click
 from rich.markup import escape
 
-from nodectl import agent
+from nodectl.remote import agent
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, run_option
 from nodectl.errors import EXIT_FAILED, exit_code_for
@@ -28,13 +28,13 @@ def command(app: AppContext, run_id: str | None) -> None:
         if not result.ok:
             app.err.print(f"[red]{escape(result.node.name)}[/]: {escape(result.error)}")
             continue
-        if not result.value["stacks"]:
+        if not result.value.stacks:
             app.err.print(f"[red]{escape(result.node.name)}[/]: no rank of run {escape(run.run_id)} there to take "
                           f"a stack of (not started, or its folder is gone)")
-        for rank, entry in result.value["stacks"].items():
-            text = entry.get("text") or f"(no stack: {entry.get('error')})\n"
+        for rank, entry in result.value.stacks.items():
+            text = entry.text or f"(no stack: {entry.error})\n"
             (folder / f"rank{rank}.txt").write_text(text)
-            gathered[int(rank)] = {"node": result.node.name, **entry}
+            gathered[int(rank)] = {"node": result.node.name, "text": entry.text, "error": entry.error}
     if app.json:
         app.emit_json({"run_id": run.run_id, "stacks": gathered})
     else:

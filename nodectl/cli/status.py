@@ -8,6 +8,7 @@ from rich.table import Table
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, refresh_state, run_option
 from nodectl.errors import exit_code_for
+from nodectl.remote.answers import NO_LOG, PollAnswer, RankState
 from nodectl.watch import poll, rank_failures, tail_lines
 
 
@@ -20,8 +21,8 @@ def rank_rows(states: dict, run_nodes, stall_after: float) -> list[dict]:
             reason = result.error
             rows += [{"node": rn.node.name, "rank": r, "state": "lost", "detail": reason} for r in rn.ranks]
             continue
-        for rank in answer["ranks"]:
-            rows.append({"node": rn.node.name, "rank": rank["rank"], **_rank_state(rank, answer, stall_after)})
+        for rank in answer.ranks:
+            rows.append({"node": rn.node.name, "rank": rank.rank, **_rank_state(rank, answer, stall_after)})
     return rows
 
 
@@ -30,16 +31,18 @@ def _number(value):
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value else None
 
 
-def _rank_state(rank: dict, answer: dict, stall_after: float) -> dict:
-    heartbeat = rank.get("heartbeat") or {}
-    age = rank.get("heartbeat_age")
-    row = {"heartbeat_age": age, "step": heartbeat.get("step"), "loss": _number(heartbeat.get("loss")),
-           "tokens_per_s": _number(heartbeat.get("tokens_per_s")), "pid": rank.get("pid")}
-    if rank.get("exit"):
-        row["state"], row["exit_code"] = f"exited({rank['exit']['code']})", rank["exit"]["code"]
-    elif rank.get("alive"):
+def _rank_state(rank: RankState, answer: PollAnswer, stall_after: float) -> dict:
+    heartbeat = rank.heartbeat or {}
+    age = rank.heartbeat_age
+    step = heartbeat.get("step")
+    row = {"heartbeat_age": age, "step": step if isinstance(step, (int, float, str)) else None,
+           "loss": _number(heartbeat.get("loss")), "tokens_per_s": _number(heartbeat.get("tokens_per_s")),
+           "pid": rank.pid}
+    if rank.exit:
+        row["state"], row["exit_code"] = f"exited({rank.exit.code})", rank.exit.code
+    elif rank.alive:
         row["state"] = "stalled" if age is not None and age > stall_after else "running"
-    elif answer.get("alive"):
+    elif answer.alive:
         row["state"] = "starting"
     else:
         row["state"] = "lost"  # gone without an exit code: killed with its wrapper, or the node restarted
@@ -62,7 +65,7 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
         first = failures[0] if failures else None
         if first and first.rank is not None:
             rn = next(rn for rn in run_nodes if first.rank in rn.ranks)
-            first.last_lines = tail_lines(cluster, rn, [first.rank], 20).get(first.rank, {}).get("text", "")
+            first.last_lines = tail_lines(cluster, rn, [first.rank], 20).get(first.rank, NO_LOG).text
     state = refresh_state(run, states)
     if app.json:
         app.emit_json({"run_id": run.run_id, "state": state, "ranks": rows,

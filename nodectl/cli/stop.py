@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import click
 from rich.markup import escape
@@ -31,9 +32,9 @@ def command(app: AppContext, run_id: str | None, grace: float) -> None:
             summary[name] = {"error": result.error}
             app.err.print(f"[red]{escape(name)}[/]: {escape(summary[name]['error'])}")
             continue
-        summary[name] = answer
-        app.info(f"{name}: {answer['terminated']} process(es) stopped, {answer['killed']} needed SIGKILL, "
-                 f"{answer['left']} left")
+        summary[name] = asdict(answer)
+        app.info(f"{name}: {answer.terminated} process(es) stopped, {answer.killed} needed SIGKILL, "
+                 f"{answer.left} left")
     code = exit_code_for(results.values())
     if not run.read().state.final and not code:
         run.update(state=RunState.STOPPED, ended=time.time())

@@ -11,6 +11,7 @@ from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, run_option
 from nodectl.errors import EXIT_UNREACHABLE, UsageError
 from nodectl.runs import Run, RunNode
+from nodectl.remote.answers import NO_LOG
 from nodectl.watch import LogStream, poll, tail_lines
 
 MAX_TAIL_LINES = 100_000
@@ -61,15 +62,14 @@ def command(app: AppContext, target: str, follow: bool, lines: int, run_id: str 
                 unreachable |= not _from_collected(run, rn, mine, lines, stream)
                 continue
             for rank in mine:
-                entry = logs.get(rank, {"offset": 0, "text": ""})
-                stream.offsets[rank] = entry["offset"]
-                for line in entry["text"].splitlines():
+                entry = logs.get(rank, NO_LOG)
+                stream.offsets[rank] = entry.offset
+                for line in entry.text.splitlines():
                     stream.emit(rank, line)
         while follow:
             states = poll(cluster, run_nodes, stream.offsets)
             stream.feed(states)
-            if all(r.ok and (r.value or {}).get("launcher_exit") or (r.ok and (r.value or {}).get("alive") == 0)
-                   for r in states.values()):
+            if all(r.ok and (r.value.launcher_exit or r.value.alive == 0) for r in states.values()):
                 stream.feed(poll(cluster, run_nodes, stream.offsets))
                 break
             time.sleep(1.0)

@@ -3,6 +3,7 @@ its GPU's utilisation, memory, temperature and power (nvidia-smi on the node), u
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 import click
 from rich.live import Live
@@ -33,8 +34,8 @@ def snapshot(run: Run, cluster, run_nodes, stall_after: float) -> dict:
     rows = rank_rows(states, run_nodes, stall_after)
     gpus = {}
     for name, result in states.items():
-        sample = (result.value or {}).get("gpu_sample") if result.ok else None
-        gpus[name] = {g["index"]: g for g in (sample or {}).get("gpus", [])}
+        sample = result.value.gpu_sample if result.ok else None
+        gpus[name] = {g.index: asdict(g) for g in (sample.gpus if sample else ())}
     placement = _gpu_of_ranks(run)
     for row in rows:
         node, index = placement.get(row["rank"], (row["node"], None))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from nodectl.errors import RunFailed, UnreachableError
 from nodectl.inventory import Inventory
-from nodectl.preflight.render import print_report
+from nodectl.preflight.table import print_report
 from nodectl.preflight.run import reusable, run_preflight, save
 
 

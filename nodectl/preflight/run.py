@@ -5,20 +5,21 @@ import hashlib
 import shlex
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from nodectl import agent
+from nodectl.remote import agent
 from nodectl.inventory import Inventory
-from nodectl.preflight.checks import Expectation, judge_cluster, judge_node
+from nodectl.preflight.collective_job import run_collective, run_pairs
+from nodectl.preflight.gpu import cluster_medians
+from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge_node
+from nodectl.preflight.network import judge_collective, judge_pairs
 from nodectl.preflight.verdict import FAIL, WARN, CheckResult
-from nodectl.preflight.health import check_gpu_perf, cluster_medians
-from nodectl.preflight.collective import judge_collective, judge_pairs, run_collective, run_pairs
 from nodectl.plan import visible_devices
-from nodectl.probe import probe_nodes
+from nodectl.remote.probe_nodes import probe_nodes
 from nodectl.resources import resource_dir
 from nodectl.runs import runs_root
-from nodectl.transport import Cluster, NodeResult, Transport, quote_path
+from nodectl.remote.transport import Cluster, NodeResult, Transport, quote_path
 
 REUSE_SECONDS = 600
 
@@ -98,8 +99,8 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], por
     port_answer = cluster.fan_out(lambda t: agent.call(t, "port", str(port or 0)), [master])[0]
     if not port_answer.ok:
         return extras
-    extras[master.name]["port"] = port_answer.value
-    chosen = port_answer.value["port"] if port_answer.value["free"] else None
+    extras[master.name]["port"] = asdict(port_answer.value)   # the judges read plain facts, as saved
+    chosen = port_answer.value.port if port_answer.value.free else None
     if chosen is None:
         return extras
     listener = cluster.fan_out(lambda t: agent.call(t, "listen", str(chosen), "30"), [master])[0]
@@ -108,11 +109,11 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], por
         route = cluster.fan_out(lambda t: agent.call(t, "route", master.addr), reachable)
     finally:
         if listener.ok:
-            cluster.fan_out(lambda t: agent.call(t, "unlisten", str(listener.value["pid"])), [master])
+            cluster.fan_out(lambda t: agent.call(t, "unlisten", str(listener.value.pid)), [master])
     for r in reach:
-        extras[r.node.name]["reach"] = r.value if r.ok else {"ok": False, "error": r.error}
+        extras[r.node.name]["reach"] = asdict(r.value) if r.ok else {"ok": False, "error": r.error}
     for r in route:
-        extras[r.node.name]["route"] = r.value if r.ok else None
+        extras[r.node.name]["route"] = asdict(r.value) if r.ok else None
     extras["_port"] = {"port": chosen}
     return extras
 
@@ -150,17 +151,15 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
     port = (extras.pop("_port", None) or {}).get("port")
     expect = Expectation(gpus=gpus, master_port=port, master_addr=inventory.nodes[0].addr)
     devices = {n.name: n.device for n in inventory.nodes}
-    for node in inventory.nodes:
-        if node.name in reports:
-            results += judge_node(node.name, reports[node.name], node.device, expect, extras.get(node.name),
-                                  env=node.env, gpus=node.gpus)
+    tier = "quick" if quick else "full" if full else "default"
     jobs = {name: facts.get("p2p") for name, facts in extras.items() if facts.get("p2p")}
     medians = cluster_medians(jobs, reports)
     for node in inventory.nodes:
-        if node.name in reports and node.device == "cuda" and not quick:
-            results += check_gpu_perf(node.name, jobs.get(node.name), medians)
+        if node.name in reports:
+            results += judge_node(NodeFacts(node.name, reports[node.name], node.device, expect,
+                                            extras.get(node.name) or {}, node.env, node.gpus, medians), tier)
     if len(reports) > 1:
-        results += judge_cluster(reports, {k: v for k, v in devices.items() if k in reports})
+        results += judge_cluster(reports, {k: v for k, v in devices.items() if k in reports}, tier)
     report = PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick,
                              gpu_jobs=jobs)
     if not quick and not unreachable and not report.failed:

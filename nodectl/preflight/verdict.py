@@ -53,3 +53,7 @@ def skip_if_unreadable(check: str, section: str):
         checked.__name__, checked.__doc__ = fn.__name__, fn.__doc__
         return checked
     return wrap
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"

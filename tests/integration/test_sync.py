@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from nodectl import sync
+from nodectl.remote import sync
 from nodectl.errors import UsageError
 from nodectl.inventory import builtin_inventory
-from nodectl.transport import LocalTransport, TransportOptions
+from nodectl.remote.transport import LocalTransport, TransportOptions
 
 
 @pytest.fixture
@@ -93,8 +93,8 @@ def _prepare_everywhere(inventory, plan, rendered, files):
     """What a launch does before it starts anything: survey, then each node's code and run folder."""
     import threading
 
-    from nodectl.launch import prepare_node, survey
-    from nodectl.transport import Cluster
+    from nodectl.remote.start import prepare_node, survey
+    from nodectl.remote.transport import Cluster
 
     with Cluster(inventory.nodes) as cluster:
         cluster.transports = {name: _Counting(t.node, t.options) for name, t in cluster.transports.items()}

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PURE_PREFLIGHT = ("nodectl.preflight.verdict", "nodectl.preflight.checks", "nodectl.preflight.health")
-REMOTE = ("nodectl.transport", "nodectl.ssh", "nodectl.agent", "nodectl.sync", "nodectl.probe", "fabric", "paramiko")
+PURE_PREFLIGHT = tuple(f"nodectl.preflight.{m}" for m in ("verdict", "host", "gpu", "network", "cluster", "judge"))
+REMOTE = ("nodectl.remote", "fabric", "paramiko")
 
 
 def module_name(path: Path) -> str:
@@ -103,3 +103,12 @@ def test_ruff_is_clean():
     result = subprocess.run([ruff, "check", "--output-format", "concise", "."], cwd=REPO, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_only_nodectl_remote_opens_connections():
+    """fabric and paramiko are imported under nodectl/remote/ only: nothing else reaches a node by itself."""
+    for name, path in package_modules("nodectl").items():
+        if name.startswith("nodectl.remote"):
+            continue
+        bad = sorted(m for m in imports(path) if m.split(".")[0] in ("fabric", "paramiko", "invoke"))
+        assert not bad, f"{name} imports {bad}: connections belong in nodectl/remote/"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import sys
 
+from nodectl.remote.answers import parse
 from nodectl.resources import resource_dir
-from nodectl.transport import NodeResult
+from nodectl.remote.transport import NodeResult
 from nodectl.watch import LINE_MAX, LogStream
 
 sys.path.insert(0, str(resource_dir("launchers")))
@@ -19,7 +20,7 @@ def drain(path, stream: LogStream, rank: int = 0, polls: int = 500) -> None:
         new, text = runctl._read_from(str(path), offset)
         if new == offset:
             return
-        stream.feed({"n": NodeResult(None, value={"logs": {str(rank): {"from": offset, "offset": new, "text": text}}})})
+        stream.feed({"n": NodeResult(None, value=poll_answer({"logs": {str(rank): {"from": offset, "offset": new, "text": text}}}))})
     raise AssertionError("the stream did not reach the end of the log")
 
 
@@ -60,6 +61,11 @@ def test_a_line_still_being_written_is_bounded_in_memory():
 
 def test_an_answer_to_an_older_request_is_not_shown_twice():
     stream, lines = collect()
-    stream.feed({"n": NodeResult(None, value={"logs": {"0": {"from": 0, "offset": 6, "text": "hello\n"}}})})
-    stream.feed({"n": NodeResult(None, value={"logs": {"0": {"from": 0, "offset": 6, "text": "hello\n"}}})})
+    stream.feed({"n": NodeResult(None, value=poll_answer({"logs": {"0": {"from": 0, "offset": 6, "text": "hello\n"}}}))})
+    stream.feed({"n": NodeResult(None, value=poll_answer({"logs": {"0": {"from": 0, "offset": 6, "text": "hello\n"}}}))})
     assert lines == ["hello"]
+
+
+def poll_answer(fields: dict):
+    """A runctl poll answer, through the same parser a real one goes through."""
+    return parse("poll", {"now": 0.0, "node_rank": 0, "alive": 1, "ranks": [], **fields})

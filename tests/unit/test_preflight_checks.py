@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from nodectl.preflight import checks
-from nodectl.preflight.checks import FAIL, PASS, SKIP, WARN, Expectation
-from nodectl.preflight.collective import judge_collective, transports_in
+from nodectl.preflight import cluster as cluster_checks, judge, network as network_checks
+from nodectl.preflight.judge import Expectation, NodeFacts
+from nodectl.preflight.network import judge_collective, transports_in
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN
 
 EXPECT = Expectation(gpus=8, master_port=29500, master_addr="10.0.1.11")
 
@@ -50,12 +51,14 @@ def healthy_report():
 
 
 def verdicts(report, extras=None, device="cuda", env=None):
-    return {r.check: r for r in checks.judge_node("n0", report, device, EXPECT, extras, env=env)}
+    return {r.check: r for r in judge.judge_node(NodeFacts("n0", report, device, EXPECT, extras or {}, env or {}))}
 
 
 def test_healthy_8_gpu_ib_node_passes():
     p2p = {"gpus": 8, "pairs": [{"src": s, "dst": d, "ok": True, "peer_access": True, "gbps": 380.0}
-                                for s in range(8) for d in range(8) if s != d]}
+                                for s in range(8) for d in range(8) if s != d],
+           "devices": [{"index": i, "name": "NVIDIA H100 80GB HBM3", "gemm_tflops": 700.0, "hbm_gbps": 2900.0,
+                        "h2d_gbps": 52.0, "d2h_gbps": 50.0, "clock_events": [], "pcie_gen": 5} for i in range(8)]}
     results = verdicts(healthy_report(), {"p2p": p2p, "port": {"port": 29500, "free": True, "asked": 29500},
                                           "reach": {"ok": True, "ms": 1.0}, "route": {"dev": "ens1"}})
     assert {r.verdict for r in results.values()} == {PASS}, {k: r.detail for k, r in results.items()
@@ -98,7 +101,7 @@ def test_too_few_gpus_mixed_models_nvlink_gap():
     report["gpus"]["devices"] = [gpu(i) for i in range(3)] + [gpu(3, name="NVIDIA A100", nvlinks_active=0)]
     results = verdicts(report)
     assert results["gpus"].verdict == FAIL and "4 GPU(s), 8 asked by --gpus" in results["gpus"].detail
-    assert results["nvlink"].verdict == WARN
+    assert results["nvlink"].verdict == FAIL and "GPU3 0 of 18 links active" in results["nvlink"].detail
 
 
 def test_small_shm_disk_and_clock_skew():
@@ -125,17 +128,17 @@ def test_cross_node_versions_fail_and_packages_warn():
     a, b = healthy_report(), healthy_report()
     b["torch"]["nccl"] = "2.20.3"
     b["packages"]["peft"] = "0.11.0"
-    results = {r.check: r for r in checks.judge_cluster({"n0": a, "n1": b}, {"n0": "cuda", "n1": "cuda"})}
+    results = {r.check: r for r in judge.judge_cluster({"n0": a, "n1": b}, {"n0": "cuda", "n1": "cuda"})}
     assert results["same nccl"].verdict == FAIL and "2.20.3 on n1" in results["same nccl"].detail
     assert results["same torch"].verdict == PASS
     assert results["same packages"].verdict == WARN and "peft" in results["same packages"].detail
 
 
 def test_route_through_docker_bridge_recommends_ifname():
-    result = checks.check_route("n1", {"dev": "docker0"}, "10.0.1.11")
+    result = network_checks.check_route("n1", {"dev": "docker0"}, "10.0.1.11")
     assert result.verdict == WARN and "NCCL_SOCKET_IFNAME" in result.env
-    assert checks.check_route("n1", {"dev": "lo"}, "127.0.0.2").verdict == PASS
-    assert checks.check_reach_master("n1", {"ok": False, "error": "Connection refused"}, "x:1").verdict == FAIL
+    assert network_checks.check_route("n1", {"dev": "lo"}, "127.0.0.2").verdict == PASS
+    assert network_checks.check_reach_master("n1", {"ok": False, "error": "Connection refused"}, "x:1").verdict == FAIL
 
 
 LOG = """\
@@ -174,7 +177,7 @@ def test_a_failed_collective_job_names_its_run_for_the_logs():
 
 
 def test_pair_tests_point_at_the_common_slow_node():
-    from nodectl.preflight.collective import judge_pairs
+    from nodectl.preflight.network import judge_pairs
 
     pairs = [{"nodes": ["a", "b"], "busbw_gbs": 40.0}, {"nodes": ["b", "c"], "busbw_gbs": 11.0},
              {"nodes": ["c", "d"], "busbw_gbs": 12.0}, {"nodes": ["d", "a"], "busbw_gbs": 41.0}]
@@ -275,15 +278,15 @@ def test_a_visible_gpu_the_node_lacks_and_gpus_beyond_the_node_fail_with_the_nod
 
     report = healthy_report()
     report["gpus"].update(visible="0", count=1, count_all=8, unresolved=[], devices=[gpu(0)])
-    asked = {r.check: r for r in checks.judge_node("n0", report, "cuda", Expectation(None, 29500, "a"), gpus=2)}
+    asked = {r.check: r for r in judge.judge_node(NodeFacts("n0", report, "cuda", Expectation(None, 29500, "a"), gpus=2))}
     assert asked["gpus"].verdict == FAIL and "1 visible GPU(s), 2 asked by gpus: in hosts.yaml" in asked["gpus"].detail
-    fine = {r.check: r for r in checks.judge_node("n0", report, "cuda", Expectation(None, 29500, "a"), gpus=1)}
+    fine = {r.check: r for r in judge.judge_node(NodeFacts("n0", report, "cuda", Expectation(None, 29500, "a"), gpus=1))}
     assert fine["gpus"].verdict == PASS
 
 
 def test_eight_node_cluster_with_one_odd_node_warns_on_each_difference_and_names_it():
     reports = {f"n{i}": healthy_report() for i in range(8)}
-    cluster = {r.check: r for r in checks.check_uniformity(reports)}
+    cluster = {r.check: r for r in cluster_checks.check_uniformity(reports)}
     assert {c: r.verdict for c, r in cluster.items()} == {
         "same kernel": PASS, "same vbios": PASS, "same hca firmware": PASS, "same ofed": PASS, "same swap": PASS,
         "cpu governor": PASS}
@@ -293,7 +296,7 @@ def test_eight_node_cluster_with_one_odd_node_warns_on_each_difference_and_names
     odd["infiniband"][0]["fw_ver"] = "28.36.1010"
     odd["memory"]["swap_total_bytes"] = 8 << 30
     odd["cpu"]["governor"] = "powersave"
-    cluster = {r.check: r for r in checks.check_uniformity(reports)}
+    cluster = {r.check: r for r in cluster_checks.check_uniformity(reports)}
     for check in ("same kernel", "same vbios", "same hca firmware", "same swap", "cpu governor"):
         assert cluster[check].verdict == WARN and cluster[check].detail.count("on n5") == 1, cluster[check]
     assert "6.8.0-45-generic on n5" in cluster["same kernel"].detail
@@ -305,6 +308,29 @@ def test_eight_node_cluster_with_one_odd_node_warns_on_each_difference_and_names
 
 def test_uniformity_facts_no_node_could_read_are_skip():
     bare = {n: {"torch": {}, "python": {"version": "3.11.9"}} for n in ("n0", "n1")}
-    cluster = {r.check: r for r in checks.check_uniformity(bare)}
+    cluster = {r.check: r for r in cluster_checks.check_uniformity(bare)}
     assert {r.verdict for r in cluster.values()} == {SKIP}
     assert "cpufreq" in cluster["cpu governor"].detail
+
+
+def test_the_judge_lists_what_each_tier_checks():
+    """--quick judges the probe only; the default tier adds the GPU job and the all-reduce; --full the node pairs.
+    A CPU node gets no GPU check at any tier."""
+    def names(tier, device="cuda"):
+        return {c.name for c in judge.checks_for(tier, device)}
+
+    quick, default, full = names("quick"), names("default"), names("full")
+    assert {"torch", "gpus", "nvlink", "xid", "shm", "clock", "one GPU model"} <= quick
+    assert default - quick == {"p2p", "gpu perf, gpu load", "collective, nccl transport"}
+    assert full - default == {"node pairs"}
+    assert not {c.subject for c in judge.checks_for("full", "cpu")} & {"gpu"}
+    assert {c.subject for c in judge.checks_for("full")} == {"host", "gpu", "network", "cluster"}
+
+
+def test_one_reading_of_nccl_name_lists_for_interfaces_and_hcas():
+    prefixes = network_checks.parse_name_list("mlx5_0:1,mlx5_1")
+    assert prefixes.selects("mlx5_0", 1) and not prefixes.selects("mlx5_0", 2) and prefixes.selects("mlx5_10", 1)
+    exact = network_checks.parse_name_list("=eth0")
+    assert exact.selects("eth0") and not exact.selects("eth01")
+    excluded = network_checks.parse_name_list("^docker,lo")
+    assert excluded.selects("ens1") and not excluded.selects("docker0") and not excluded.selects("lo")

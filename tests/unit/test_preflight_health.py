@@ -6,14 +6,16 @@ import copy
 
 import pytest
 
-from nodectl.preflight import health
-from nodectl.preflight.checks import FAIL, PASS, SKIP, WARN
+from nodectl.preflight import cluster as cluster_checks, gpu as gpu_checks, judge
+from nodectl.preflight.judge import Expectation, NodeFacts
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN
 from test_preflight_checks import healthy_report
 
 
 
 def by_check(report, env=None):
-    return {r.check: r for r in health.judge_health("n0", report, env)}
+    facts = NodeFacts("n0", report, "cuda", Expectation(None, None, "10.0.1.11"), env=env or {})
+    return {r.check: r for r in judge.judge_node(facts, tier="quick")}
 
 
 def with_gpu(index, **changes):
@@ -35,7 +37,7 @@ def test_the_healthy_node_passes_every_health_check():
     ({"mig_pending": 1}, "mig", WARN, "GPU3 has a MIG change pending"),
     ({"compute_mode": 2}, "mig", FAIL, "GPU3 compute mode is prohibited"),
     ({"fabric": {"state": 1, "status": 0}}, "fabric manager", FAIL, "GPU3 not started"),
-    ({"nvlinks_active": 16}, "nvlink errors", FAIL, "GPU3 16 of 18 links active"),
+    ({"nvlinks_active": 16}, "nvlink", FAIL, "GPU3 16 of 18 links active"),
     ({"nvlink_errors": {"crc_flit": 0, "crc_data": 0, "replay": 12, "recovery": 1}}, "nvlink errors", WARN,
      "GPU3 replay 12, recovery 1"),
 ])
@@ -148,9 +150,9 @@ def test_nccl_ib_hca_must_name_active_ports(value, verdict, words):
 def test_a_downtrained_ib_port_is_named_against_the_fastest():
     reports = {f"n{i}": healthy_report() for i in range(4)}
     reports["n2"]["infiniband"][6]["ports"][0]["rate"] = "200 Gb/sec (4X HDR)"
-    result = health.check_ib_rates(reports)
+    result = cluster_checks.check_ib_rates(reports)
     assert result.verdict == WARN and "n2 mlx5_6/1 200 Gb/s" in result.detail and "400" in result.detail
-    assert health.check_ib_rates({k: v for k, v in reports.items() if k != "n2"}).verdict == PASS
+    assert cluster_checks.check_ib_rates({k: v for k, v in reports.items() if k != "n2"}).verdict == PASS
 
 
 def job(per_gpu=None):
@@ -165,40 +167,40 @@ def job(per_gpu=None):
 
 
 def test_gpu_job_names_the_slow_or_throttled_gpu():
-    [figures, load] = health.check_gpu_perf("n0", job())
+    [figures, load] = gpu_checks.check_gpu_perf("n0", job())
     assert figures.verdict == PASS and load.verdict == PASS, (figures, load)
 
-    [figures, _] = health.check_gpu_perf("n0", job({5: {"gemm_tflops": 410.0}}))
+    [figures, _] = gpu_checks.check_gpu_perf("n0", job({5: {"gemm_tflops": 410.0}}))
     assert figures.verdict == FAIL and "GPU5 bf16 GEMM 410 TFLOP/s" in figures.detail
     assert "of the node's other GPUs' median" in figures.detail and "GPU4" not in figures.detail
 
-    [figures, _] = health.check_gpu_perf("n0", job({2: {"h2d_gbps": 26.0}}))   # a x8 link: half the bandwidth
+    [figures, _] = gpu_checks.check_gpu_perf("n0", job({2: {"h2d_gbps": 26.0}}))   # a x8 link: half the bandwidth
     assert figures.verdict == FAIL and "GPU2 host-to-device 26 GB/s, 50%" in figures.detail
 
     two = job({1: {"gemm_tflops": 560.0}})   # a 2-GPU node, one GPU at 80%: a median of both would hide it
     two["devices"] = two["devices"][:2]
-    [figures, _] = health.check_gpu_perf("n0", two)
+    [figures, _] = gpu_checks.check_gpu_perf("n0", two)
     assert figures.verdict == FAIL and "GPU1 bf16 GEMM 560 TFLOP/s, 80%" in figures.detail, figures
 
-    [_, load] = health.check_gpu_perf("n0", job({6: {"clock_events": ["sw power cap", "hw power brake"]}}))
+    [_, load] = gpu_checks.check_gpu_perf("n0", job({6: {"clock_events": ["sw power cap", "hw power brake"]}}))
     assert load.verdict == FAIL and "GPU6 throttled under load: hw power brake" in load.detail
 
-    [_, load] = health.check_gpu_perf("n0", job({1: {"pcie_gen": 3}}))
+    [_, load] = gpu_checks.check_gpu_perf("n0", job({1: {"pcie_gen": 3}}))
     assert load.verdict == WARN and "GPU1 reached PCIe gen 3" in load.detail
 
 
 def test_a_node_slow_as_a_whole_is_named_against_the_cluster():
     jobs = {f"n{i}": job() for i in range(4)}
     jobs["n3"] = job({i: {"hbm_gbps": 2000.0} for i in range(8)})   # every GPU of one node: power capped?
-    medians = health.cluster_medians(jobs, {})
-    [figures, _] = health.check_gpu_perf("n3", jobs["n3"], medians)
+    medians = gpu_checks.cluster_medians(jobs, {})
+    [figures, _] = gpu_checks.check_gpu_perf("n3", jobs["n3"], medians)
     assert figures.verdict == FAIL and "of the cluster's median" in figures.detail, figures
-    assert health.check_gpu_perf("n0", jobs["n0"], medians)[0].verdict == PASS
+    assert gpu_checks.check_gpu_perf("n0", jobs["n0"], medians)[0].verdict == PASS
 
 
 def test_gpu_job_failures_and_absence():
-    assert health.check_gpu_perf("n0", None)[0].verdict == SKIP
-    result = health.check_gpu_perf("n0", {"error": "RuntimeError: CUDA error: unknown error"})[0]
+    assert gpu_checks.check_gpu_perf("n0", None)[0].verdict == SKIP
+    result = gpu_checks.check_gpu_perf("n0", {"error": "RuntimeError: CUDA error: unknown error"})[0]
     assert result.verdict == FAIL and "CUDA error" in result.detail
-    result = health.check_gpu_perf("n0", job({4: {"error": "CUDA out of memory"}}))[0]
+    result = gpu_checks.check_gpu_perf("n0", job({4: {"error": "CUDA out of memory"}}))[0]
     assert result.verdict == FAIL and "GPU4: CUDA out of memory" in result.detail

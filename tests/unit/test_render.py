@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from nodectl.remote.answers import IdentityAnswer
 from nodectl.errors import UsageError
 from nodectl.inventory import parse_inventory
 from nodectl.plan import build_plan
@@ -103,7 +104,7 @@ class _AnsweringCluster:
         self.asked = []
 
     def fan_out(self, work, nodes):
-        from nodectl.transport import NodeResult
+        from nodectl.remote.transport import NodeResult
 
         results = []
         for node in nodes:
@@ -114,7 +115,7 @@ class _AnsweringCluster:
             elif answer.startswith("error"):
                 results.append(NodeResult(node, error=answer))
             else:
-                results.append(NodeResult(node, value={"identity": answer}))
+                results.append(NodeResult(node, value=IdentityAnswer(answer, "/w")))
         return results
 
 
@@ -123,7 +124,7 @@ class Unreachable:
 
 
 def test_a_shared_home_is_found_even_when_a_node_answers_only_the_second_time():
-    from nodectl.launch import survey
+    from nodectl.remote.start import survey
 
     cluster = _AnsweringCluster({"node0": ["same"], "node1": ["error: Socket is closed", "same"]})
     assert survey(plan(), cluster).shared == {"node0", "node1"}
@@ -137,7 +138,7 @@ def test_a_shared_home_is_found_even_when_a_node_answers_only_the_second_time():
     (Unreachable, "UnreachableError", "node1: connection refused"),
 ])
 def test_a_node_that_never_says_whether_it_shares_its_workdir_stops_the_launch(answer, error, words):
-    from nodectl.launch import survey
+    from nodectl.remote.start import survey
 
     cluster = _AnsweringCluster({"node0": ["same"], "node1": [answer, answer]})
     with pytest.raises(Exception) as raised:

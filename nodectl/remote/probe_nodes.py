@@ -6,10 +6,10 @@ import shlex
 import time
 from typing import Iterable, Mapping
 
-from nodectl.agent import classify_failure
+from nodectl.remote.agent import classify_failure
 from nodectl.inventory import Node
 from nodectl.resources import resource_dir
-from nodectl.transport import Cluster, NodeResult, Transport, quote_path
+from nodectl.remote.transport import Cluster, NodeResult, Transport, quote_path
 
 PROBE_TIMEOUT = 90.0
 

@@ -1,23 +1,36 @@
-"""GPU and fabric health checks (issue 16): pure functions of the probe's NVML, sysfs and kernel-log facts and of
-the GPU job's measurements (launchers/gpuhealth.py). Thresholds and their sources are in docs/PREFLIGHT.md."""
+"""GPU checks: count and visibility, idle, ECC, persistence, peer copies, NVLink, PCIe link, heat, MIG and
+compute mode, the NVSwitch fabric, Xid events, GPU-NIC NUMA placement, and the GPU job's figures under load
+(launchers/gpuhealth.py). Pure functions of the probe report and that job's answer; thresholds and their
+sources are in docs/PREFLIGHT.md."""
 from __future__ import annotations
 
-import re
 import statistics
 from typing import Mapping
 
-from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, skip_if_unreadable, unreadable
+from nodectl.preflight.network import ib_ports
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, gib, skip_if_unreadable, unreadable
+
+GPU_BUSY_BYTES = 1 << 30
+
 
 # A GPU under this share of the median of its peers (same model) is named: healthy GPUs of one model land within
 # a few percent of each other in these figures; throttling, a bad HBM stack or a downtrained link do not.
 PERF_FLOOR = {"gemm_tflops": 0.85, "hbm_gbps": 0.85, "h2d_gbps": 0.7, "d2h_gbps": 0.7}
+
+
 PERF_LABEL = {"gemm_tflops": ("bf16 GEMM", "TFLOP/s"), "hbm_gbps": ("HBM copy", "GB/s"),
               "h2d_gbps": ("host-to-device", "GB/s"), "d2h_gbps": ("device-to-host", "GB/s")}
+
+
 HOT_MARGIN_C = 5
+
+
 # Clock event reasons that mean the GPU is slowed by something wrong (NVML nvmlClocksEventReasons): power brake
 # (the board asked for it), hardware slowdown (thermal or power), software thermal slowdown. "sw power cap" is a
 # GEMM at its power limit, the normal state of a loaded H100/H200.
 BAD_CLOCK_EVENTS = ("hw slowdown", "hw thermal slowdown", "hw power brake", "sw thermal slowdown")
+
+
 # Xid codes that mean the GPU needs a reset or the node a drain (NVIDIA's Xid catalog and GPU debug guidelines):
 # double-bit ECC, row-remap failure, NVLink error, fallen off the bus, high single-bit ECC rate, contained and
 # uncontained ECC errors, GSP RPC timeout and error, unrecovered ECC.
@@ -25,9 +38,12 @@ RESET_XIDS = {48: "double-bit ECC error", 63: "row remapping event", 64: "row re
               74: "NVLink error", 79: "GPU fell off the bus", 92: "high single-bit ECC error rate",
               94: "contained ECC error", 95: "uncontained ECC error", 119: "GSP RPC timeout", 120: "GSP error",
               140: "unrecovered ECC error"}
+
+
 FABRIC_STATES = {0: "not supported", 1: "not started", 2: "in progress", 3: "completed"}
+
+
 COMPUTE_MODES = {0: "default", 1: "exclusive thread", 2: "prohibited", 3: "exclusive process"}
-IB_RATE = re.compile(r"([\d.]+)\s*Gb/sec")
 
 
 def _devices(report: Mapping) -> list[Mapping]:
@@ -38,7 +54,139 @@ def _gpu(device: Mapping) -> str:
     return f"GPU{device.get('index', '?')}"
 
 
-# ---- per-GPU facts the probe reads without loading the GPU (every tier) -----------------------------------------
+@skip_if_unreadable("gpus", "gpus")
+def check_gpu_count(node: str, report: Mapping, want: int | None, inventory_gpus: int | None = None) -> CheckResult:
+    """The GPUs the ranks will see (CUDA_VISIBLE_DEVICES applied by the probe) against what the launch asks:
+    --gpus, else the node's `gpus:`; a CUDA_VISIBLE_DEVICES entry that names no GPU of the node fails."""
+    count = get(report, "gpus", "count", default=0)
+    if not get(report, "gpus", "available", default=False):
+        return CheckResult("gpus", node, FAIL, f"no GPU visible: {get(report, 'gpus', 'reason', default='?')}",
+                           "install the NVIDIA driver and nvidia-ml-py on the node, or use device: cpu")
+    unresolved = get(report, "gpus", "unresolved", default=[])
+    if unresolved:
+        total = get(report, "gpus", "count_all", default="?")
+        return CheckResult("gpus", node, FAIL,
+                           f"CUDA_VISIBLE_DEVICES={get(report, 'gpus', 'visible')} names {unresolved[0]!r}, which is "
+                           f"no GPU of this node (it has {total}: indexes 0-{total - 1 if isinstance(total, int) else '?'}"
+                           f" or GPU-<uuid>); CUDA ignores it and every entry after it",
+                           "fix CUDA_VISIBLE_DEVICES in this node's env: (nvidia-smi -L lists the GPUs)")
+    asked, source = (want, "--gpus") if want else (inventory_gpus, "gpus: in hosts.yaml")
+    if asked and count < asked:
+        visible = " visible" if get(report, "gpus", "visible") is not None else ""
+        return CheckResult("gpus", node, FAIL, f"{count}{visible} GPU(s), {asked} asked by {source}",
+                           f"lower {source} to {count} for this node, or make more GPUs visible to it")
+    models = {d["name"] for d in get(report, "gpus", "devices", default=[])}
+    if len(models) > 1:
+        return CheckResult("gpus", node, FAIL, f"mixed GPU models on one node: {', '.join(sorted(models))}",
+                           "set CUDA_VISIBLE_DEVICES in this node's env: to GPUs of one model")
+    return CheckResult("gpus", node, PASS, f"{count}x {next(iter(models), '?')}")
+
+
+@skip_if_unreadable("gpu idle", "gpus")
+def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = frozenset()) -> CheckResult:
+    busy, notes = [], []
+    for device in get(report, "gpus", "devices", default=[]):
+        for proc in device.get("compute_processes", []):
+            if proc.get("pid") not in own_pids:
+                busy.append(f"GPU{device['index']}: pid {proc['pid']} ({proc.get('user', '?')})")
+        used = device.get("memory_used_bytes") or 0
+        if used > GPU_BUSY_BYTES:
+            notes.append(f"GPU{device['index']} has {gib(used)} in use")
+    if busy:
+        return CheckResult("gpu idle", node, FAIL, "; ".join(busy),
+                           "stop those processes (a stray rank of an earlier run? `nodectl stop --run RUN`), "
+                           "or leave those GPUs out with CUDA_VISIBLE_DEVICES")
+    if notes:
+        return CheckResult("gpu idle", node, FAIL, "; ".join(notes),
+                           "memory is held with no compute process listed: another container or a zombie; "
+                           "check nvidia-smi on the node")
+    return CheckResult("gpu idle", node, PASS, "no foreign compute process")
+
+
+@skip_if_unreadable("ecc", "gpus")
+def check_ecc(node: str, report: Mapping) -> CheckResult:
+    bad = []
+    for d in get(report, "gpus", "devices", default=[]):
+        if (d.get("ecc_volatile_uncorrected") or 0) > 0:
+            bad.append(f"GPU{d['index']}: {d['ecc_volatile_uncorrected']} uncorrectable ECC errors")
+        if d.get("retired_pages_pending"):
+            bad.append(f"GPU{d['index']}: retired pages pending")
+        if d.get("remapped_rows_pending") or d.get("remapped_rows_failed"):
+            bad.append(f"GPU{d['index']}: row remapping {'failed' if d.get('remapped_rows_failed') else 'pending'}")
+    if bad:
+        return CheckResult("ecc", node, FAIL, "; ".join(bad),
+                           "reset the GPU when idle (pending retirements/remaps apply at reset) or drain the node")
+    return CheckResult("ecc", node, PASS, "no uncorrectable errors or pending retirements")
+
+
+@skip_if_unreadable("persistence", "gpus")
+def check_persistence(node: str, report: Mapping) -> CheckResult:
+    off = [str(d["index"]) for d in get(report, "gpus", "devices", default=[]) if not d.get("persistence_mode")]
+    if off:
+        return CheckResult("persistence", node, WARN, f"persistence mode off on GPU {','.join(off)}",
+                           "sudo nvidia-smi -pm 1 (or enable nvidia-persistenced) to avoid slow first CUDA calls")
+    return CheckResult("persistence", node, PASS, "on")
+
+
+def check_p2p(node: str, p2p: Mapping | None) -> CheckResult:
+    if not p2p:
+        return CheckResult("p2p", node, SKIP, "not measured (--quick)")
+    if "error" in p2p:
+        return CheckResult("p2p", node, FAIL, f"P2P test failed: {p2p['error']}",
+                           "NCCL_P2P_DISABLE=1 for this node; check ACS/IOMMU settings in BIOS and kernel",
+                           {"NCCL_P2P_DISABLE": "1"})
+    broken = [f"{p['src']}->{p['dst']}: {p.get('error') or 'wrong data'}" for p in p2p.get("pairs", [])
+              if not p.get("ok")]
+    if broken:
+        return CheckResult("p2p", node, FAIL, "; ".join(broken[:4]),
+                           "GPU peer copies fail or corrupt data: set NCCL_P2P_DISABLE=1 for this node; usually "
+                           "PCIe ACS or the IOMMU blocks peer traffic (disable ACS, or iommu=pt)",
+                           {"NCCL_P2P_DISABLE": "1"})
+    pairs = p2p.get("pairs", [])
+    if not pairs:
+        return CheckResult("p2p", node, SKIP, "fewer than 2 GPUs")
+    slowest = min((p["gbps"] for p in pairs), default=0)
+    peer = sum(1 for p in pairs if p.get("peer_access"))
+    return CheckResult("p2p", node, PASS, f"{len(pairs)} pairs correct, {peer} with peer access, "
+                                          f"slowest {slowest:.0f} GB/s")
+
+
+@skip_if_unreadable("nvlink", "gpus")
+def check_nvlink(node: str, report: Mapping) -> CheckResult:
+    """Active NVLink links per GPU: a GPU with fewer than its peers (none at all included) runs the node's NVLink
+    traffic at its pace, or falls back to PCIe."""
+    devices = _devices(report)
+    if len(devices) < 2:
+        return CheckResult("nvlink", node, SKIP, "fewer than 2 GPUs")
+    most = max(d.get("nvlinks_active") or 0 for d in devices)
+    if not most:
+        return CheckResult("nvlink", node, PASS, "no NVLink (PCIe only)")
+    fewer = [f"{_gpu(d)} {d.get('nvlinks_active') or 0} of {most} links active" for d in devices
+             if (d.get("nvlinks_active") or 0) < most]
+    if fewer:
+        return CheckResult("nvlink", node, FAIL, "; ".join(fewer),
+                           "a link is down: nvidia-smi nvlink -s; reset the GPU, else the baseboard needs service")
+    return CheckResult("nvlink", node, PASS, f"{most} active links per GPU")
+
+
+@skip_if_unreadable("nvlink errors", "gpus")
+def check_nvlink_errors(node: str, report: Mapping) -> CheckResult:
+    """NVLink error counters (NVML field values): replay and recovery counts mean a marginal link. How many links
+    are up is check_nvlink's."""
+    devices = [d for d in _devices(report) if d.get("nvlinks_active")]
+    if not devices:
+        return CheckResult("nvlink errors", node, SKIP, "no active NVLink")
+    counted = [(d, d.get("nvlink_errors")) for d in devices if isinstance(d.get("nvlink_errors"), Mapping)]
+    errors = [f"{_gpu(d)} " + ", ".join(f"{k} {v}" for k, v in e.items() if v) for d, e in counted
+              if any(e.values())]
+    if errors:
+        return CheckResult("nvlink errors", node, WARN, "NVLink error counters: " + "; ".join(errors),
+                           "counts since the driver loaded: nvidia-smi nvlink -e; rising replay or recovery "
+                           "counts mean a marginal link")
+    if not counted:
+        return CheckResult("nvlink errors", node, PASS, "error counters not readable")
+    return CheckResult("nvlink errors", node, PASS, "no errors counted")
+
 
 @skip_if_unreadable("pcie link", "gpus")
 def check_pcie_link(node: str, report: Mapping) -> CheckResult:
@@ -122,31 +270,6 @@ def check_fabric(node: str, report: Mapping) -> CheckResult:
     return CheckResult("fabric manager", node, PASS, f"{len(known)} GPU(s) registered with the NVSwitch fabric")
 
 
-@skip_if_unreadable("nvlink errors", "gpus")
-def check_nvlink_health(node: str, report: Mapping) -> CheckResult:
-    """A GPU with fewer active links than its peers runs the node's NVLink traffic at its pace; replay and
-    recovery counts mean a marginal link (NVLink error counters, NVML field values)."""
-    devices = [d for d in _devices(report) if d.get("nvlinks")]
-    if not devices or not any(d.get("nvlinks_active") for d in devices):
-        return CheckResult("nvlink errors", node, SKIP, "no active NVLink")
-    most = max(d.get("nvlinks_active", 0) for d in devices)
-    fewer = [f"{_gpu(d)} {d.get('nvlinks_active', 0)} of {most} links active" for d in devices
-             if 0 < d.get("nvlinks_active", 0) < most]
-    if fewer:
-        return CheckResult("nvlink errors", node, FAIL, "; ".join(fewer),
-                           "a link is down: nvidia-smi nvlink -s; reset the GPU, else the baseboard needs service")
-    counted = [(d, d.get("nvlink_errors")) for d in devices if isinstance(d.get("nvlink_errors"), Mapping)]
-    errors = [f"{_gpu(d)} " + ", ".join(f"{k} {v}" for k, v in e.items() if v) for d, e in counted
-              if any(e.values())]
-    if errors:
-        return CheckResult("nvlink errors", node, WARN, "NVLink error counters: " + "; ".join(errors),
-                           "counts since the driver loaded: nvidia-smi nvlink -e; rising replay or recovery "
-                           "counts mean a marginal link")
-    if not counted:
-        return CheckResult("nvlink errors", node, PASS, f"{most} links active per GPU (error counters not readable)")
-    return CheckResult("nvlink errors", node, PASS, f"{most} links active per GPU, no errors counted")
-
-
 def check_xid(node: str, report: Mapping) -> CheckResult:
     """Xid (GPU) and SXid (NVSwitch) events in the kernel log since boot."""
     reason = unreadable(report, "kernel_events")
@@ -178,65 +301,10 @@ def check_xid(node: str, report: Mapping) -> CheckResult:
                        "SXid, deserve a look at dmesg")
 
 
-# ---- network ----------------------------------------------------------------------------------------------------
-
-def _ib_ports(report: Mapping) -> list[tuple[Mapping, Mapping]]:
-    devices = report.get("infiniband") or []
-    if not isinstance(devices, list):
-        return []
-    return [(d, p) for d in devices for p in d.get("ports", [])]
-
-
-def ib_rate(port: Mapping) -> float | None:
-    match = IB_RATE.search(str(port.get("rate") or ""))
-    return float(match[1]) if match else None
-
-
-def check_ib_rates(reports: Mapping[str, Mapping]) -> CheckResult:
-    """Every active port's rate against the fastest active port of its link layer in the cluster: a port that came
-    up at a lower rate (a bad cable or transceiver) sets the pace of every collective through it."""
-    rates = {}
-    for node, report in reports.items():
-        for device, port in _ib_ports(report):
-            rate = ib_rate(port)
-            if rate and "ACTIVE" in str(port.get("state") or ""):
-                rates[(node, f"{device['name']}/{port['port']}")] = (port.get("link_layer") or "?", rate)
-    if not rates:
-        return CheckResult("ib rate", "cluster", SKIP, "no active InfiniBand/RoCE port")
-    fastest = {}
-    for layer, rate in rates.values():
-        fastest[layer] = max(fastest.get(layer, 0), rate)
-    slow = [f"{node} {port} {rate:g} Gb/s" for (node, port), (layer, rate) in rates.items() if rate < fastest[layer]]
-    if slow:
-        return CheckResult("ib rate", "cluster", WARN, "ports below the fastest of their kind ("
-                           + ", ".join(f"{layer} {rate:g} Gb/s" for layer, rate in fastest.items()) + "): "
-                           + "; ".join(slow[:8]),
-                           "ibstat on those nodes; reseat or replace the cable or transceiver, or leave the port "
-                           "out with NCCL_IB_HCA if it is not meant for training")
-    return CheckResult("ib rate", "cluster", PASS, ", ".join(f"{len(rates)} port(s) at {layer} {rate:g} Gb/s"
-                                                              for layer, rate in fastest.items()))
-
-
-def check_ib_errors(node: str, report: Mapping) -> CheckResult:
-    ports = _ib_ports(report)
-    if not ports:
-        return CheckResult("ib errors", node, SKIP, "no InfiniBand/RoCE port")
-    counted = [(d, p, p.get("counters")) for d, p in ports if isinstance(p.get("counters"), Mapping)]
-    if not any(c for _, _, c in counted):
-        return CheckResult("ib errors", node, SKIP, "port error counters not readable")
-    errors = [f"{d['name']}/{p['port']} " + ", ".join(f"{k} {v}" for k, v in c.items() if v)
-              for d, p, c in counted if any(c.values())]
-    if errors:
-        return CheckResult("ib errors", node, WARN, "; ".join(errors[:6]),
-                           "counts since the driver loaded: clear them (perfquery -x -R) and check again after a "
-                           "collective; rising symbol or receive errors mean a bad cable or transceiver")
-    return CheckResult("ib errors", node, PASS, f"no errors counted on {len(counted)} port(s)")
-
-
 def check_gpudirect(node: str, report: Mapping) -> CheckResult:
     """GPUDirect RDMA lets the NIC read GPU memory directly; without it NCCL stages every message through host
     memory. It needs nvidia_peermem (or, with NCCL 2.19+ and the open kernel modules, DMA-BUF)."""
-    if not _ib_ports(report) or not _devices(report):
+    if not ib_ports(report) or not _devices(report):
         return CheckResult("gpudirect", node, SKIP, "needs both GPUs and an InfiniBand/RoCE port")
     modules = report.get("modules") or {}
     if unreadable(report, "modules"):
@@ -252,7 +320,7 @@ def check_gpudirect(node: str, report: Mapping) -> CheckResult:
 def check_numa(node: str, report: Mapping) -> CheckResult:
     """Each GPU should have an InfiniBand/RoCE NIC on its own NUMA node: traffic to a NIC across the socket
     link halves its bandwidth on most two-socket boards."""
-    nics = {d.get("numa_node") for d, _ in _ib_ports(report) if d.get("numa_node") is not None
+    nics = {d.get("numa_node") for d, _ in ib_ports(report) if d.get("numa_node") is not None
             and d.get("numa_node") >= 0}
     gpus = [d for d in _devices(report) if d.get("numa_node") is not None and d["numa_node"] >= 0]
     if not nics or not gpus:
@@ -265,51 +333,6 @@ def check_numa(node: str, report: Mapping) -> CheckResult:
                            "but these GPUs cross the socket link")
     return CheckResult("numa", node, PASS, f"every GPU has a NIC on its NUMA node ({len(nics)} NUMA node(s))")
 
-
-def _hca_names(value: str) -> tuple[bool, bool, list[tuple[str, int | None]]]:
-    """NCCL_IB_HCA as NCCL reads it: `^` excludes, `=` matches names exactly (else as prefixes), `name:port`."""
-    value = value.strip()
-    exclude = value.startswith("^")
-    value = value.lstrip("^")
-    exact = value.startswith("=")
-    entries = []
-    for part in value.lstrip("=").split(","):
-        name, _, port = part.strip().partition(":")
-        if name:
-            entries.append((name, int(port) if port.isdigit() else None))
-    return exclude, exact, entries
-
-
-def check_ib_hca(node: str, report: Mapping, env: Mapping[str, str]) -> CheckResult:
-    value = (env or {}).get("NCCL_IB_HCA")
-    if not value:
-        return CheckResult("ib hca", node, PASS, "NCCL_IB_HCA not set (NCCL uses every active HCA)")
-    reason = unreadable(report, "infiniband")
-    if reason:
-        return CheckResult("ib hca", node, SKIP, reason)
-    ports = {(d["name"], p["port"]): "ACTIVE" in str(p.get("state") or "") for d, p in _ib_ports(report)}
-    active = sorted({f"{name}:{port}" for (name, port), up in ports.items() if up})
-    exclude, exact, entries = _hca_names(value)
-    if exclude:
-        left = [k for k in ports if not any((k[0] == n if exact else k[0].startswith(n)) for n, _ in entries)]
-        if not any(ports[k] for k in left):
-            return CheckResult("ib hca", node, FAIL, f"NCCL_IB_HCA={value} leaves no active port",
-                               f"active ports: {', '.join(active) or 'none'}")
-        return CheckResult("ib hca", node, PASS, f"NCCL_IB_HCA={value}")
-    problems = []
-    for name, port in entries:
-        hits = [k for k in ports if (k[0] == name if exact else k[0].startswith(name)) and port in (None, k[1])]
-        if not hits:
-            problems.append(f"no {name}{f':{port}' if port else ''} on the node")
-        elif not any(ports[k] for k in hits):
-            problems.append(f"{name}{f':{port}' if port else ''} is not ACTIVE")
-    if problems:
-        return CheckResult("ib hca", node, FAIL, f"NCCL_IB_HCA={value}: " + "; ".join(problems),
-                           f"name active ports in the inventory's env: ({', '.join(active) or 'none active'})")
-    return CheckResult("ib hca", node, PASS, f"NCCL_IB_HCA={value}")
-
-
-# ---- measured under load: the GPU job (default tier) ------------------------------------------------------------
 
 def cluster_medians(jobs: Mapping[str, Mapping | None], reports: Mapping[str, Mapping]) -> dict:
     """Per GPU model, the median of each figure over every GPU of the cluster."""
@@ -389,11 +412,3 @@ def _judge_under_load(node: str, devices: list[Mapping]) -> CheckResult:
     temps = [d.get("temperature_c") for d in devices if d.get("temperature_c")]
     return CheckResult("gpu load", node, PASS, "no throttling under load" + (f", up to {max(temps)} C" if temps else "")
                        + (f", PCIe gen {max(gens)}" if gens else ""))
-
-
-def judge_health(node: str, report: Mapping, env: Mapping[str, str] | None = None) -> list[CheckResult]:
-    """The probe-only health checks of a GPU node (every tier)."""
-    return [check_pcie_link(node, report), check_thermal(node, report), check_mig_compute_mode(node, report),
-            check_fabric(node, report), check_nvlink_health(node, report), check_xid(node, report),
-            check_ib_errors(node, report), check_gpudirect(node, report), check_numa(node, report),
-            check_ib_hca(node, report, env or {})]

@@ -11,11 +11,12 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
-from nodectl import agent, sync
+from nodectl.remote import agent
+from nodectl.remote import sync
 from nodectl.errors import Cancelled, NodectlError, UnreachableError
 from nodectl.plan import LaunchPlan, NodePlan, with_port
 from nodectl.render import RenderedNode
-from nodectl.transport import Cluster, NodeResult, Transport
+from nodectl.remote.transport import Cluster, NodeResult, Transport
 
 
 @dataclass(frozen=True)
@@ -34,10 +35,10 @@ def settle_master_port(plan: LaunchPlan, cluster: Cluster) -> LaunchPlan:
         raise UnreachableError(f"{master.name}: {answer.error}")
     if not answer.ok:
         raise NodectlError(f"{master.name}: cannot check master port {plan.master_port}: {answer.error}")
-    if answer.value["free"]:
+    if answer.value.free:
         return plan
     if plan.port_was_chosen:
-        return with_port(plan, answer.value["port"])
+        return with_port(plan, answer.value.port)
     raise NodectlError(f"master_port {plan.master_port} is in use on {master.name}; stop what holds it or pick "
                        f"another master_port in the inventory")
 
@@ -68,10 +69,10 @@ def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None
         raise NodectlError(f"cannot tell whether the nodes share their workdir: {detail}")
     seen: dict[str, list[str]] = {}
     for result in results.values():
-        seen.setdefault(result.value["identity"], []).append(result.node.name)
+        seen.setdefault(result.value.identity, []).append(result.node.name)
     shared = {name for names in seen.values() if len(names) > 1 for name in names}
     run_dirs = [np.run_dir for np in plan.nodes if np.node.name in shared]
-    missing = {name: r.value["missing"] for name, r in results.items() if "missing" in r.value}
+    missing = {name: list(r.value.missing) for name, r in results.items() if r.value.missing is not None}
     return Survey(frozenset(shared) if len(set(run_dirs)) < len(run_dirs) else frozenset(), missing)
 
 
@@ -102,7 +103,7 @@ def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, re
         sent, prepared = sync.send_objects(transport, files, missing, cancel, then=request)
     else:
         sent, prepared = 0, agent.call(transport, "prepare", request=request)
-    return prepared["files"], sent
+    return prepared.files, sent
 
 
 def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, files: list[sync.SyncFile],
@@ -130,6 +131,6 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, 
     def start(transport: Transport) -> NodeStart:
         started = agent.call(transport, "start", plans[transport.node.name].run_dir)
         file_count, sent = counts[transport.node.name]
-        return NodeStart(transport.node.name, started["pgid"], file_count, sent)
+        return NodeStart(transport.node.name, started.pgid, file_count, sent)
 
     return cluster.fan_out(start, nodes, on_done=on_done)

@@ -11,10 +11,10 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from nodectl import agent
+from nodectl.remote import agent
 from nodectl.errors import Cancelled, UsageError
 from nodectl.resources import resource_dir
-from nodectl.transport import StreamSink, Transport
+from nodectl.remote.transport import StreamSink, Transport
 
 DEFAULT_SYNC_LIMIT = 512 * 2**20
 
@@ -162,11 +162,11 @@ def have_request(files: list[SyncFile]) -> dict:
 
 
 def missing_objects(transport: Transport, files: list[SyncFile]) -> list[str]:
-    return agent.call(transport, "have", transport.node.workdir, request=have_request(files))["missing"]
+    return agent.call(transport, "have", transport.node.workdir, request=have_request(files)).missing
 
 
 def send_objects(transport: Transport, files: list[SyncFile], missing: list[str],
-                 cancel: threading.Event | None = None, then: dict | None = None) -> tuple[int, dict]:
+                 cancel: threading.Event | None = None, then: dict | None = None) -> tuple[int, object]:
     """Stream the `missing` objects into the node's store (runctl receive) and, in the same call, do `then`
     (a `prepare` request) once they are in; returns (bytes sent, the node's answer).
 

@@ -8,7 +8,8 @@ import shlex
 from functools import lru_cache
 
 from nodectl.resources import resource_dir
-from nodectl.transport import NodeError, Transport, quote_path
+from nodectl.remote import answers
+from nodectl.remote.transport import NodeError, Transport, quote_path
 
 AGENT_TIMEOUT = 120.0
 
@@ -41,14 +42,25 @@ def _quoted(args: tuple[str, ...]) -> list[str]:
     return [quote_path(a) if a.startswith("~") else shlex.quote(a) for a in args]
 
 
-def _answer(node, command: str, result) -> dict:
-    """runctl's JSON answer (after any login banner), or the reason there is none."""
+def _answer(node, command: str, result):
+    """runctl's answer (after any login banner) as its type (nodectl/remote/answers.py), or the reason there is
+    none: AgentError when runctl said why it could not, AnswerError when the answer is not what `command`
+    answers."""
     answer = last_json(result.stdout)
     if answer is None:
         raise AgentError(explain_failure(node, f"`runctl {command}`", result))
     if answer.get("error"):
-        raise AgentError(f"{node.name}: {answer['error']}")
-    return answer
+        raise AgentError(f"{node.name}: {_printable(answer['error'])}")
+    try:
+        return answers.parse(command, answer)
+    except answers.AnswerError as exc:
+        raise AgentError(f"{node.name} answered `runctl {command}` malformed: {exc}") from None
+
+
+def _printable(text) -> str:
+    """A node's own words, cut to a line's worth and without control characters (a terminal's escapes)."""
+    text = str(text)
+    return "".join(c if c.isprintable() or c == "\n" else "?" for c in text[:500])
 
 
 # Installs runctl (its source comes first on stdin, N bytes) unless this version is there, then runs it in the
@@ -61,7 +73,7 @@ BOOTSTRAP = ('import os,sys;p=sys.argv[1];b=sys.stdin.buffer.read(int(sys.argv[2
 
 
 def call(transport: Transport, command: str, *args: str, request: dict | None = None,
-         timeout: float = AGENT_TIMEOUT) -> dict:
+         timeout: float = AGENT_TIMEOUT):
     """Run one runctl subcommand on the node, installing runctl first if this version is not there yet."""
     node = transport.node
     path = agent_path(node.workdir)
@@ -86,7 +98,7 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
 
 
 def call_stream(transport: Transport, command: str, *args: str, produce, request: dict | None = None,
-                timeout: float = AGENT_TIMEOUT) -> dict:
+                timeout: float = AGENT_TIMEOUT):
     """Like `call`, for a subcommand that reads a stream: `produce(sink)` writes it after the request (which
     travels first, its length on a line of its own). runctl must be installed already (any earlier `call`
     installs it)."""

@@ -12,9 +12,9 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from nodectl import agent
+from nodectl.remote import agent
 from nodectl.runs import RunNode
-from nodectl.transport import Cluster, CommandTimeout, NodeResult
+from nodectl.remote.transport import Cluster, CommandTimeout, NodeResult
 
 
 @dataclass

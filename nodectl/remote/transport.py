@@ -2,7 +2,7 @@
 
 One connection per node is opened lazily and reused for all of a command's work. `fan_out` runs a function
 for every node in parallel with a bound and returns one `NodeResult` per node instead of stopping at the first
-failure (fabric's GroupResult); no exception escapes it. Host keys follow docs/REFERENCE.md §1 (nodectl/ssh.py). Commands run
+failure (fabric's GroupResult); no exception escapes it. Host keys follow docs/REFERENCE.md §1 (nodectl/remote/ssh.py). Commands run
 under /bin/sh whatever the login shell, and files travel over the exec channel, so an sshd without the sftp
 subsystem is enough.
 """
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Generic, Iterable, Iterator, Sequence, TypeVar
 
-from nodectl import ssh
+from nodectl.remote import ssh
 from nodectl.inventory import Node
 
 T = TypeVar("T")
@@ -151,7 +151,7 @@ class Transport:
     """The interface both transports share."""
 
     node: Node
-    runctl_seen = False  # set by nodectl.agent once runctl answered through this transport
+    runctl_seen = False  # set by nodectl.remote.agent once runctl answered through this transport
 
     def run(self, argv: Sequence[str] | str, *, stdin: str | bytes | None = None,
             timeout: float | None = None) -> CommandResult:
@@ -226,7 +226,7 @@ def _home() -> str:
 
 
 class SSHTransport(Transport):
-    """A fabric Connection with nodectl's host-key policy (nodectl/ssh.py); ~/.ssh/config, ssh-agent and
+    """A fabric Connection with nodectl's host-key policy (nodectl/remote/ssh.py); ~/.ssh/config, ssh-agent and
     ProxyJump apply."""
 
     def __init__(self, node: Node, options: TransportOptions) -> None:

@@ -1,0 +1,140 @@
+"""Cluster checks: what must agree across nodes (torch, CUDA, NCCL, driver, Python; packages, kernel,
+firmware, swap, CPU governor), one GPU model, one InfiniBand rate. Pure functions of every node's report."""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from nodectl.preflight.network import ib_ports, ib_rate
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get
+
+def _version(report: Mapping, what: str) -> str:
+    if what == "python":
+        return ".".join(str(get(report, "python", "version", default="?")).split(".")[:2])
+    if what == "driver":
+        return str(get(report, "gpus", "driver", default="-"))
+    return str(get(report, "torch", what, default="-"))
+
+
+def check_versions(reports: Mapping[str, Mapping]) -> list[CheckResult]:
+    """torch, CUDA, NCCL, driver and Python minor must agree (fail); other packages should (warn)."""
+    results = []
+    for what in ("version", "cuda", "nccl", "driver", "python"):
+        label = {"version": "torch"}.get(what, what)
+        versions = {node: _version(report, what) for node, report in reports.items()}
+        if len(set(versions.values())) > 1:
+            results.append(CheckResult(f"same {label}", "cluster", FAIL, _spread(versions),
+                                       f"install one {label} version everywhere (nodectl env-dump --diff shows all "
+                                       f"drift)"))
+        else:
+            results.append(CheckResult(f"same {label}", "cluster", PASS, next(iter(versions.values()), "-")))
+    results.append(check_packages(reports))
+    return results
+
+
+def _facts_by_node(reports: Mapping[str, Mapping], read: Callable[[Mapping], Any]) -> dict[str, str]:
+    """One fact per node (a string; lists joined), for the nodes whose report has it."""
+    out = {}
+    for node, report in reports.items():
+        value = read(report)
+        if isinstance(value, (list, tuple, set)):
+            value = ",".join(sorted({str(v) for v in value if v})) or None
+        if value not in (None, ""):
+            out[node] = str(value)
+    return out
+
+
+def _spread(facts: Mapping[str, str]) -> str:
+    groups: dict[str, list[str]] = {}
+    for node, value in facts.items():
+        groups.setdefault(value, []).append(node)
+    return "; ".join(f"{value} on {', '.join(nodes)}" for value, nodes in sorted(groups.items()))
+
+
+UNIFORM_FACTS = (
+    # (check, how to read it from a report, hint) -- differences warn: they explain one node running slower or
+    # failing differently, and vendors qualify firmware and drivers as a set
+    ("same kernel", lambda r: get(r, "os", "kernel"), "one kernel build everywhere (uname -r)"),
+    ("same vbios", lambda r: [d.get("vbios") for d in get(r, "gpus", "devices", default=[]) or []],
+     "flash one VBIOS version on every GPU (nvidia-smi -q | grep VBIOS)"),
+    ("same hca firmware", lambda r: [d.get("fw_ver") for d in r.get("infiniband") or [] if isinstance(d, Mapping)],
+     "update every HCA to one firmware (mlxfwmanager / ibv_devinfo shows fw_ver)"),
+    ("same ofed", lambda r: [d.get("driver_version") for d in r.get("infiniband") or [] if isinstance(d, Mapping)],
+     "install one MLNX_OFED / rdma-core version everywhere (ofed_info -s)"),
+    ("same swap", lambda r: None if get(r, "memory", "swap_total_bytes") is None else
+     ("on" if get(r, "memory", "swap_total_bytes") else "off"),
+     "swap on some nodes only: a node that pages runs every rank at its pace; swapoff -a (and /etc/fstab)"),
+)
+
+
+def check_uniformity(reports: Mapping[str, Mapping]) -> list[CheckResult]:
+    """Facts that should agree across nodes (warn when they differ; skip when no node could read them), and the
+    CPU frequency governor, which should also be `performance` (powersave slows the data path and launches)."""
+    results = []
+    for check, read, hint in UNIFORM_FACTS:
+        facts = _facts_by_node(reports, read)
+        if not facts:
+            results.append(CheckResult(check, "cluster", SKIP, "no node reported it"))
+        elif len(set(facts.values())) > 1:
+            results.append(CheckResult(check, "cluster", WARN, _spread(facts), hint))
+        else:
+            results.append(CheckResult(check, "cluster", PASS, next(iter(facts.values()))))
+    governors = _facts_by_node(reports, lambda r: get(r, "cpu", "governor"))
+    slow = {node: g for node, g in governors.items() if g != "performance"}
+    if not governors:
+        results.append(CheckResult("cpu governor", "cluster", SKIP, "no node exposes cpufreq (a VM or container?)"))
+    elif slow or len(set(governors.values())) > 1:
+        results.append(CheckResult("cpu governor", "cluster", WARN, _spread(governors),
+                                   "cpupower frequency-set -g performance on every node (or the BIOS power "
+                                   "profile 'maximum performance')"))
+    else:
+        results.append(CheckResult("cpu governor", "cluster", PASS, "performance"))
+    return results
+
+
+IGNORED_PACKAGES = {"pip", "setuptools", "wheel", "nodectl"}
+
+
+def check_packages(reports: Mapping[str, Mapping]) -> CheckResult:
+    packages = {node: r.get("packages") or {} for node, r in reports.items()}
+    names = set().union(*(p.keys() for p in packages.values())) - IGNORED_PACKAGES if packages else set()
+    differing = sorted(n for n in names if len({p.get(n, "-") for p in packages.values()}) > 1)
+    if differing:
+        shown = ", ".join(differing[:12]) + (f" and {len(differing) - 12} more" if len(differing) > 12 else "")
+        return CheckResult("same packages", "cluster", WARN, f"{len(differing)} differ: {shown}",
+                           "nodectl env-dump --diff lists the versions per node")
+    return CheckResult("same packages", "cluster", PASS, f"{len(names)} packages agree")
+
+
+def check_gpu_models(reports: Mapping[str, Mapping]) -> CheckResult:
+    models = {node: sorted({d["name"] for d in get(r, "gpus", "devices", default=[])}) for node, r in reports.items()}
+    distinct = {tuple(m) for m in models.values() if m}
+    if len(distinct) > 1:
+        return CheckResult("one GPU model", "cluster", FAIL,
+                           "; ".join(f"{node}: {', '.join(m)}" for node, m in models.items()),
+                           "a run is as fast as its slowest GPU; exclude the odd nodes with --exclude")
+    return CheckResult("one GPU model", "cluster", PASS, ", ".join(next(iter(distinct), ("none",))))
+
+
+def check_ib_rates(reports: Mapping[str, Mapping]) -> CheckResult:
+    """Every active port's rate against the fastest active port of its link layer in the cluster: a port that came
+    up at a lower rate (a bad cable or transceiver) sets the pace of every collective through it."""
+    rates = {}
+    for node, report in reports.items():
+        for device, port in ib_ports(report):
+            rate = ib_rate(port)
+            if rate and "ACTIVE" in str(port.get("state") or ""):
+                rates[(node, f"{device['name']}/{port['port']}")] = (port.get("link_layer") or "?", rate)
+    if not rates:
+        return CheckResult("ib rate", "cluster", SKIP, "no active InfiniBand/RoCE port")
+    fastest = {}
+    for layer, rate in rates.values():
+        fastest[layer] = max(fastest.get(layer, 0), rate)
+    slow = [f"{node} {port} {rate:g} Gb/s" for (node, port), (layer, rate) in rates.items() if rate < fastest[layer]]
+    if slow:
+        return CheckResult("ib rate", "cluster", WARN, "ports below the fastest of their kind ("
+                           + ", ".join(f"{layer} {rate:g} Gb/s" for layer, rate in fastest.items()) + "): "
+                           + "; ".join(slow[:8]),
+                           "ibstat on those nodes; reseat or replace the cable or transceiver, or leave the port "
+                           "out with NCCL_IB_HCA if it is not meant for training")
+    return CheckResult("ib rate", "cluster", PASS, ", ".join(f"{len(rates)} port(s) at {layer} {rate:g} Gb/s"
+                                                              for layer, rate in fastest.items()))

@@ -1,0 +1,266 @@
+"""Network checks: InfiniBand ports and HCAs, GPUDirect RDMA, the interfaces NCCL and gloo are told to use,
+node 0's master port, every node's way to it. Pure functions of the probe report and runctl's answers."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Mapping
+
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, unreadable
+
+SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
+
+
+VIRTUAL_PREFIXES = ("docker", "veth", "virbr", "br-", "lo", "cni", "flannel", "cali", "tun", "tap")
+
+
+IB_RATE = re.compile(r"([\d.]+)\s*Gb/sec")
+
+
+@dataclass(frozen=True)
+class NameList:
+    """An NCCL name list as NCCL reads NCCL_SOCKET_IFNAME and NCCL_IB_HCA (gloo's GLOO_SOCKET_IFNAME likewise):
+    comma-separated prefixes, `=` before the list for exact names, `^` before it to exclude what it names, and
+    `name:port` entries for HCA ports."""
+
+    exclude: bool
+    exact: bool
+    entries: tuple[tuple[str, int | None], ...]
+
+    def names(self, name: str, port: int | None = None) -> list[tuple[str, int | None]]:
+        """The entries that name this interface (or HCA port)."""
+        return [(want, p) for want, p in self.entries if (name == want if self.exact else name.startswith(want))
+                and (p is None or port is None or p == port)]
+
+    def selects(self, name: str, port: int | None = None) -> bool:
+        return bool(self.names(name, port)) != self.exclude
+
+
+def parse_name_list(value: str) -> NameList:
+    value = value.strip()
+    exclude = value.startswith("^")
+    value = value.lstrip("^")
+    exact = value.startswith("=")
+    entries = []
+    for part in value.lstrip("=").split(","):
+        name, _, port = part.strip().partition(":")
+        if name:
+            entries.append((name, int(port) if port.isdigit() else None))
+    return NameList(exclude, exact, tuple(entries))
+
+
+def ib_ports(report: Mapping) -> list[tuple[Mapping, Mapping]]:
+    devices = report.get("infiniband") or []
+    if not isinstance(devices, list):
+        return []
+    return [(d, p) for d in devices for p in d.get("ports", [])]
+
+
+def ib_rate(port: Mapping) -> float | None:
+    match = IB_RATE.search(str(port.get("rate") or ""))
+    return float(match[1]) if match else None
+
+
+def check_infiniband(node: str, report: Mapping) -> CheckResult:
+    devices = report.get("infiniband") or []
+    if isinstance(devices, Mapping):  # {"error": ...}: the devices could not be listed
+        return CheckResult("infiniband", node, SKIP, f"InfiniBand devices could not be read ({devices.get('error')})")
+    if not devices:
+        return CheckResult("infiniband", node, SKIP, "no InfiniBand/RoCE device")
+    ports = [(d["name"], p) for d in devices for p in d.get("ports", [])]
+    down = [f"{name}/{p['port']} {p.get('state')} {p.get('phys_state')}" for name, p in ports
+            if "ACTIVE" not in (p.get("state") or "") or "LinkUp" not in (p.get("phys_state") or "")]
+    if down:
+        return CheckResult("infiniband", node, FAIL, "ports not ACTIVE/LinkUp: " + "; ".join(down),
+                           "check cables and the subnet manager (ibstat; systemctl status opensm); list only "
+                           "working HCAs with NCCL_IB_HCA")
+    rates = sorted({p.get("rate") for _, p in ports})
+    layers = sorted({p.get("link_layer") for _, p in ports})
+    return CheckResult("infiniband", node, PASS, f"{len(ports)} port(s) up, {', '.join(map(str, rates))}, "
+                                                 f"{'/'.join(map(str, layers))}")
+
+
+def check_ib_errors(node: str, report: Mapping) -> CheckResult:
+    ports = ib_ports(report)
+    if not ports:
+        return CheckResult("ib errors", node, SKIP, "no InfiniBand/RoCE port")
+    counted = [(d, p, p.get("counters")) for d, p in ports if isinstance(p.get("counters"), Mapping)]
+    if not any(c for _, _, c in counted):
+        return CheckResult("ib errors", node, SKIP, "port error counters not readable")
+    errors = [f"{d['name']}/{p['port']} " + ", ".join(f"{k} {v}" for k, v in c.items() if v)
+              for d, p, c in counted if any(c.values())]
+    if errors:
+        return CheckResult("ib errors", node, WARN, "; ".join(errors[:6]),
+                           "counts since the driver loaded: clear them (perfquery -x -R) and check again after a "
+                           "collective; rising symbol or receive errors mean a bad cable or transceiver")
+    return CheckResult("ib errors", node, PASS, f"no errors counted on {len(counted)} port(s)")
+
+
+def check_ib_hca(node: str, report: Mapping, env: Mapping[str, str]) -> CheckResult:
+    value = (env or {}).get("NCCL_IB_HCA")
+    if not value:
+        return CheckResult("ib hca", node, PASS, "NCCL_IB_HCA not set (NCCL uses every active HCA)")
+    reason = unreadable(report, "infiniband")
+    if reason:
+        return CheckResult("ib hca", node, SKIP, reason)
+    ports = {(d["name"], p["port"]): "ACTIVE" in str(p.get("state") or "") for d, p in ib_ports(report)}
+    active = sorted({f"{name}:{port}" for (name, port), up in ports.items() if up})
+    wanted = parse_name_list(value)
+    if wanted.exclude:
+        if not any(up for (name, port), up in ports.items() if wanted.selects(name, port)):
+            return CheckResult("ib hca", node, FAIL, f"NCCL_IB_HCA={value} leaves no active port",
+                               f"active ports: {', '.join(active) or 'none'}")
+        return CheckResult("ib hca", node, PASS, f"NCCL_IB_HCA={value}")
+    problems = []
+    for name, port in wanted.entries:
+        hits = [k for k in ports if (name, port) in wanted.names(*k)]
+        if not hits:
+            problems.append(f"no {name}{f':{port}' if port else ''} on the node")
+        elif not any(ports[k] for k in hits):
+            problems.append(f"{name}{f':{port}' if port else ''} is not ACTIVE")
+    if problems:
+        return CheckResult("ib hca", node, FAIL, f"NCCL_IB_HCA={value}: " + "; ".join(problems),
+                           f"name active ports in the inventory's env: ({', '.join(active) or 'none active'})")
+    return CheckResult("ib hca", node, PASS, f"NCCL_IB_HCA={value}")
+
+
+def check_socket_ifname(node: str, report: Mapping, env: Mapping[str, str]) -> CheckResult:
+    """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME from the inventory's env must name an interface the node has, and
+    it must be up: a wrong name makes NCCL fail at init ("no socket interface found") and gloo hang or fail."""
+    named = {var: env[var] for var in SOCKET_IFNAME_VARS if env.get(var)}
+    if not named:
+        return CheckResult("socket ifname", node, PASS, "not set (NCCL and gloo choose)")
+    reason = unreadable(report, "nics")
+    if reason:
+        return CheckResult("socket ifname", node, SKIP, reason)
+    nics = {n.get("name"): n for n in report.get("nics") or [] if n.get("name")}
+    up = sorted(name for name, nic in nics.items() if nic.get("state") in ("up", "unknown"))
+    problems = []
+    for var, value in named.items():
+        wanted = parse_name_list(value)
+        chosen = [name for name in nics if wanted.selects(name)]
+        missing = [] if wanted.exclude else [want for want, _ in wanted.entries
+                                             if not any((want, None) in wanted.names(name) for name in nics)]
+        if missing:
+            problems.append(f"{var}={value}: no interface {', '.join(missing)} on the node")
+        elif not [n for n in chosen if n in up]:
+            problems.append(f"{var}={value}: {', '.join(chosen)} is down")
+    if problems:
+        return CheckResult("socket ifname", node, FAIL, "; ".join(problems),
+                           f"set it in the inventory's env: to an interface that is up there: {', '.join(up)}")
+    return CheckResult("socket ifname", node, PASS, ", ".join(f"{var}={value}" for var, value in named.items()))
+
+
+def check_master_port(node: str, port_answer: Mapping | None) -> CheckResult:
+    if port_answer is None:
+        return CheckResult("master port", node, SKIP, "not node 0")
+    if port_answer.get("free"):
+        return CheckResult("master port", node, PASS, f"port {port_answer['port']} free")
+    return CheckResult("master port", node, FAIL, f"port {port_answer.get('asked')} is in use on node 0",
+                       "stop what holds it or set another master_port: in hosts.yaml")
+
+
+def check_reach_master(node: str, answer: Mapping | None, target: str) -> CheckResult:
+    if answer is None:
+        return CheckResult("reach master", node, SKIP, "not tested")
+    if answer.get("ok"):
+        return CheckResult("reach master", node, PASS, f"{target} in {answer.get('ms', 0):.0f} ms")
+    return CheckResult("reach master", node, FAIL, f"cannot open {target}: {answer.get('error')}",
+                       "open the master port on node 0's firewall to the other nodes, or set addr: of node 0 to "
+                       "an address they can reach")
+
+
+def check_route(node: str, answer: Mapping | None, master_addr: str) -> CheckResult:
+    """The interface a node uses toward the master address; docker, virtual or lo is usually a wrong pick."""
+    if not answer or not answer.get("dev"):
+        return CheckResult("interface", node, SKIP, "route unknown")
+    dev = answer["dev"]
+    loopback_master = master_addr.startswith("127.") or master_addr in ("localhost", "::1")
+    if dev.startswith(VIRTUAL_PREFIXES) and not loopback_master:
+        return CheckResult("interface", node, WARN, f"{master_addr} is reached through {dev}",
+                           "pin the right NIC for NCCL and gloo", {"NCCL_SOCKET_IFNAME": "<your NIC>",
+                                                                   "GLOO_SOCKET_IFNAME": "<your NIC>"})
+    return CheckResult("interface", node, PASS, f"{dev} toward {master_addr}",
+                       env=None if loopback_master else {"NCCL_SOCKET_IFNAME": dev, "GLOO_SOCKET_IFNAME": dev})
+
+
+# ---- the all-reduce job and the node-pair tests (launchers/collective.py) ----------------------------------
+
+TRANSPORT_RE = re.compile(r"via (P2P/[\w/]+|SHM/[\w/]+|NET/IB[\w/]*|NET/Socket[\w/]*|NET/[\w/]+|NVLS[\w/]*|"
+                          r"CollNet[\w/]*)")
+
+
+def transports_in(log: str) -> dict[str, int]:
+    """How many NCCL connections used each transport: {"P2P/CUMEM/read": 24, "NET/IB/0/GDRDMA": 8, ...}."""
+    counts: dict[str, int] = {}
+    for match in TRANSPORT_RE.finditer(log):
+        counts[match[1]] = counts.get(match[1], 0) + 1
+    return counts
+
+
+def result_in(log: str) -> dict | None:
+    for line in reversed(log.splitlines()):
+        if line.startswith("NODECTL_COLLECTIVE "):
+            return json.loads(line.split(" ", 1)[1])
+    return None
+
+
+def judge_collective(result: dict | None, transports: dict[str, int], ib_present: bool, nnodes: int,
+                     failure: str | None, run_id: str | None = None) -> list[CheckResult]:
+    if failure or result is None:
+        return [CheckResult("collective", "cluster", FAIL, f"the all-reduce job failed: {failure or 'no result'}",
+                            f"see every rank's log with nodectl tail all --run {run_id or 'RUN'} (NCCL_DEBUG=INFO "
+                            f"is set there); a peer that cannot be reached on its ephemeral ports while the master "
+                            f"port works is a firewall between the nodes (NODE_SETUP.md, section 4)")]
+    wrong = [s["bytes"] for s in result["sizes"] if not s["ok"]]
+    out = []
+    if wrong:
+        out.append(CheckResult("collective", "cluster", FAIL, f"all-reduce returned wrong sums at {wrong[:3]} bytes",
+                               "a GPU or link corrupts data: run preflight --full to find the node pair"))
+    else:
+        largest = result["sizes"][-1]
+        out.append(CheckResult("collective", "cluster", PASS,
+                               f"{result['backend']} all-reduce correct on {result['world']} ranks; busbw "
+                               f"{largest['busbw_gbs']:.1f} GB/s at {largest['bytes'] >> 20} MiB"))
+    if transports:
+        used = ", ".join(f"{name} x{count}" for name, count in sorted(transports.items()))
+        socket = any(name.startswith("NET/Socket") for name in transports)
+        if ib_present and socket and nnodes > 1:
+            out.append(CheckResult("nccl transport", "cluster", FAIL, f"InfiniBand is present but NCCL used {used}",
+                                   "NCCL fell back to TCP sockets: make sure NCCL_IB_DISABLE is unset or 0, name "
+                                   "the HCAs with NCCL_IB_HCA, load nvidia-peermem for GPUDirect RDMA",
+                                   {"NCCL_IB_DISABLE": "0"}))
+        elif socket and nnodes > 1:
+            out.append(CheckResult("nccl transport", "cluster", WARN, used, "inter-node traffic on TCP sockets"))
+        elif any(name.startswith("NET/IB") for name in transports) and not any("GDRDMA" in n for n in transports):
+            out.append(CheckResult("nccl transport", "cluster", WARN, f"{used}: InfiniBand without GPUDirect RDMA",
+                                   "every message is staged through host memory: load nvidia_peermem (modprobe "
+                                   "nvidia_peermem), or use the open kernel modules for DMA-BUF; NCCL then shows "
+                                   "NET/IB/<n>/GDRDMA"))
+        else:
+            out.append(CheckResult("nccl transport", "cluster", PASS, used))
+    return out
+
+
+SLOW_PAIR = 0.7
+
+
+def judge_pairs(pairs: list[dict]) -> list[CheckResult]:
+    """Pairs well under the median busbw point at a slow node: the one that is in every slow pair."""
+    measured = [p for p in pairs if p.get("busbw_gbs")]
+    failed = [p for p in pairs if not p.get("busbw_gbs")]
+    out = [CheckResult("node pair", "cluster", FAIL, f"{'+'.join(p['nodes'])}: {p.get('error')}",
+                       "run a two-node launch on that pair to see its logs") for p in failed]
+    if len(measured) < 2:
+        return out
+    median = sorted(p["busbw_gbs"] for p in measured)[len(measured) // 2]
+    slow = [p for p in measured if p["busbw_gbs"] < SLOW_PAIR * median]
+    detail = "; ".join(f"{'+'.join(p['nodes'])} {p['busbw_gbs']:.1f} GB/s" for p in measured)
+    if not slow:
+        return out + [CheckResult("node pairs", "cluster", PASS, detail)]
+    suspects = set(slow[0]["nodes"]).intersection(*(set(p["nodes"]) for p in slow))
+    culprit = ", ".join(sorted(suspects)) or "no single node"
+    return out + [CheckResult("node pairs", "cluster", WARN, f"slow pairs (under {SLOW_PAIR:.0%} of the median "
+                                                             f"{median:.1f} GB/s): {detail}; common node: {culprit}",
+                              f"check {culprit}'s NIC, cabling and PCIe; or leave it out with --exclude")]

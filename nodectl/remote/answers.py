@@ -1,0 +1,265 @@
+"""What a node answers, parsed once into types.
+
+runctl (launchers/runctl.py) answers each subcommand with one JSON object. `parse(command, raw)` turns it into
+the dataclass below or raises `AnswerError` naming the field: a node that answers garbage (a broken or a
+hostile one) costs the user one clear error, never a traceback deep in `status` or `top`. The contract test
+(tests/contract/test_node_answers.py) runs the real runctl and probe and parses every answer.
+
+A field with a default may be missing (an older runctl); one without must be there with its type. Unknown
+keys are ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Mapping, Union
+
+from nodectl.remote.transport import NodeError
+
+
+class AnswerError(NodeError):
+    """A node answered, but not with what the command answers."""
+
+
+@dataclass(frozen=True)
+class ExitRecord:
+    code: int
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankState:
+    rank: int
+    exit: ExitRecord | None = None
+    pid: int | None = None
+    alive: bool = False
+    heartbeat: dict | None = None      # what the rank last wrote (step, time, phase...): its own fields
+    heartbeat_age: float | None = None
+    log_size: int = 0
+
+    @property
+    def step(self) -> Any:
+        return (self.heartbeat or {}).get("step")
+
+
+@dataclass(frozen=True)
+class LogChunk:
+    offset: int
+    text: str
+    start: int | None = field(default=None, metadata={"key": "from"})
+
+
+NO_LOG = LogChunk(0, "")
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    """One GPU as nvidia-smi saw it during a poll (None where it said [N/A])."""
+
+    index: int
+    util: float | None = None
+    mem_used_mib: float | None = None
+    mem_total_mib: float | None = None
+    temp_c: float | None = None
+    power_w: float | None = None
+
+
+@dataclass(frozen=True)
+class GpuSample:
+    gpus: tuple[GpuRow, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class PollAnswer:
+    now: float
+    node_rank: int
+    alive: int
+    ranks: tuple[RankState, ...]
+    launcher_exit: ExitRecord | None = None
+    started: bool = False
+    stopped: bool = False
+    logs: dict[str, LogChunk] = field(default_factory=dict)
+    gpu_sample: GpuSample | None = None
+
+
+@dataclass(frozen=True)
+class TailAnswer:
+    logs: dict[str, LogChunk]
+
+
+@dataclass(frozen=True)
+class StopAnswer:
+    left: int
+    terminated: int = 0
+    killed: int = 0
+    time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Stack:
+    text: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StacksAnswer:
+    stacks: dict[str, Stack]
+    tool: str = "?"
+
+
+@dataclass(frozen=True)
+class PackAnswer:
+    archive: str
+    entries: int
+    bytes: int
+    vanished: int = 0
+
+
+@dataclass(frozen=True)
+class PortAnswer:
+    port: int
+    free: bool
+    asked: int = 0
+
+
+@dataclass(frozen=True)
+class PrepareAnswer:
+    run_dir: str
+    files: int = 0
+
+
+@dataclass(frozen=True)
+class StartAnswer:
+    pgid: int
+
+
+@dataclass(frozen=True)
+class HaveAnswer:
+    missing: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class IdentityAnswer:
+    identity: str
+    workdir: str
+    missing: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class ReceiveAnswer:
+    """Objects received; with a `prepare` request in the same call, the prepared run folder too."""
+
+    received: int = 0
+    bytes: int = 0
+    run_dir: str | None = None
+    files: int = 0
+
+
+@dataclass(frozen=True)
+class ListenAnswer:
+    pid: int
+    port: int
+
+
+@dataclass(frozen=True)
+class ConnectAnswer:
+    ok: bool
+    ms: float | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RouteAnswer:
+    dev: str | None = None
+    raw: str | None = None
+
+
+@dataclass(frozen=True)
+class Done:
+    """An answer that carries nothing but its arrival (serve, unlisten, cleanup)."""
+
+
+ANSWERS: dict[str, type] = {
+    "poll": PollAnswer, "tail": TailAnswer, "stop": StopAnswer, "stacks": StacksAnswer, "pack": PackAnswer,
+    "port": PortAnswer, "prepare": PrepareAnswer, "start": StartAnswer, "have": HaveAnswer,
+    "identity": IdentityAnswer, "receive": ReceiveAnswer, "listen": ListenAnswer, "connect": ConnectAnswer,
+    "route": RouteAnswer, "serve": Done, "unlisten": Done, "cleanup": Done,
+}
+
+
+def parse(command: str, raw: Mapping) -> Any:
+    """runctl's answer to `command` as its dataclass; AnswerError (naming the field) when it is not one."""
+    return build(ANSWERS[command], raw, f"runctl {command}")
+
+
+def build(cls: type, raw: Any, where: str) -> Any:
+    if not isinstance(raw, Mapping):
+        raise AnswerError(f"{where}: expected an object, got {_kind(raw)}")
+    values = {}
+    for f in dataclasses.fields(cls):
+        key = f.metadata.get("key", f.name)
+        if key not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise AnswerError(f"{where}: `{key}` is missing")
+            continue
+        values[f.name] = _convert(_hints(cls)[f.name], raw[key], f"{where}: `{key}`")
+    return cls(**values)
+
+
+@lru_cache(maxsize=None)
+def _hints(cls: type) -> dict:
+    return typing.get_type_hints(cls)
+
+
+def _convert(kind: Any, value: Any, where: str) -> Any:
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        last = None
+        for option in (a for a in args if a is not type(None)):
+            try:
+                return _convert(option, value, where)
+            except AnswerError as exc:
+                last = exc
+        raise last or AnswerError(f"{where}: unexpected {_kind(value)}")
+    if dataclasses.is_dataclass(kind):
+        return build(kind, value, where)
+    if origin is tuple:
+        if not isinstance(value, list):
+            raise AnswerError(f"{where}: expected a list, got {_kind(value)}")
+        return tuple(_convert(args[0], item, f"{where}[{i}]") for i, item in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise AnswerError(f"{where}: expected an object, got {_kind(value)}")
+        return {str(k): _convert(args[1], v, f"{where}[{k}]") for k, v in value.items()}
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise AnswerError(f"{where}: expected true or false, got {_kind(value)}")
+        return value
+    if kind is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise AnswerError(f"{where}: expected a whole number, got {_kind(value)}")
+        return value
+    if kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise AnswerError(f"{where}: expected a number, got {_kind(value)}")
+        return float(value)
+    if kind is str:
+        if not isinstance(value, str):
+            raise AnswerError(f"{where}: expected text, got {_kind(value)}")
+        return value
+    if kind is dict:
+        if not isinstance(value, Mapping):
+            raise AnswerError(f"{where}: expected an object, got {_kind(value)}")
+        return dict(value)
+    raise TypeError(f"no reading for {kind!r}")  # a programming error in this module, not a node's
+
+
+def _kind(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
