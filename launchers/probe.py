@@ -22,8 +22,12 @@ import time
 SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "PRIVATE_KEY", "API_KEY",
                   "ACCESS_KEY", "CONNECTION_STRING", "APIKEY")
 SECRET_WORDS = {"AUTH", "PAT", "DSN", "COOKIE", "SESSION"}   # whole words of a NAME_LIKE_THIS
+# Words of a name that begin like these mark a secret too: DB_PASS, MYSQL_PWD, SMTP_PASSWORD, WANDB_KEY2, --db-pass
+SECRET_WORD = re.compile(r"^(?:PASS|PWD|SECRET|TOKEN|CREDENTIAL)|^KEYS?\d*$")
 SECRET_PREFIXES = ("AWS_",)
-URL_CREDENTIALS = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]*://)(?P<userinfo>[^/@\s]+)@")
+# A scheme only where a word starts (the lookbehind): each character is then read a bounded number of times, so
+# redaction stays linear on any input (a 200 KB value used to take minutes).
+URL_CREDENTIALS = re.compile(r"(?<![A-Za-z0-9+.\-])(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]{0,31}://)(?P<userinfo>[^/@\s]+)@")
 # Values that are secrets whatever the variable is called: provider token formats, AWS key ids, JWTs, PEM keys.
 SECRET_VALUES = re.compile(
     r"(gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_\-]{20,}|hf_[A-Za-z0-9]{20,}"
@@ -37,8 +41,10 @@ REDACTED = "***"
 
 def is_secret_name(name: str) -> bool:
     upper = name.upper()
+    words = [w for w in re.split(r"[^A-Z0-9]+", upper) if w]
     return (any(marker in upper for marker in SECRET_MARKERS) or upper.endswith("_KEY")
-            or upper.startswith(SECRET_PREFIXES) or bool(SECRET_WORDS & set(upper.split("_"))))
+            or upper.startswith(SECRET_PREFIXES) or bool(SECRET_WORDS & set(words))
+            or any(SECRET_WORD.match(w) for w in words))
 
 
 def redact_text(text: str) -> str:
@@ -46,7 +52,8 @@ def redact_text(text: str) -> str:
     passwords and keys inside connection strings and URLs are masked."""
     if SECRET_VALUES.search(text):
         return REDACTED
-    text = URL_CREDENTIALS.sub(lambda m: m["scheme"] + REDACTED + "@", text)
+    if "://" in text:
+        text = URL_CREDENTIALS.sub(lambda m: m["scheme"] + REDACTED + "@", text)
     return SECRET_PAIRS.sub(lambda m: f"{m[1]}={REDACTED}", text)
 
 

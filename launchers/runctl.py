@@ -16,6 +16,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tarfile
@@ -563,26 +564,42 @@ def _stack_of(run_dir: str, rank: int, pid: int, py_spy) -> dict:
 
 
 def cmd_pack(args: list, request: dict) -> dict:
-    """A tar.gz of the run's results (not code/ or lib/) for `collect` to fetch. Files that vanish while it is
-    packed (a checkpoint rotating out) are skipped and counted, not an error."""
+    """A tar.gz of the run's results (not code/ or lib/, not env.sh or launch.sh, which hold the real secrets;
+    the controller keeps their redacted copies) for `collect` to fetch. Files that vanish while it is packed (a
+    checkpoint rotating out) are counted, not an error; what is neither a file, a folder nor a link to a sibling
+    (a fifo, a socket, a device, a link out of the run) is left out and counted."""
     run_dir = os.path.expanduser(args[0])
     target = os.path.join(run_dir, ".collect.tar.gz")
-    count, vanished = 0, 0
+    count, vanished, skipped = 0, 0, []
     with tarfile.open(target, "w:gz") as tar:
         for folder, dirs, names in os.walk(run_dir):
             relative = os.path.relpath(folder, run_dir)
             if relative == ".":
                 dirs[:] = [d for d in dirs if d not in ("code", "lib")]
-                names = [n for n in names if n != "env.sh" and not n.startswith(".collect")]
+                names = [n for n in names if n not in ("env.sh", "launch.sh") and not n.startswith(".collect")]
             links = [d for d in dirs if os.path.islink(os.path.join(folder, d))]  # output/adapter -> adapter-<step>
             for name in sorted(names + links):
                 path = os.path.join(folder, name)
+                arcname = os.path.normpath(os.path.join(relative, name))
                 try:
-                    tar.add(path, arcname=os.path.normpath(os.path.join(relative, name)), recursive=False)
+                    mode = os.lstat(path).st_mode
+                    if stat.S_ISLNK(mode) and not _sibling_link(os.readlink(path)):
+                        skipped.append(arcname)
+                        continue
+                    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+                        skipped.append(arcname)
+                        continue
+                    tar.add(path, arcname=arcname, recursive=False)
                     count += 1
                 except FileNotFoundError:
                     vanished += 1
-    return {"archive": target, "entries": count, "vanished": vanished, "bytes": os.path.getsize(target)}
+    return {"archive": target, "entries": count, "vanished": vanished, "skipped": skipped[:50],
+            "bytes": os.path.getsize(target)}
+
+
+def _sibling_link(target: str) -> bool:
+    """A link the controller can keep: to a name in the same folder (adapter -> adapter-100), not out of it."""
+    return bool(target) and "/" not in target and target not in (".", "..")
 
 
 def cmd_identity(args: list, request: dict) -> dict:

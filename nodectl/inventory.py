@@ -200,7 +200,8 @@ def _parse_hostfile(text: str, source: str) -> Inventory:
         host, slots = match["host"], match["slots"]
         if host in seen:
             raise InventoryError(source, "host", f"{host!r} listed twice", number)
-        if problem := host_name_problem(host) or (len(host) > NAME_MAX and f"at most {NAME_MAX} characters"):
+        if problem := host_name_problem(host) or (len(host) > NAME_MAX and f"at most {NAME_MAX} characters") or (
+                host in (".", "..") and "a host name (it also names the node's folders here)"):
             raise InventoryError(source, "host", problem, number)
         if slots is not None and not 1 <= int(slots) <= MAX_RANKS_PER_NODE:
             raise InventoryError(source, "slots", f"an integer 1-{MAX_RANKS_PER_NODE}", number)
@@ -320,8 +321,8 @@ class _Parser:
         if problem := host_name_problem(host):
             self.fail(f"{where}.host", problem, raw, "host")
         name = raw.get("name", host)
-        if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > NAME_MAX:
-            self.fail(f"{where}.name", f"a label of letters, digits, '.', '-' and '_', at most {NAME_MAX} "
+        if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > NAME_MAX or name in (".", ".."):
+            self.fail(f"{where}.name", f"a label of letters, digits, '.', '-' and '_' (not . or ..), at most {NAME_MAX} "
                       f"characters", raw, "name")
         addr = raw.get("addr", host)
         if not isinstance(addr, str) or not HOST_RE.match(addr) or host_name_problem(addr):
@@ -373,6 +374,10 @@ class _Parser:
         for name, item in value.items():
             if not isinstance(name, str) or not ENV_NAME_RE.match(name):
                 self.fail(f"{label}.{name}", "an environment variable name ([A-Za-z_][A-Za-z0-9_]*)", value, name)
+            if name.upper().startswith("NODECTL_"):
+                self.fail(f"{label}.{name}", "a name nodectl does not set itself: NODECTL_* variables are how it "
+                          "tells a run's processes apart (a rank given another run's id could not be stopped)",
+                          value, name)
             if isinstance(item, (dict, list)) or item is None or (isinstance(item, str) and "\0" in item):
                 self.fail(f"{label}.{name}", "a string or number", value, name)
             env[name] = str(item).lower() if isinstance(item, bool) else str(item)

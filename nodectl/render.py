@@ -1,8 +1,10 @@
 """Rendering a LaunchPlan into per-node files with Jinja2.
 
 StrictUndefined turns a missing variable into an error naming it; the `q` and `qpath` filters are the only way a
-value reaches the script, so no user value is ever read by a shell as code. A user template comes from
-`--template PATH` or `templates/launch_node.sh.j2` inside the synced project.
+value reaches the script, so no user value is ever read by a shell as code. A user template is used only when
+asked for (`--template PATH`): a cloned project's own templates/ folder is never picked up by itself. Every
+template renders in Jinja2's immutable sandbox, so a template can read the plan but not reach Python (no
+`__class__`, `__globals__`, `os.system`) on the controller, where it renders.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from nodectl import __version__
 from nodectl.errors import UsageError
@@ -45,15 +48,17 @@ def _quote_path(value) -> str:
 
 
 def _environment(search: list[Path]) -> jinja2.Environment:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader([str(p) for p in search]),
-                             undefined=jinja2.StrictUndefined, autoescape=False, keep_trailing_newline=True)
+    env = ImmutableSandboxedEnvironment(loader=jinja2.FileSystemLoader([str(p) for p in search]),
+                                        undefined=jinja2.StrictUndefined, autoescape=False,
+                                        keep_trailing_newline=True)
     env.filters["q"] = _quote
     env.filters["qpath"] = _quote_path
     return env
 
 
 def template_search_path(user_template: str | None, sync_dir: str | None) -> tuple[list[Path], str]:
-    """Where launch templates come from: --template, then <project>/templates/, then nodectl's own."""
+    """Where launch templates come from: --template when given, else nodectl's own (`sync_dir` is not searched:
+    a project's templates/ is used only through --template)."""
     search, name = [], LAUNCH_TEMPLATE
     if user_template:
         path = Path(user_template)
@@ -61,8 +66,6 @@ def template_search_path(user_template: str | None, sync_dir: str | None) -> tup
             raise UsageError(f"--template {user_template}: no such file")
         search.append(path.resolve().parent)
         name = path.name
-    elif sync_dir and (Path(sync_dir) / "templates" / LAUNCH_TEMPLATE).is_file():
-        search.append(Path(sync_dir) / "templates")
     search.append(resource_dir("templates"))
     return search, name
 
@@ -88,6 +91,8 @@ def _render_node(environment: jinja2.Environment, name: str, plan: LaunchPlan, n
         env = {**np.env, "NODECTL_ATTEMPT": str(plan.attempt)}  # 0, then 1, 2, ... for --resume and restarts
         env_text = environment.get_template(ENV_TEMPLATE).render(env=env, **context)
         redacted = environment.get_template(ENV_TEMPLATE).render(env=redact_env(env), **context)
+    except jinja2.exceptions.SecurityError as exc:
+        raise UsageError(f"template {name}: refused by the sandbox ({exc})") from None
     except jinja2.UndefinedError as exc:
         raise UsageError(f"template {name}: {exc.message} (undefined variable)") from None
     except jinja2.TemplateError as exc:

@@ -110,6 +110,16 @@ def runs_root() -> Path:
     return Path(os.environ.get("NODECTL_RUNS", "runs"))
 
 
+def private_folder(path: Path) -> Path:
+    """`path` created if need be and made 0700: run records hold commands, hosts and logs, and the controller's
+    umask (often 022) would leave them readable by every user of the machine. Files nodectl writes are 0600 by
+    the umask the CLI sets (nodectl/cli/__init__.py)."""
+    path.mkdir(parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
 def state_dir() -> Path:
     """Where nodectl keeps what outlives a folder: $NODECTL_STATE_DIR, else $XDG_STATE_HOME/nodectl, else
     ~/.local/state/nodectl."""
@@ -123,8 +133,7 @@ def _register(run: "Run") -> None:
     """One small file per run in the registry, naming its folder, so later commands find it from any folder.
     A registry that cannot be written costs only that convenience."""
     try:
-        folder = state_dir() / "runs"
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = private_folder(state_dir() / "runs")
         (folder / f"{run.run_id}.json").write_text(json.dumps({"folder": str(run.folder.resolve())}) + "\n")
     except OSError:
         pass
@@ -229,8 +238,8 @@ def create_run(plan_json: dict, *, argv: list[str], config_fingerprint: str, inv
                git: str | None, kind: str = "train") -> Run:
     """Record a new run. `kind` "preflight" marks preflight's own collective jobs: they are never "the latest
     run" of tail/status/stop, and `runs` lists them only with --all."""
-    run = Run(runs_root() / plan_json["run_id"])
-    run.folder.mkdir(parents=True, exist_ok=False)
+    run = Run(private_folder(runs_root()) / plan_json["run_id"])
+    run.folder.mkdir(mode=0o700, exist_ok=False)
     manifest = Manifest(
         run_id=plan_json["run_id"], kind=kind, attempt=plan_json.get("attempt", 0), command=argv,
         config=plan_json.get("config"), fingerprint=config_fingerprint,

@@ -10,6 +10,7 @@ from rich.markup import escape
 from nodectl.remote import agent
 from nodectl.remote.answers import LogChunk
 from nodectl.remote.poller import Poller
+from nodectl.visible import visible
 from nodectl.runs import RunNode, RunState
 from nodectl.remote.transport import Cluster, NodeResult
 
@@ -202,9 +203,9 @@ class LogStream:
         elif self.prefixed:
             colour = COLOURS[rank % len(COLOURS)]
             label = escape(f"[{self.ranks[rank]}/{rank}]")
-            self.console.print(f"[{colour}]{label}[/] {escape(line)}")
+            self.console.print(f"[{colour}]{label}[/] {escape(visible(line))}")
         else:
-            self.console.print(escape(line))
+            self.console.print(escape(visible(line)))
 
 
 def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream | None, *, interval: float = 1.0,

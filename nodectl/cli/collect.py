@@ -1,29 +1,16 @@
 """`nodectl collect`: logs, heartbeats, metrics and outputs of a run into runs/<run_id>/nodes/<node>/."""
 from __future__ import annotations
 
-import tarfile
-import tempfile
-from pathlib import Path
+from dataclasses import asdict
 
 import click
 from rich.markup import escape
 
-from nodectl.remote import agent
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, run_option
 from nodectl.errors import exit_code_for
-
-
-def collect_node(transport, run_dir: str, target: Path) -> dict:
-    packed = agent.call(transport, "pack", run_dir, timeout=600)
-    with tempfile.TemporaryDirectory() as tmp:
-        local = Path(tmp) / "collect.tar.gz"
-        transport.get(packed.archive, local)
-        agent.call(transport, "cleanup", packed.archive)
-        target.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(local) as tar:
-            tar.extractall(target, filter="data")
-    return {"bytes": packed.bytes, "entries": packed.entries}
+from nodectl.remote.collect import collect_node
+from nodectl.visible import visible
 
 
 @click.command("collect")
@@ -40,12 +27,20 @@ def command(app: AppContext, run_id: str | None) -> None:
             on_done=advance)
     for result in results:
         if result.ok:
-            app.info(f"{result.node.name}: {result.value['bytes'] / 1024:.0f} KiB -> "
+            collected = result.value
+            app.info(f"{result.node.name}: {collected.bytes / 1024:.0f} KiB -> "
                      f"{run.folder / 'nodes' / result.node.name}/")
+            for what, names in (("refused (not a plain file or folder inside the run)", collected.refused),
+                                ("left out on the node (fifo, socket, device or a link out of the run)",
+                                 collected.skipped)):
+                if names:
+                    app.err.print(f"[yellow]{escape(result.node.name)}[/]: {len(names)} entr"
+                                  f"{'y' if len(names) == 1 else 'ies'} {what}: "
+                                  + ", ".join(escape(visible(n, colour=False)) for n in names[:5]))
         else:
             app.err.print(f"[red]{escape(result.node.name)}[/]: {escape(result.error)}")
     if app.json:
         app.emit_json({"run_id": run.run_id, "folder": str(run.folder / "nodes"),
-                       "nodes": {r.node.name: r.value if r.ok else {"error": r.error} for r in results}})
+                       "nodes": {r.node.name: asdict(r.value) if r.ok else {"error": r.error} for r in results}})
     if exit_code_for(results):
         raise SystemExit(exit_code_for(results))

@@ -18,7 +18,7 @@ from nodectl.preflight.verdict import FAIL, WARN, CheckResult
 from nodectl.plan import visible_devices
 from nodectl.remote.probe_nodes import probe_nodes
 from nodectl.resources import resource_dir
-from nodectl.runs import runs_root
+from nodectl.runs import private_folder, runs_root
 from nodectl.remote.transport import Cluster, NodeResult, Transport, quote_path
 
 REUSE_SECONDS = 600
@@ -183,7 +183,7 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
 
 def save(report: PreflightReport, inventory: Inventory, gpus: int | None) -> Path:
     path = cached_path(inventory, gpus)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_folder(path.parent)
     path.write_text(json.dumps(report.to_json(), indent=2, default=str))
     return path
 

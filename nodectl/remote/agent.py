@@ -9,6 +9,7 @@ from functools import lru_cache
 
 from nodectl.resources import resource_dir
 from nodectl.remote import answers
+from nodectl.visible import visible
 from nodectl.remote.transport import NodeError, Transport, quote_path
 
 AGENT_TIMEOUT = 120.0
@@ -19,9 +20,11 @@ class AgentError(NodeError):
 
 
 @lru_cache(maxsize=1)
-def _runctl() -> tuple[str, str]:
+def _runctl() -> tuple[str, str, str]:
+    """runctl's source, the short hash that names its file on the nodes, and its full sha256."""
     source = (resource_dir("launchers") / "runctl.py").read_text(encoding="utf-8")
-    return source, hashlib.sha256(source.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    return source, digest[:16], digest
 
 
 def agent_path(workdir: str) -> str:
@@ -31,11 +34,25 @@ def agent_path(workdir: str) -> str:
 MISSING = "NODECTL-RUNCTL-MISSING"
 
 
+# Runs the installed runctl only after checking it, in the same process: the folder and the file are the login
+# user's and writable by nobody else, and the bytes hash to this version's sha256; the bytes checked are the bytes
+# run. A file planted by another user in a shared workdir (a world-writable /tmp/scratch) is never executed: the
+# marker comes back and runctl is installed anew (or, in a folder that user owns, installing fails and says so).
+# One line without a backslash or a single quote, so any login shell passes it through as it is.
+VERIFIED = ('import hashlib,os,stat,sys;p=sys.argv[1];u=os.getuid();d=os.path.dirname(p);'
+            'ok=os.path.isdir(d) and not os.path.islink(d) and os.path.isfile(p) and not os.path.islink(p);'
+            'f=ok and os.open(p,os.O_RDONLY|os.O_NOFOLLOW);b=ok and os.read(f,1<<24);s=ok and os.fstat(f);'
+            'mine=lambda x:x.st_uid==u and not x.st_mode&18;'
+            'ok=ok and mine(os.lstat(d)) and mine(s) and hashlib.sha256(b).hexdigest()==sys.argv[2];'
+            'ok or (print("' + MISSING + '"),sys.exit(0));'
+            'sys.argv=[p]+sys.argv[3:];exec(compile(b,p,"exec"),{"__name__":"__main__","__file__":p})')
+
+
 def _invocation(node, command: str, args: tuple[str, ...]) -> str:
     # -S: runctl needs only the standard library; skipping site-packages (.pth hooks, editable installs) makes
     # each call ~60 ms cheaper on the node, and a launch makes several calls per node.
-    return " ".join([quote_path(node.python), "-S", quote_path(agent_path(node.workdir)), shlex.quote(command),
-                     *_quoted(args)])
+    return " ".join([quote_path(node.python), "-S", "-c", shlex.quote(VERIFIED), quote_path(agent_path(node.workdir)),
+                     _runctl()[2], shlex.quote(command), *_quoted(args)])
 
 
 def _quoted(args: tuple[str, ...]) -> list[str]:
@@ -58,9 +75,8 @@ def _answer(node, command: str, result):
 
 
 def _printable(text) -> str:
-    """A node's own words, cut to a line's worth and without control characters (a terminal's escapes)."""
-    text = str(text)
-    return "".join(c if c.isprintable() or c == "\n" else "?" for c in text[:500])
+    """A node's own words, cut to a few lines' worth, with a terminal's escapes made visible."""
+    return visible(str(text)[:2000], colour=False)
 
 
 # Installs runctl (its source comes first on stdin, N bytes) unless this version is there, then runs it in the
@@ -87,10 +103,10 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
         transport.runctl_seen = True
         return answer
     invocation = _invocation(node, command, args)
-    # Usually one round trip. Only when this version of runctl is gone from the node (the marker comes back; a
-    # login banner may come with it) does a second command install it from stdin, and a third repeat the call.
-    result = transport.run(f"if [ -f {quote_path(path)} ]; then {invocation}; else echo {MISSING}; fi",
-                           stdin=body, timeout=timeout)
+    # Usually one round trip. Only when this version of runctl is gone from the node or fails its check (the
+    # marker comes back; a login banner may come with it) does a second command install it from stdin, and a third
+    # repeat the call.
+    result = transport.run(invocation, stdin=body, timeout=timeout)
     if MISSING in result.stdout.splitlines():
         _install(transport, path, timeout)
         result = transport.run(invocation, stdin=body, timeout=timeout)

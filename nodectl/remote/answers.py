@@ -117,6 +117,7 @@ class PackAnswer:
     entries: int
     bytes: int
     vanished: int = 0
+    skipped: tuple[str, ...] = ()    # fifos, sockets, devices, links out of the run: left out by the node
 
 
 @dataclass(frozen=True)

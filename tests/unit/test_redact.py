@@ -1,4 +1,8 @@
-from nodectl.secrets import redact_env, redact_value
+import time
+
+import pytest
+
+from nodectl.secrets import redact_args, redact_env, redact_text, redact_value
 
 
 def test_secret_names_are_redacted():
@@ -66,3 +70,22 @@ def test_secret_arguments_are_masked_by_option_name_and_by_shape():
             "ghp_" + "A" * 36, "--db", "postgres://u:pw@h/db", "--max-grad-norm", "1.0", "--out", "dir"]
     assert redact_args(args) == ["train.py", "--hf-token", "***", "--api-key=***", "--lr", "3e-4", "--note", "***",
                                  "--db", "postgres://***@h/db", "--max-grad-norm", "1.0", "--out", "dir"]
+
+
+def test_the_names_an_audit_found_leaking_are_redacted_and_ordinary_ones_kept():
+    for name in ("DB_PASS", "MYSQL_PWD", "SMTP_PASS", "WANDB_KEY2", "SSH_KEYS", "db-pass"):
+        assert redact_value(name, "hunter2") == "***", name
+    for name in ("KEYBOARD_LAYOUT", "HF_HUB_OFFLINE", "NCCL_IB_HCA", "MASTER_PORT", "PYTHONPATH"):
+        assert redact_value(name, "kept") == "kept", name
+    assert redact_args(["--db-pass", "X", "--pass", "Y", "--lr", "1"]) == ["--db-pass", "***", "--pass", "***",
+                                                                          "--lr", "1"]
+
+
+@pytest.mark.parametrize("text", ["a" * 400_000, "a." * 200_000, "a://" * 100_000, "a:" * 200_000 + "//x"])
+def test_redaction_is_linear_on_hostile_values(text):
+    """The URL pattern once rescanned from every position (minutes for a 200 KB value). A 400 KB value is now one
+    pass: far under the generous bound below on any machine, where a quadratic pattern takes minutes."""
+    started = time.perf_counter()
+    redact_text(text)
+    redact_args([text])
+    assert time.perf_counter() - started < 10

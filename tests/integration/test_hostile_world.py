@@ -1,0 +1,72 @@
+"""Issue 29 on real processes: a local node with the real runctl, nodectl run as a user runs it."""
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+from nodectl.inventory import parse_inventory
+from nodectl.remote import agent
+from nodectl.remote.transport import Cluster, TransportOptions
+
+SCRIPT = """\
+import os
+out = os.path.join(os.environ["NODECTL_RUN_DIR"], "output")
+os.makedirs(out, exist_ok=True)
+os.mkfifo(os.path.join(out, "pipe"))
+os.symlink("/etc/passwd", os.path.join(out, "passwd"))
+open(os.path.join(out, "result.txt"), "w").write("ok")
+print("done", flush=True)
+"""
+
+
+def nodectl(folder: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "NODECTL_STATE_DIR": str(folder / "state"), "NODECTL_RUNS": str(folder / "runs")}
+    return subprocess.run([sys.executable, "-m", "nodectl", *args], cwd=folder, env=env, capture_output=True,
+                          text=True, timeout=180, preexec_fn=lambda: os.umask(0o022))
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_run_records_are_private_and_collect_brings_back_no_script_nor_special_file(tmp_path):
+    (tmp_path / "hosts.yaml").write_text(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
+                                         f"gpus: 1, workdir: {tmp_path / 'work'}, env: {{DB_PASS: hunter2}}}}\n")
+    (tmp_path / "job.py").write_text(SCRIPT)
+    launched = nodectl(tmp_path, "launch", "--skip-preflight", "--", "job.py", "--db-pass", "hunter2")
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    [run] = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]
+    assert mode(tmp_path / "runs") == 0o700 and mode(run) == 0o700 and mode(tmp_path / "state" / "runs") == 0o700
+    for path in [run / "manifest.json", *(run / "scripts").iterdir()]:
+        assert mode(path) & 0o077 == 0, path
+        assert "hunter2" not in path.read_text(), path
+    collected = nodectl(tmp_path, "collect")
+    assert collected.returncode == 0, collected.stdout + collected.stderr
+    node = run / "nodes" / "n0"
+    assert (node / "output" / "result.txt").read_text() == "ok"
+    assert not (node / "launch.sh").exists() and not (node / "env.sh").exists()
+    assert not (node / "output" / "pipe").exists() and not (node / "output" / "passwd").exists()
+    assert "output/pipe" in collected.stderr and "output/passwd" in collected.stderr
+    assert not any("hunter2" in p.read_text(errors="replace") for p in node.rglob("*") if p.is_file())
+
+
+def test_a_runctl_planted_in_a_shared_workdir_is_never_run(tmp_path):
+    """Another user (here: a world-writable folder and foreign bytes) plants runctl-<hash>.py where nodectl will
+    look; nodectl replaces it and never executes it."""
+    workdir = tmp_path / "scratch"
+    inventory = parse_inventory(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
+                                f"python: {sys.executable}, workdir: {workdir}}}\n")
+    planted = Path(agent.agent_path(str(workdir)))
+    planted.parent.mkdir(parents=True)
+    planted.parent.chmod(0o777)
+    marker = tmp_path / "PWNED"
+    planted.write_text(f"open({str(marker)!r}, 'w').write('ran')\nprint('{{}}')\n")
+    for attempt in range(3):   # a fresh connection each time: the first call bootstraps, later ones run the file
+        with Cluster(inventory.nodes, TransportOptions()) as cluster:
+            [first, second] = [cluster.fan_out(lambda t: agent.call(t, "port", "0"))[0] for _ in range(2)]
+        assert first.ok and second.ok and second.value.port > 0, (first, second)
+    assert not marker.exists()
+    assert planted.read_bytes() == agent._runctl()[0].encode() and mode(planted.parent) == 0o700

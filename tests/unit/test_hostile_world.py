@@ -1,0 +1,127 @@
+"""Issue 29, the parts that are pure: what comes back from a compromised node, a hostile project's template,
+escape sequences in node text, inventory values that would confuse nodectl's own bookkeeping."""
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from nodectl.errors import InventoryError, UsageError
+from nodectl.inventory import parse_inventory
+from nodectl.plan import build_plan
+from nodectl.remote.collect import unpack
+from nodectl.render import render_plan
+from nodectl.visible import visible
+
+
+def archive(tmp_path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
+    path = tmp_path / "node.tar.gz"
+    with tarfile.open(path, "w:gz") as tar:
+        for info, data in members:
+            if data is not None:
+                info.size = len(data)
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+    return path
+
+
+def entry(name: str, kind=tarfile.REGTYPE, link: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname, info.mode = kind, link, 0o644
+    return info
+
+
+def files_under(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")}
+
+
+def test_a_crafted_archive_writes_nothing_outside_the_run_folder(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = tmp_path / "runs" / "r1" / "nodes" / "n0"
+    deep = "/".join(["d" * 200] * 30)   # the PATH_MAX trick of CVE-2025-4517 needs long link chains
+    members = [
+        (entry("logs/rank0.log"), b"fine\n"),
+        (entry(str(outside / "abs.txt")), b"absolute"),
+        (entry("../../../../outside/up.txt"), b"dotdot"),
+        (entry("escape", tarfile.SYMTYPE, str(outside)), None),
+        (entry("escape/through-link.txt"), b"through a link"),
+        (entry("rel", tarfile.SYMTYPE, "../../../../outside"), None),
+        (entry("rel/through-relative-link.txt"), b"through a relative link"),
+        (entry("hard", tarfile.LNKTYPE, str(outside / "x")), None),
+        (entry("fifo", tarfile.FIFOTYPE), None),
+        (entry("dev", tarfile.CHRTYPE), None),
+        (entry(deep + "/a", tarfile.SYMTYPE, "../" * 40 + "outside"), None),
+        (entry("output/adapter-100/adapter_model.safetensors"), b"weights"),
+        (entry("output/adapter", tarfile.SYMTYPE, "adapter-100"), None),
+    ]
+    refused = unpack(archive(tmp_path, members), target)
+    assert files_under(outside) == set()
+    assert (target / "logs" / "rank0.log").read_text() == "fine\n"
+    assert os.readlink(target / "output" / "adapter") == "adapter-100"
+    assert (target / "output" / "adapter" / "adapter_model.safetensors").read_bytes() == b"weights"
+    assert len(refused) == 8 and not (target / "fifo").exists() and not (target / "dev").exists()
+    # the refused link is not made; a file named under it lands in a real folder inside the run's
+    assert (target / "escape").is_dir() and not (target / "escape").is_symlink()
+    assert all(not p.is_symlink() or os.readlink(p) == "adapter-100" for p in target.rglob("*"))
+
+
+def test_collecting_twice_replaces_the_sibling_link_and_never_writes_through_an_old_one(tmp_path):
+    target = tmp_path / "n0"
+    (target / "output").mkdir(parents=True)
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep")
+    (target / "output" / "metrics.jsonl").symlink_to(outside)   # left by anything: must not be written through
+    members = [(entry("output/metrics.jsonl"), b"new"), (entry("output/adapter", tarfile.SYMTYPE, "adapter-2"), None)]
+    refused = unpack(archive(tmp_path, members), target)
+    assert outside.read_text() == "keep" and refused == ["output/metrics.jsonl"]
+    unpack(archive(tmp_path, [(entry("output/adapter", tarfile.SYMTYPE, "adapter-3"), None)]), target)
+    assert os.readlink(target / "output" / "adapter") == "adapter-3"
+
+
+def plan_for(tmp_path: Path):
+    inventory = parse_inventory("nodes:\n  - {host: localhost, name: n0, transport: local, device: cpu}\n")
+    return build_plan(inventory, gpus=None, command=("train.py",), sync_dir=str(tmp_path), run_id="r1")
+
+
+def test_a_projects_own_template_is_not_used_unless_asked(tmp_path):
+    (tmp_path / "templates").mkdir()
+    (tmp_path / "templates" / "launch_node.sh.j2").write_text("echo project template\n")
+    [node] = render_plan(plan_for(tmp_path))
+    assert "project template" not in node.launch and "rankexec.py" in node.launch
+
+
+@pytest.mark.parametrize("payload", [
+    "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ plan.__class__.__init__.__globals__ }}",
+    "{% set x = np.env.update({'A': 'b'}) %}",
+])
+def test_a_hostile_template_cannot_reach_python_on_the_controller(tmp_path, payload, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    template = tmp_path / "evil.sh.j2"
+    template.write_text(payload + "\n")
+    with pytest.raises(UsageError, match="evil.sh.j2"):
+        render_plan(plan_for(tmp_path), str(template))
+    assert not (tmp_path / "PWNED").exists()
+
+
+def test_terminal_escapes_from_a_node_are_shown_not_obeyed():
+    hostile = "title\x1b]0;owned\x07 clip\x1b]52;c;ZXZpbA==\x07 clear\x1b[2J query\x1b[6n bidi\u202e"
+    shown = visible(hostile)
+    assert "\x1b" not in shown and "\x07" not in shown and "\u202e" not in shown
+    assert "\\x1b]52;c;ZXZpbA==" in shown
+    assert visible("loss \x1b[32m0.5\x1b[0m") == "loss \x1b[32m0.5\x1b[0m"   # colour is kept
+    assert visible("a\tb\n") == "a\tb\n"
+
+
+@pytest.mark.parametrize("text, words", [
+    ("nodes:\n  - {host: a, name: '..'}\n", "not . or .."),
+    ("nodes:\n  - {host: a, env: {NODECTL_RUN_ID: other}}\n", "NODECTL_"),
+    ("defaults: {env: {nodectl_node_rank: '0'}}\nnodes:\n  - {host: a}\n", "NODECTL_"),
+])
+def test_inventory_values_that_would_confuse_nodectl_are_refused(text, words):
+    with pytest.raises(InventoryError, match=words.replace(".", r"\.")):
+        parse_inventory(text)
