@@ -302,10 +302,58 @@ def cmd_start(args: list, request: dict) -> dict:
     with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as log:
         proc = subprocess.Popen(["/bin/bash", os.path.join(run_dir, "launch.sh")], cwd=run_dir, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=_become_subreaper)
     _write(os.path.join(run_dir, "state", "pgid"), str(proc.pid))
     _write(os.path.join(run_dir, "state", "started"), str(time.time()))
     return {"pgid": proc.pid}
+
+
+def _become_subreaper() -> None:
+    """In launch.sh's process, before it runs: orphaned descendants (a rank's child that double-forks, calls
+    setsid and clears its environment) are reparented to launch.sh instead of init, so they stay in the run's
+    process tree, where `stop` finds them whatever they did to their environment (Linux 3.4+; elsewhere a no-op,
+    and the environment markers alone apply)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)   # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
+def _parents() -> dict:
+    """pid -> parent pid of every process."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", encoding="utf-8") as handle:
+                    out[int(entry)] = int(handle.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return out
+
+
+def _launcher(run_dir: str, markers: tuple):
+    """launch.sh's pid while it lives and is this run's (its environment proves it), else None."""
+    try:
+        with open(os.path.join(run_dir, "state", "pgid"), encoding="utf-8") as handle:
+            pid = int(handle.read())
+    except (OSError, ValueError):
+        return None
+    return pid if belongs(pid, markers) and not _is_zombie(pid) else None
+
+
+def _descendants(root: int, parents: dict) -> set:
+    children: dict = {}
+    for pid, parent in parents.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 def _proc_environ(pid: int) -> bytes:
@@ -330,21 +378,33 @@ def belongs(pid: int, markers: tuple) -> bool:
 
 
 def run_processes(run_dir: str) -> list:
-    """Live pids of this node's share of the run (never this helper itself)."""
+    """Live pids of this node's share of the run (never this helper itself): those whose environment carries
+    the run's markers, and every descendant of its launch.sh (a subreaper: see _become_subreaper)."""
     markers = _markers(run_dir)
-    pids = [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and int(entry) != os.getpid()]
-    return [pid for pid in pids if belongs(pid, markers) and not _is_zombie(pid)]
+    parents = _parents()
+    launcher = _launcher(run_dir, markers)
+    tree = _descendants(launcher, parents) | {launcher} if launcher else set()
+    pids = [pid for pid in parents if pid != os.getpid()]
+    return [pid for pid in pids if (pid in tree or belongs(pid, markers)) and not _is_zombie(pid)]
 
 
-def signal_run_process(pid: int, signum: int, markers: tuple) -> bool:
-    """Send a signal only to a pid proven to be the run's, through a pidfd where the kernel has them, so the
-    pid cannot be reused between the proof and the signal."""
+def _ours(pid: int, markers: tuple, run_dir) -> bool:
+    if belongs(pid, markers):
+        return True
+    launcher = _launcher(run_dir, markers) if run_dir else None
+    return bool(launcher) and pid in _descendants(launcher, _parents())
+
+
+def signal_run_process(pid: int, signum: int, markers: tuple, run_dir: str | None = None) -> bool:
+    """Send a signal only to a pid proven to be the run's (its environment, or descent from the run's live
+    launch.sh), through a pidfd where the kernel has them, so the pid cannot be reused between the proof and
+    the signal."""
     try:
         fd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         fd = None
     try:
-        if not belongs(pid, markers):
+        if not _ours(pid, markers, run_dir):
             return False
         if fd is not None:
             signal.pidfd_send_signal(fd, signum)
@@ -505,7 +565,7 @@ def cmd_stop(args: list, request: dict) -> dict:
     markers = _markers(run_dir)
     targets = run_processes(run_dir)
     for pid in targets:
-        signal_run_process(pid, signal.SIGTERM, markers)
+        signal_run_process(pid, signal.SIGTERM, markers, run_dir)
     deadline = time.time() + grace
     left = targets
     while left and time.time() < deadline:
@@ -513,7 +573,7 @@ def cmd_stop(args: list, request: dict) -> dict:
         left = [pid for pid in run_processes(run_dir)]
     killed = list(left)
     for pid in left:
-        signal_run_process(pid, signal.SIGKILL, markers)
+        signal_run_process(pid, signal.SIGKILL, markers, run_dir)
     time.sleep(0.05)
     for _ in range(50):
         if not run_processes(run_dir):

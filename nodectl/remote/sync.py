@@ -3,11 +3,16 @@ node through a content-addressed store under <workdir>/.nodectl/objects, so a fi
 has is never sent again."""
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
+import shutil
+import stat
 import subprocess
 import tarfile
+import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +22,10 @@ from nodectl.resources import resource_dir
 from nodectl.remote.transport import StreamSink, Transport
 
 DEFAULT_SYNC_LIMIT = 512 * 2**20
+# A file written to within this many seconds may still be written to while it is sent (a log, an output, nohup.out):
+# it is sent as a snapshot taken while hashing it, so what arrives is what was hashed, consistent.
+LIVE_SECONDS = 120
+EDITOR_FILES = (".swp", ".swo", ".swx", "~")   # vim swap files, emacs and gedit backups; `.#name` emacs locks
 
 
 @dataclass(frozen=True)
@@ -52,8 +61,45 @@ def _git_files(root: Path) -> list[str] | None:
 
 def _always_excluded(name: str) -> bool:
     parts = name.split("/")
-    return parts[0] == "runs" or name.endswith(".pyc") or any(p in (".git", "__pycache__", ".nodectl")
-                                                               for p in parts[:-1])
+    return (parts[0] == "runs" or name.endswith(".pyc") or name.endswith(EDITOR_FILES)
+            or parts[-1].startswith(".#") or any(p in (".git", "__pycache__", ".nodectl") for p in parts[:-1]))
+
+
+def _own_output() -> set[tuple[int, int]]:
+    """(device, inode) of the files this process's stdout and stderr write to: `nodectl launch > launch.log`
+    inside the project must not send launch.log, which grows all along."""
+    out = set()
+    for fd in (1, 2):
+        try:
+            info = os.fstat(fd)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode):
+            out.add((info.st_dev, info.st_ino))
+    return out
+
+
+_SNAPSHOTS: list[str] = []
+
+
+def _snapshot_folder() -> Path:
+    if not _SNAPSHOTS:
+        _SNAPSHOTS.append(tempfile.mkdtemp(prefix="nodectl-sync-"))
+        atexit.register(shutil.rmtree, _SNAPSHOTS[0], True)
+    return Path(_SNAPSHOTS[0])
+
+
+def _snapshot(source: Path) -> tuple[Path, str, int]:
+    """A private copy of a file that may be written to meanwhile, hashed as it is copied: (copy, sha256, size)."""
+    digest = hashlib.sha256()
+    fd, copy = tempfile.mkstemp(dir=_snapshot_folder())
+    size = 0
+    with open(source, "rb") as handle, os.fdopen(fd, "wb") as out:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+            out.write(block)
+            size += len(block)
+    return Path(copy), digest.hexdigest(), size
 
 
 def _walk_files(root: Path) -> list[str]:
@@ -82,17 +128,23 @@ def project_files(root: str | Path, limit: int = DEFAULT_SYNC_LIMIT) -> list[Syn
     names = _git_files(root)
     if names is None:
         names = _walk_files(root)
-    files, total = [], 0
+    files, total, own, now = [], 0, _own_output(), time.time()
     for name in sorted(set(names)):
         source = root / name
         if _always_excluded(name) or not source.is_file() or source.is_symlink():
             continue
-        size = source.stat().st_size
-        total += size
+        info = source.stat()
+        if (info.st_dev, info.st_ino) in own:
+            continue
+        total += info.st_size
         if total > limit:
             raise UsageError(f"--sync {root}: more than {limit / 2**20:.0f} MiB to send (at {name}); exclude data "
                              f"and outputs in .gitignore, or raise the cap with --sync-limit MiB")
-        files.append(SyncFile(f"code/{name}", source, _hash(source), source.stat().st_mode & 0o777, size))
+        if now - info.st_mtime < LIVE_SECONDS:
+            copy, sha256, size = _snapshot(source)
+            files.append(SyncFile(f"code/{name}", copy, sha256, info.st_mode & 0o777, size))
+        else:
+            files.append(SyncFile(f"code/{name}", source, _hash(source), info.st_mode & 0o777, info.st_size))
     return files
 
 

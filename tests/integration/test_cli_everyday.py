@@ -131,3 +131,26 @@ def test_tables_do_not_wrap_when_piped(project):
     import torch
 
     assert torch.__version__ in row  # the whole row, the node's torch version included, on one line
+
+
+def test_a_launch_whose_output_goes_to_a_file_in_the_project_folder_succeeds(project):
+    """`nodectl launch ... > launch.log` (or nohup, or `| tee`) inside the project: the growing log is nodectl's
+    own output, not sent; a log another process writes meanwhile travels as a snapshot."""
+    import subprocess
+    import sys
+
+    (project / "train.py").write_text("import time\nprint('trained', flush=True)\n")
+    (project / "other.log").write_text("start\n")
+    env = env_for(project)
+    writer = subprocess.Popen([sys.executable, "-c", "import time\nwhile True:\n  open('other.log','a').write('x'*4096)"
+                               "\n  time.sleep(0.001)"], cwd=project)
+    try:
+        with open(project / "launch.log", "w") as log:
+            result = subprocess.run([sys.executable, "-m", "nodectl", "launch", "-i", "local.yaml", "--skip-preflight",
+                                     "--", "train.py"], cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    timeout=180)
+    finally:
+        writer.kill()
+    text = (project / "launch.log").read_text()
+    assert result.returncode == 0, text
+    assert "trained" in text and "changed while it was being sent" not in text

@@ -5,6 +5,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from nodectl.inventory import parse_inventory
@@ -70,3 +71,54 @@ def test_a_runctl_planted_in_a_shared_workdir_is_never_run(tmp_path):
         assert first.ok and second.ok and second.value.port > 0, (first, second)
     assert not marker.exists()
     assert planted.read_bytes() == agent._runctl()[0].encode() and mode(planted.parent) == 0o700
+
+
+ESCAPER = """\
+import os, sys, time
+# a child that leaves the process group and sheds the environment nodectl marks its processes with
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execve("/bin/sleep", ["sleep", "300"], {})
+    os._exit(0)
+time.sleep(1)
+print("escaped a child", flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_child_that_sheds_the_runs_environment_does_not_survive_stop(tmp_path):
+    (tmp_path / "hosts.yaml").write_text(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
+                                         f"gpus: 1, workdir: {tmp_path / 'work'}}}\n")
+    (tmp_path / "escape.py").write_text(ESCAPER)
+    launched = nodectl(tmp_path, "launch", "--skip-preflight", "--detach", "--", "escape.py")
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+
+    def sleepers() -> list[int]:
+        found = []
+        for entry in os.listdir("/proc"):
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if cmdline == b"sleep\x00300\x00" and not Path(f"/proc/{entry}/environ").read_bytes():
+                found.append(int(entry))
+        return found
+
+    deadline = time.time() + 60
+    while not sleepers() and time.time() < deadline:
+        time.sleep(0.3)
+    escaped = sleepers()
+    assert escaped, "the escaping child never started"
+    try:
+        stopped = nodectl(tmp_path, "stop", "--grace", "3")
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert "0 left" in stopped.stdout + stopped.stderr
+        assert not [pid for pid in escaped if Path(f"/proc/{pid}").exists()
+                    and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
+    finally:
+        for pid in escaped:
+            try:
+                os.kill(pid, 9)
+            except OSError:
+                pass

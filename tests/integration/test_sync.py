@@ -19,23 +19,48 @@ def local_node(tmp_path):
     return LocalTransport(replace(node, workdir=str(tmp_path / "node")), TransportOptions())
 
 
-def test_a_file_written_while_it_is_sent_is_refused_by_name(tmp_path, local_node):
+def test_a_file_written_while_it_is_sent_goes_as_the_snapshot_that_was_hashed(tmp_path, local_node):
+    """A log or output being written inside the project (nohup.out, `| tee run.log`) no longer fails a launch:
+    a recently written file is copied while it is hashed, and that copy is what travels."""
     project = tmp_path / "project"
     project.mkdir()
     (project / "train.py").write_text("print('hi')\n")
-    (project / "launch.log").write_text("")
+    (project / "launch.log").write_text("first line\n")
     files = sync.project_files(project)
-    (project / "launch.log").write_text("the launch is writing here\n")  # after listing, before sending
-    with pytest.raises(UsageError, match=r"launch\.log changed while it was being sent"):
-        sync.upload_missing(local_node, files)
+    with open(project / "launch.log", "a") as log:   # after listing, before and while sending
+        log.write("the launch is writing here\n" * 1000)
+    sent = sync.upload_missing(local_node, files)
+    store = Path(local_node.node.workdir) / ".nodectl" / "objects"
+    assert sorted(p.name for p in store.iterdir()) == sorted(f.sha256 for f in files) and sent > 0
+    log = next(f for f in files if f.path == "code/launch.log")
+    assert (store / log.sha256).read_text() == "first line\n"
+    assert sync.upload_missing(local_node, files) == 0  # nothing is sent twice
 
+
+def test_an_old_file_changed_during_the_send_is_refused_by_name(tmp_path, local_node):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("print('hi')\n")
+    (project / "data.txt").write_text("")
+    os.utime(project / "data.txt", (1_600_000_000, 1_600_000_000))   # untouched for years: sent in place
+    files = sync.project_files(project)
+    (project / "data.txt").write_text("rewritten meanwhile\n")
+    with pytest.raises(UsageError, match=r"data\.txt changed while it was being sent"):
+        sync.upload_missing(local_node, files)
     store = Path(local_node.node.workdir) / ".nodectl" / "objects"
     assert not store.exists() or not list(store.iterdir())  # nothing of the refused stream was kept
 
-    listed = sync.project_files(project)  # listed again, it goes, each object under its content's hash
-    sent = sync.upload_missing(local_node, listed)
-    assert sorted(p.name for p in store.iterdir()) == sorted(f.sha256 for f in listed) and sent > 0
-    assert sync.upload_missing(local_node, listed) == 0  # nothing is sent twice
+
+def test_editor_swap_files_and_nodectls_own_output_are_not_sent(tmp_path, monkeypatch):
+    project = tmp_path / "project"
+    project.mkdir()
+    for name in ("train.py", ".train.py.swp", "train.py~", ".#train.py", "launch.log"):
+        (project / name).write_text("x\n")
+    with open(project / "launch.log", "a") as log:
+        monkeypatch.setattr(sync, "_own_output", lambda: {(os.fstat(log.fileno()).st_dev,
+                                                           os.fstat(log.fileno()).st_ino)})
+        names = sorted(f.path for f in sync.project_files(project))
+    assert names == ["code/train.py"]
 
 
 def test_a_sync_stream_cut_midway_leaves_nothing_on_the_node(tmp_path, local_node, monkeypatch):
@@ -129,7 +154,7 @@ def test_a_fresh_node_gets_runctl_its_code_and_its_run_folder_in_two_commands(tm
 
 
 def test_a_node_whose_runctl_vanished_after_the_first_call_gets_it_again(tmp_path):
-    from nodectl import agent
+    from nodectl.remote import agent
 
     transport = _Counting(replace(builtin_inventory(1).nodes[0], workdir=str(tmp_path / "node")), TransportOptions())
     first = agent.call(transport, "identity", transport.node.workdir)

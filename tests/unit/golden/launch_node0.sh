@@ -5,6 +5,8 @@ set -uo pipefail
 RUN_DIR="$HOME"/nodectl/runs/20260101-000000-abcd
 record_exit() {
   local code=$?
+  # what is left reparented to this script (a subreaper: runctl.py) escaped its rank's process group: end it
+  command -v pkill >/dev/null && pkill -TERM -P $$ 2>/dev/null
   printf '{"code": %d, "time": %s}\n' "$code" "$(date +%s.%N)" > "$RUN_DIR/state/launcher.exit.tmp"
   mv "$RUN_DIR/state/launcher.exit.tmp" "$RUN_DIR/state/launcher.exit"
 }
