@@ -543,8 +543,9 @@ def cmd_tail(args: list, request: dict) -> dict:
     """The last `lines` lines of each rank's log, with the offset a follower continues from."""
     run_dir = os.path.expanduser(args[0])
     lines, out = int(request.get("lines", 20)), {}
-    for rank in request["ranks"]:
-        path = os.path.join(run_dir, "logs", f"rank{rank}.log")
+    for rank in request["ranks"]:   # "launcher": torchrun's own log (launch.sh's output)
+        name = "launcher.log" if rank == "launcher" else f"rank{int(rank)}.log"
+        path = os.path.join(run_dir, "logs", name)
         try:
             size = os.path.getsize(path)
             with open(path, "rb") as handle:

@@ -12,9 +12,8 @@ from typing import Callable
 from nodectl.errors import RunFailed
 from nodectl.job import Job, Progress, no_progress, next_attempt, record_job, settle_job, start_job, stop_run
 from nodectl.runs import Run, RunNode, RunState
-from nodectl.remote.answers import NO_LOG
 from nodectl.remote.transport import Cluster
-from nodectl.watch import STOP_SLACK, Failure, LogStream, tail_lines, wait_for_end
+from nodectl.watch import Failure, LogStream, failure_lines, wait_for_end
 
 
 @dataclass(frozen=True)
@@ -115,10 +114,7 @@ def watch(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_
     for name, result in stopped.items():
         if not result.ok:
             notify(NotAnswering(name, run.run_id))
-    if failure.rank is not None:
-        run_node = next(rn for rn in run_nodes if failure.rank in rn.ranks)
-        logs = tail_lines(cluster, run_node, [failure.rank], 20, timeout=STOP_SLACK)
-        failure.last_lines = logs.get(failure.rank, NO_LOG).text
+    failure.last_lines = failure_lines(cluster, run_nodes, failure)
     failure.processes_left = {name: r.value.left for name, r in stopped.items() if r.ok}
     return failure
 

@@ -130,6 +130,8 @@ def builtin_inventory(count: int = 1, template: Node | None = None) -> Inventory
 
 def resolve_inventory_path(explicit: str | None) -> Path | None:
     """-i/--inventory, then NODECTL_INVENTORY, then ./hosts.yaml; None means the built-in default."""
+    if explicit is not None and not explicit.strip():
+        raise UsageError("-i/--inventory: an empty path (leave the option out to use ./hosts.yaml or this machine)")
     for candidate in (explicit, os.environ.get("NODECTL_INVENTORY")):
         if candidate:
             return Path(candidate)

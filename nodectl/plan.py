@@ -24,8 +24,7 @@ DEFAULT_ENV = {
     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     "PYTHONUNBUFFERED": "1",
     "PYTHONFAULTHANDLER": "1",
-    "HF_HUB_OFFLINE": "1",
-}
+}   # HF_HUB_OFFLINE=1 is the built-in trainer's own default (trainer/__main__.py), not forced on a user's script
 
 
 @dataclass(frozen=True)

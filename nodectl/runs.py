@@ -264,20 +264,41 @@ def _all_runs() -> list[Run]:
 
 
 def open_run(run_id: str | None) -> Run:
-    """A recorded run by id (a unique prefix works), or the latest one that is not a preflight job."""
+    """A recorded run by id (a unique prefix works), or the latest one that is not a preflight job: the latest of
+    this project (./runs, or $NODECTL_RUNS) when it has any, else the latest of the registry (any folder)."""
     candidates = _all_runs()
     if run_id is None:
         users = [run for run in candidates if run.kind != "preflight"]
+        here = runs_root().resolve()
+        local = [run for run in users if run.folder.resolve().parent == here]
         if not users:
             raise UsageError(f"no runs recorded under {runs_root().resolve()}/ or in {state_dir() / 'runs'}/; "
                              f"start one with nodectl launch")
-        return users[-1]
+        return (local or users)[-1]
     matches = [r for r in candidates if r.run_id == run_id] or [r for r in candidates if r.run_id.startswith(run_id)]
     if len(matches) != 1:
-        known = ", ".join(r.run_id for r in candidates if r.kind != "preflight")[-200:]
+        known = ", ".join([r.run_id for r in candidates if r.kind != "preflight"][-6:])
         raise UsageError(f"run {run_id!r} {'is ambiguous' if matches else 'not found'}; recent runs: {known or 'none'}")
     return matches[0]
 
 
 def list_runs(include_preflight: bool = False) -> list[Run]:
     return [run for run in _all_runs() if include_preflight or run.kind != "preflight"]
+
+
+def live_runs_on(host: str, port: int | None = None) -> list[Run]:
+    """Recorded runs not known to have ended whose master is `host` (and, given `port`, on that master port):
+    what may hold a port or GPUs there. From the records only; a run's nodes have the last word."""
+    found = []
+    for run in list_runs(include_preflight=True):
+        try:
+            manifest = run.read()
+        except (UsageError, OSError, ValueError):
+            continue
+        if manifest.state.final:
+            continue
+        nodes = manifest.plan.get("nodes") or []
+        master = nodes[0].get("node", {}) if nodes else {}
+        if host in (master.get("host"), master.get("addr")) and port in (None, manifest.plan.get("master_port")):
+            found.append(run)
+    return found

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from rich.markup import escape
 
 from nodectl.remote import agent
-from nodectl.remote.answers import LogChunk
+from nodectl.remote.answers import NO_LOG, LogChunk
 from nodectl.remote.poller import Poller
 from nodectl.visible import visible
 from nodectl.runs import RunNode, RunState
@@ -79,14 +79,30 @@ def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
     return {r.node.name: r for r in cluster.fan_out(work, [rn.node for rn in run_nodes], on_done=on_done)}
 
 
-def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int], lines: int,
-               timeout: float = 30) -> dict[int, LogChunk]:
+def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int | str], lines: int,
+               timeout: float = 30) -> dict[int | str, LogChunk]:
+    """The last `lines` lines of these ranks' logs ("launcher": torchrun's own log) on one node; {} when the node
+    did not answer."""
     result = cluster.fan_out(lambda t: agent.call(t, "tail", run_node.run_dir, timeout=timeout,
                                                   request={"ranks": ranks, "lines": lines}),
                              [run_node.node])[0]
     if not result.ok:
         return {}
-    return {int(rank): entry for rank, entry in result.value.logs.items() if rank.isdigit()}
+    return {int(rank) if rank.isdigit() else rank: entry for rank, entry in result.value.logs.items()}
+
+
+def failure_lines(cluster: Cluster, run_nodes: list[RunNode], failure: Failure, lines: int = 20) -> str:
+    """The last lines that explain a failure: the failing rank's log, or, when torchrun failed before any rank
+    (a port in use, a bad argument), its own log on that node."""
+    if failure.rank is not None:
+        run_node, key = next((rn for rn in run_nodes if failure.rank in rn.ranks), None), failure.rank
+    elif failure.kind == "launcher":
+        run_node, key = next((rn for rn in run_nodes if rn.node.name == failure.node), None), "launcher"
+    else:
+        return ""
+    if run_node is None:
+        return ""
+    return tail_lines(cluster, run_node, [key], lines, timeout=STOP_SLACK).get(key, NO_LOG).text
 
 
 def rank_failures(states: dict[str, NodeResult]) -> list[Failure]:

@@ -33,9 +33,15 @@ class AppContext:
     transport_options: TransportOptions = field(default_factory=TransportOptions)
     out: Console = field(default_factory=lambda: Console(highlight=False, soft_wrap=True, width=_piped_width()))
     err: Console = field(default_factory=lambda: Console(stderr=True, highlight=False, soft_wrap=True))
+    _said_local: bool = False
 
     def inventory(self, positional: str | None = None) -> Inventory:
-        return load_inventory(resolve_inventory_path(positional or self.inventory_option))
+        path = resolve_inventory_path(positional or self.inventory_option)
+        if path is None and not self._said_local:
+            self._said_local = True
+            self.info("no hosts.yaml here (nor -i FILE, nor $NODECTL_INVENTORY): using this machine as the node "
+                      "(transport: local)")
+        return load_inventory(path)
 
     def cluster(self, inventory: Inventory) -> Cluster:
         return Cluster(inventory.nodes, self.transport_options)

@@ -23,6 +23,7 @@ from nodectl.job import (Job, JobSpec, StartFailed, launch_argv, plan_job, proce
 from nodectl.resources import resource_dir
 from nodectl.runs import Run, RunState, open_run
 from nodectl.secrets import REDACTED, redact_args
+from nodectl.visible import visible
 from nodectl.watch import LogStream, poll
 
 
@@ -154,6 +155,9 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
         else:
             app.info(f"run {plan.run_id}: {plan.nnodes} node(s) x {plan.nodes[0].nproc} rank(s), backend "
                      f"{plan.backend}, master {plan.master_addr}:{plan.master_port}")
+            if job.spec.command:   # a script of the user's: say where outputs that `collect` brings back go
+                app.info("outputs: write them under $NODECTL_RUN_DIR/output on each node (the script runs in "
+                         "$NODECTL_RUN_DIR/code); nodectl collect brings back the run folder but code/")
         try:
             if preflight:
                 save_preflight(run, plan.attempt, preflight, facts)
@@ -345,7 +349,8 @@ def _report_failure(app: AppContext, outcome: attend.Outcome) -> None:
     else:
         app.err.print(f"[bold red]run {run_id} failed:[/] {escape(failure.describe())}")
         if failure.last_lines:
-            app.err.print(f"last lines of rank {failure.rank}:")
-            app.err.print(failure.last_lines.rstrip(), markup=False, highlight=False)
+            app.err.print(f"last lines of rank {failure.rank}:" if failure.rank is not None else
+                          f"last lines of torchrun on {failure.node} (logs/launcher.log):")
+            app.err.print(visible(failure.last_lines.rstrip()), markup=False, highlight=False)
         app.err.print(f"all logs: nodectl tail all --run {run_id}   (or nodectl collect --run {run_id})")
     raise SystemExit(EXIT_FAILED)

@@ -1,6 +1,8 @@
 """`nodectl status`: per node and rank: running / exited(code) / stalled / lost, heartbeat age, last step and loss."""
 from __future__ import annotations
 
+import time
+
 import click
 from rich.markup import escape
 from rich.table import Table
@@ -8,8 +10,10 @@ from rich.table import Table
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, refresh_state, run_option
 from nodectl.errors import exit_code_for
-from nodectl.remote.answers import NO_LOG, PollAnswer, RankState
-from nodectl.watch import poll, rank_failures, tail_lines
+from nodectl.runs import RunState
+from nodectl.remote.answers import PollAnswer, RankState
+from nodectl.visible import visible
+from nodectl.watch import failure_lines, poll, rank_failures
 
 
 def rank_rows(states: dict, run_nodes, stall_after: float) -> list[dict]:
@@ -61,17 +65,17 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
     with app.cluster_for(run_nodes) as cluster:
         states = poll(cluster, run_nodes)
         rows = rank_rows(states, run_nodes, stall_after)
-        failures = rank_failures(states)
+        run_state = refresh_state(run, states)
+        # a run the user stopped: its ranks died of stop's SIGTERM, which is no failure to report
+        failures = rank_failures(states) if run_state != RunState.STOPPED else []
         first = failures[0] if failures else None
-        if first and first.rank is not None:
-            rn = next(rn for rn in run_nodes if first.rank in rn.ranks)
-            first.last_lines = tail_lines(cluster, rn, [first.rank], 20).get(first.rank, NO_LOG).text
-    state = refresh_state(run, states)
+        if first:
+            first.last_lines = failure_lines(cluster, run_nodes, first)
     if app.json:
-        app.emit_json({"run_id": run.run_id, "state": state, "ranks": rows,
+        app.emit_json({"run_id": run.run_id, "state": run_state, "ranks": rows,
                        "first_failure": first.__dict__ if first else None})
     else:
-        table = Table(title=f"run {run.run_id} ({state})", title_justify="left")
+        table = Table(title=f"run {run.run_id} ({run_state})", title_justify="left")
         for column in ("node", "rank", "state", "heartbeat", "step", "loss", "pid"):
             table.add_column(column)
         colour = {"running": "green", "stalled": "yellow", "lost": "red", "starting": "cyan"}
@@ -83,9 +87,13 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
                           "-" if age is None else f"{age:.0f}s ago", str(row.get("step") or "-"),
                           "-" if row.get("loss") is None else f"{row['loss']:.4f}", str(row.get("pid") or "-"))
         app.out.print(table)
+        if run_state == RunState.STOPPED:
+            ended = run.read().ended
+            app.out.print("stopped by the user" + (f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ended))}"
+                                                   if ended else ""))
         if first:
             app.out.print(f"[red]first failure:[/] {escape(first.describe())}")
             if first.last_lines:
-                app.out.print(first.last_lines.rstrip(), markup=False, highlight=False)
+                app.out.print(visible(first.last_lines.rstrip()), markup=False, highlight=False)
     if exit_code_for(states.values()):
         raise SystemExit(exit_code_for(states.values()))

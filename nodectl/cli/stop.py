@@ -23,6 +23,7 @@ def command(app: AppContext, run_id: str | None, grace: float) -> None:
     """Stop a run on every node. Safe to repeat."""
     run = opened(app, run_id)
     run_nodes = run.nodes(left_out=True)
+    app.info(f"stopping run {run.run_id} ({run.folder}) on {len(run_nodes)} node(s)")
     with app.cluster_for(run_nodes) as cluster, app.node_progress("stopping", len(run_nodes)) as advance:
         results = stop_nodes(cluster, run_nodes, grace, on_done=advance)
     summary = {}

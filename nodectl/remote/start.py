@@ -14,6 +14,7 @@ from typing import Callable
 from nodectl.remote import agent
 from nodectl.remote import sync
 from nodectl.errors import Cancelled, NodectlError, UnreachableError
+from nodectl.runs import live_runs_on
 from nodectl.plan import LaunchPlan, NodePlan, with_port
 from nodectl.render import RenderedNode
 from nodectl.remote.transport import Cluster, NodeResult, Transport
@@ -39,8 +40,11 @@ def settle_master_port(plan: LaunchPlan, cluster: Cluster) -> LaunchPlan:
         return plan
     if plan.port_was_chosen:
         return with_port(plan, answer.value.port)
-    raise NodectlError(f"master_port {plan.master_port} is in use on {master.name}; stop what holds it or pick "
-                       f"another master_port in the inventory")
+    holders = [run.run_id for run in live_runs_on(master.host, plan.master_port) if run.run_id != plan.run_id]
+    held = (f" by run {holders[0]}, recorded as still running (nodectl status --run {holders[0]}; nodectl stop --run "
+            f"{holders[0]} ends it)" if holders else "")
+    raise NodectlError(f"master_port {plan.master_port} is in use on {master.name}{held}; stop what holds it, or "
+                       f"pick another master_port in the inventory (or leave it out: nodectl then picks a free one)")
 
 
 @dataclass(frozen=True)

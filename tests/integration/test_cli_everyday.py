@@ -154,3 +154,78 @@ def test_a_launch_whose_output_goes_to_a_file_in_the_project_folder_succeeds(pro
     text = (project / "launch.log").read_text()
     assert result.returncode == 0, text
     assert "trained" in text and "changed while it was being sent" not in text
+
+
+def test_a_second_launch_on_a_fixed_port_names_the_live_run_holding_it(project):
+    """The README's fixed master_port and a run still alive there: the second launch says which run holds the
+    port and how to end it, before anything starts (the cached preflight does not hide it)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    (project / "fixed.yaml").write_text(f"master_port: {port}\nnodes:\n  - {{host: localhost, transport: local, "
+                                        f"device: cpu, workdir: {project / 'work'}}}\n")
+    (project / "train.py").write_text("import torch.distributed as dist, time\ndist.init_process_group('gloo')\n"
+                                      "print('up', flush=True)\ntime.sleep(300)\n")
+    env = env_for(project)
+    first = run_nodectl(["launch", "-i", "fixed.yaml", "--detach", "--", "train.py"], env=env, cwd=project)
+    assert first.exit_code == 0, first.stderr
+    run_id = run_nodectl(["runs", "--json"], env=env, cwd=project).json()["runs"][-1]["run_id"]
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            tail = run_nodectl(["tail", "rank0", "--run", run_id], env=env, cwd=project)
+            if "up" in tail.stdout:
+                break
+            time.sleep(0.5)
+        second = run_nodectl(["launch", "-i", "fixed.yaml", "--", "train.py"], env=env, cwd=project)
+        assert second.exit_code == 1, second.stdout + second.stderr
+        assert f"master_port {port} is in use" in second.stderr and f"nodectl stop --run {run_id}" in second.stderr
+        assert "Traceback" not in second.stderr
+    finally:
+        run_nodectl(["stop", "--run", run_id], env=env, cwd=project)
+
+
+def test_when_torchrun_fails_before_any_rank_its_own_last_lines_are_shown(project, tmp_path_factory):
+    """A node whose python lacks torch (preflight skipped): torchrun itself fails. The failure says so with
+    torchrun's last lines, not only "see logs/launcher.log on the node"."""
+    import subprocess
+    import sys
+
+    bare = tmp_path_factory.mktemp("bare") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    (project / "bare.yaml").write_text(f"nodes:\n  - {{host: localhost, transport: local, device: cpu, "
+                                       f"python: {bare / 'bin' / 'python'}, workdir: {project / 'work'}}}\n")
+    result = run_nodectl(["launch", "-i", "bare.yaml", "--skip-preflight", "--", "train.py"], env=env_for(project),
+                         cwd=project)
+    assert result.exit_code == 1, result.stdout + result.stderr
+    assert "last lines of torchrun on" in result.stderr and "No module named 'torch'" in result.stderr
+
+
+def test_everyday_honesty_a_users_script_its_outputs_stop_and_status(project):
+    """A user's script does not get the built-in trainer's HF_HUB_OFFLINE; the banner says where outputs go;
+    `stop` names the run it stops; a stopped run reads "stopped by the user", not as a rank failure; `-i ""` is an
+    error, not this machine; no inventory at all is said aloud."""
+    (project / "train.py").write_text("import os, time\nprint('offline=' + str(os.environ.get('HF_HUB_OFFLINE')), "
+                                      "flush=True)\ntime.sleep(300)\n")
+    env = env_for(project)
+    first = run_nodectl(["launch", "-i", "local.yaml", "--skip-preflight", "--detach", "--", "train.py"], env=env,
+                        cwd=project)
+    assert first.exit_code == 0, first.stderr
+    assert "$NODECTL_RUN_DIR/output" in first.stderr
+    run_id = run_nodectl(["runs", "--json"], env=env, cwd=project).json()["runs"][-1]["run_id"]
+    deadline = time.time() + 60
+    while "offline=" not in (tail := run_nodectl(["tail", "rank0"], env=env, cwd=project)).stdout:
+        assert time.time() < deadline, tail.stdout + tail.stderr
+        time.sleep(0.5)
+    assert "offline=None" in tail.stdout
+    stopped = run_nodectl(["stop"], env=env, cwd=project)
+    assert stopped.exit_code == 0 and f"stopping run {run_id}" in stopped.stderr, stopped.stderr
+    status = run_nodectl(["status"], env=env, cwd=project)
+    assert "stopped by the user" in status.stdout and "first failure" not in status.stdout, status.stdout
+    empty = run_nodectl(["launch", "--dry-run", "-i", ""], env=env, cwd=project)
+    assert empty.exit_code == 2 and "empty path" in empty.stderr
+    (project / "hosts.yaml").unlink()
+    nothing = run_nodectl(["launch", "--dry-run", "--", "train.py"], env=env, cwd=project)
+    assert nothing.exit_code == 0 and "using this machine" in nothing.stderr
