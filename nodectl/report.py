@@ -78,7 +78,8 @@ def render(data: dict, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     written = []
 
-    def figure(name: str, title: str, ylabel: str, series: list[tuple[str, list, list]]) -> None:
+    def figure(name: str, title: str, ylabel: str, series: list[tuple[str, list, list]], log: bool = False,
+               from_zero: bool = False) -> None:
         series = [s for s in series if s[1]]
         if not series:
             return
@@ -88,21 +89,26 @@ def render(data: dict, out: Path) -> list[Path]:
         axis.set_title(title)
         axis.set_xlabel("step" if name != "gpu_utilisation" else "seconds since start")
         axis.set_ylabel(ylabel)
-        axis.grid(alpha=0.3)
-        if len(series) > 1:
-            axis.legend(fontsize=8)
+        if log and all(y > 0 for _, _, ys in series for y in ys):
+            axis.set_yscale("log")   # a loss falls over orders of magnitude; linear hides the later progress
+        if from_zero:
+            axis.set_ylim(bottom=0)  # throughput noise must not look like a collapse
+        axis.grid(alpha=0.3, which="both")
+        axis.legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png")
         plt.close(fig)
         written.append(out / f"{name}.png")
 
     metrics = data["metrics"]
-    figure("loss", "loss", "loss", [("train", *_last_per_step(metrics, "loss")),
-                                    ("eval", *_last_per_step(metrics, "eval_loss"))])
+    figure("loss", "loss", "loss (log scale)", [("train", *_last_per_step(metrics, "loss")),
+                                                ("eval", *_last_per_step(metrics, "eval_loss"))], log=True)
     figure("tokens_per_s", "tokens/s per GPU", "tokens/s", [("tokens/s/GPU", *_last_per_step(metrics,
-                                                                                           "tokens_per_s_per_gpu"))])
-    figure("mfu", "model FLOPs utilisation", "MFU", [("MFU", *_last_per_step(metrics, "mfu"))])
-    figure("memory", "peak GPU memory", "GB", [("max allocated", *_last_per_step(metrics, "max_memory_gb"))])
+                                                                                           "tokens_per_s_per_gpu"))],
+           from_zero=True)
+    figure("mfu", "model FLOPs utilisation", "MFU", [("MFU", *_last_per_step(metrics, "mfu"))], from_zero=True)
+    figure("memory", "peak GPU memory", "GB", [("max allocated", *_last_per_step(metrics, "max_memory_gb"))],
+           from_zero=True)
     figure("step_time", "step time per rank (straggler check)", "seconds",
            [(f"rank {rank}", *_last_per_step(rows, "step_time_s")) for rank, rows in sorted(data["timing"].items())])
     if data.get("custom"):
@@ -119,7 +125,7 @@ def render(data: dict, out: Path) -> list[Path]:
             for gpu in range(len(rows[0]["gpus"])):
                 label = f"{node} GPU{rows[0]['gpus'][gpu].get('gpu', gpu)}"
                 util.append((label, [r["time"] - start for r in rows], [r["gpus"][gpu]["util"] for r in rows]))
-    figure("gpu_utilisation", "GPU utilisation", "%", util)
+    figure("gpu_utilisation", "GPU utilisation", "%", util, from_zero=True)
     return written
 
 

@@ -18,10 +18,12 @@ from nodectl.preflight.run import run_preflight, save
 @click.option("--gpus", type=click.IntRange(1, MAX_RANKS_PER_NODE), help="Ranks per node the launch will use.")
 @click.option("--quick", "depth", flag_value="quick", help="Skip the collective test.")
 @click.option("--full", "depth", flag_value="full", help="Collective sizes up to 4 GiB.")
+@click.option("--all", "show_all", is_flag=True, help="Print every check of every node (the full matrix).")
 @click.option("--collective-timeout", type=click.IntRange(5, 3600), default=DEFAULT_DEADLINE_S, show_default=True,
               metavar="SECONDS", help="Longest wait of the collective test for a peer or one all-reduce.")
 @click.pass_obj
-def command(app: AppContext, inventory_path, nodes, exclude, gpus, depth, collective_timeout) -> None:
+def command(app: AppContext, inventory_path, nodes, exclude, gpus, depth, collective_timeout,
+            show_all) -> None:
     """Check every node (GPUs, P2P, IB, versions, ports, clocks, shm...) and run a collective test."""
     inventory = app.inventory(inventory_path).select(nodes, exclude)
     with app.cluster(inventory) as cluster, app.node_progress("probing nodes", len(inventory.nodes)) as advance:
@@ -32,7 +34,7 @@ def command(app: AppContext, inventory_path, nodes, exclude, gpus, depth, collec
     if app.json:
         app.emit_json({**report.to_json(), "saved": str(path)})
     else:
-        print_report(app.out, report)
+        print_report(app.out, report, full=show_all)
         app.info(f"report saved to {path}")
     if report.unreachable:
         raise SystemExit(EXIT_UNREACHABLE)

@@ -11,20 +11,31 @@ from nodectl.preflight.run import PreflightReport
 STYLE = {PASS: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
 
 
-def print_report(console, report: PreflightReport) -> None:
+def print_report(console, report: PreflightReport, full: bool = False) -> None:
+    """Problems first, one line each with its node and fix, in a table that fits 80 columns whatever the number
+    of checks (a GPU node has about 30); the nodes x checks matrix only with `full` (preflight --all)."""
     per_node = [r for r in report.results if r.node != "cluster"]
-    checks = list(dict.fromkeys(r.check for r in per_node))
-    table = Table(title="preflight", title_justify="left")
-    table.add_column("node")
-    for check in checks:
-        table.add_column(check, overflow="fold")
-    for node in report.nodes:
-        cells = {r.check: r for r in per_node if r.node == node}
-        table.add_row(node, *(f"[{STYLE[cells[c].verdict]}]{cells[c].verdict}[/]" if c in cells else "-"
-                              for c in checks))
-    console.print(table)
+    if full:
+        _print_matrix(console, report, per_node)
+    else:
+        table = Table(title="preflight", title_justify="left")
+        for column, justify in (("node", "left"), ("pass", "right"), ("warn", "right"), ("fail", "right"),
+                                ("skip", "right"), ("problems", "left")):
+            table.add_column(column, justify=justify, overflow="fold")
+        for node in report.nodes:
+            mine = [r for r in per_node if r.node == node]
+            counts = {v: sum(1 for r in mine if r.verdict == v) for v in (PASS, WARN, FAIL, SKIP)}
+            problems = [f"[{STYLE[r.verdict]}]{escape(r.check)}[/]" for r in mine if r.verdict in (FAIL, WARN)]
+            table.add_row(escape(node), *(f"[{STYLE[v]}]{counts[v]}[/]" if counts[v] else "0"
+                                          for v in (PASS, WARN, FAIL, SKIP)),
+                          ", ".join(problems) or ("[red]unreachable[/]" if node in report.unreachable else "-"))
+        console.print(table)
     cluster = [r for r in report.results if r.node == "cluster"]
-    if cluster:
+    if cluster and not full:
+        bad = [r for r in cluster if r.verdict in (FAIL, WARN)]
+        console.print(f"across nodes: {len(cluster) - len(bad)} of {len(cluster)} checks agree"
+                      + (" (below: what differs)" if bad else ""))
+    elif cluster:
         summary = Table(title="across nodes", title_justify="left")
         for column in ("check", "verdict", "detail"):
             summary.add_column(column, overflow="fold")
@@ -53,3 +64,18 @@ def print_report(console, report: PreflightReport) -> None:
                                             sort_keys=False)).rstrip(), highlight=False)
     verdict = "FAILED" if report.failed or report.unreachable else "passed"
     console.print(f"preflight {verdict}: {len(report.failed)} failure(s), {len(report.warned)} warning(s)")
+    if not full:
+        console.print("every check of every node: nodectl preflight --all (or --json)")
+
+
+def _print_matrix(console, report: PreflightReport, per_node: list) -> None:
+    checks = list(dict.fromkeys(r.check for r in per_node))
+    table = Table(title="preflight", title_justify="left")
+    table.add_column("node")
+    for check in checks:
+        table.add_column(check, overflow="fold")
+    for node in report.nodes:
+        cells = {r.check: r for r in per_node if r.node == node}
+        table.add_row(node, *(f"[{STYLE[cells[c].verdict]}]{cells[c].verdict}[/]" if c in cells else "-"
+                              for c in checks))
+    console.print(table)

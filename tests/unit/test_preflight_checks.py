@@ -334,3 +334,30 @@ def test_one_reading_of_nccl_name_lists_for_interfaces_and_hcas():
     assert exact.selects("eth0") and not exact.selects("eth01")
     excluded = network_checks.parse_name_list("^docker,lo")
     assert excluded.selects("ens1") and not excluded.selects("docker0") and not excluded.selects("lo")
+
+
+def test_the_preflight_table_fits_80_columns_with_a_gpu_nodes_thirty_checks():
+    import io
+
+    from rich.console import Console
+
+    from nodectl.preflight.run import PreflightReport
+    from nodectl.preflight.table import print_report
+
+    names = ["gpu-node-with-a-long-name-01", "gpu-node-with-a-long-name-02"]
+    results = []
+    for name in names:
+        report = healthy_report()
+        report["gpus"]["devices"][3]["temperature_c"] = 84          # one warning
+        results += judge.judge_node(NodeFacts(name, report, "cuda", EXPECT), tier="quick")
+    assert len({r.check for r in results}) >= 24
+    for full, width in ((False, 80), (True, 200)):
+        out = io.StringIO()
+        print_report(Console(file=out, width=width, force_terminal=False), PreflightReport(names, results),
+                     full=full)
+        text = out.getvalue()
+        assert all(len(line) <= width for line in text.splitlines())
+        assert all(name in text for name in names)
+    out = io.StringIO()
+    print_report(Console(file=out, width=80), PreflightReport(names, results))
+    assert "WARN gpu-node-with-a-long-name-01 thermal" in out.getvalue() and "preflight --all" in out.getvalue()
