@@ -26,6 +26,10 @@ HOSTFILE_LINE_RE = re.compile(r"^(?P<host>[A-Za-z0-9_.\-\[\]%]+)(\s+slots\s*=\s*
 MAX_INVENTORY_BYTES = 8 << 20   # a hosts.yaml of 10,000 nodes with env blocks is well under 4 MB
 MAX_NODES = 10_000
 MAX_RANKS_PER_NODE = 1024
+# What nodectl sets for every launched process; an inventory's env: may not (other NODECTL_* knobs, such as
+# NODECTL_DEMO_CACHE or NODECTL_PEAK_TFLOPS, are the user's to set).
+OWN_ENV = frozenset({"NODECTL_RUN_ID", "NODECTL_RUN_DIR", "NODECTL_NODE_RANK", "NODECTL_NNODES", "NODECTL_ATTEMPT",
+                     "NODECTL_STACK_FILE", "NODECTL_METRICS"})
 NAME_MAX = 128          # a node's name names files and folders on both sides (scripts/<name>.env, ...)
 DEFAULT_WORKDIR = "~/nodectl"
 LOCAL_WORKDIR = "~/.nodectl/local"
@@ -376,9 +380,9 @@ class _Parser:
         for name, item in value.items():
             if not isinstance(name, str) or not ENV_NAME_RE.match(name):
                 self.fail(f"{label}.{name}", "an environment variable name ([A-Za-z_][A-Za-z0-9_]*)", value, name)
-            if name.upper().startswith("NODECTL_"):
-                self.fail(f"{label}.{name}", "a name nodectl does not set itself: NODECTL_* variables are how it "
-                          "tells a run's processes apart (a rank given another run's id could not be stopped)",
+            if name.upper() in OWN_ENV:
+                self.fail(f"{label}.{name}", f"a name nodectl does not set itself ({', '.join(sorted(OWN_ENV))} are "
+                          "how it tells a run's processes apart: a rank given another run's id could not be stopped)",
                           value, name)
             if isinstance(item, (dict, list)) or item is None or (isinstance(item, str) and "\0" in item):
                 self.fail(f"{label}.{name}", "a string or number", value, name)

@@ -81,7 +81,9 @@ class TrainConfig:
     save_probe_logits: bool = False    # rank 0 writes probe.pt: one batch's logits, to verify an exported adapter
     eval_every: int = 0                # 0: no evaluation
     eval_at_start: bool = False
-    checkpoint_every: int = 0          # full checkpoints for exact resume; 0: none
+    checkpoint_every: int = 0          # a full checkpoint (exact resume) every N steps; 0: by time only
+    checkpoint_minutes: float = 30.0   # and one at least this often by the wall clock, and one at the end, so that
+                                       # --resume and --max-restarts continue; 0: only checkpoint_every's
     keep_checkpoints: int = 2
     resume: str = "auto"               # auto: the latest complete checkpoint in the output folder; none; or a path
     early_stop_patience: int = 0       # stop after this many evaluations without improvement; 0: never
@@ -213,6 +215,8 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}: expected a positive integer, got {value}")
+    if not 0 <= recipe.train.checkpoint_minutes < float("inf"):
+        raise ConfigError(f"train.checkpoint_minutes: expected minutes >= 0, got {recipe.train.checkpoint_minutes}")
     if (recipe.train.early_stop_patience or recipe.train.eval_at_start) and not (recipe.train.eval_every and
                                                                               (recipe.data.eval_path or recipe.data.eval_holdout)):
         raise ConfigError("train.early_stop_patience / eval_at_start: need train.eval_every and data.eval_holdout "

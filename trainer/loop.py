@@ -161,6 +161,8 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
     window = torch.zeros(4, device=ctx.device)  # loss sum, target tokens, real tokens, sum of squared row lengths
     window_start, window_steps = time.perf_counter(), 0
     stopper = EarlyStop(recipe.train.early_stop_patience, recipe.train.early_stop_min_delta)
+    timed = Deadline(recipe.train.checkpoint_minutes, ctx)
+    saved_at = start_step
     summary: dict = {"trainable_params": trainable, "frozen_params": frozen, "resumed_from": start_step or None,
                      "end_reason": f"completed {recipe.train.steps} steps"}
     covered, skipped = getattr(model, "grouped_experts", (0, []))
@@ -202,14 +204,10 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
         reason, aside = None, time.perf_counter()  # evaluation and saving are not training time
         if evaluates:
             reason = stopper.update(step + 1, run_eval(step + 1))
-        if recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0:  # the last one too:
-            # a finished run can be trained further (launch --resume RUN --set train.steps=MORE)
-            started = time.perf_counter()
-            saved_to = resume.save(model, optimizer, step + 1, out_dir / "checkpoints", ctx.device,
-                                   recipe.train.keep_checkpoints)
-            size = sum(f.stat().st_size for f in saved_to.glob("rank*.pt"))
-            reporter.event({"step": step + 1, "checkpoint_s": round(time.perf_counter() - started, 3),
-                            "checkpoint_bytes_node": size})
+        every = recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0
+        if every or ((step + 1) % recipe.train.log_every == 0 and timed.due()):
+            _checkpoint(recipe, ctx, model, optimizer, step + 1, out_dir, reporter if every else None)
+            saved_at, timed = step + 1, Deadline(recipe.train.checkpoint_minutes, ctx)
         if recipe.train.save_every and (step + 1) % recipe.train.save_every == 0 and not last:
             checkpoint.save_adapter(model, out_dir, step + 1, recipe.train.keep_last)
         window_start += time.perf_counter() - aside
@@ -220,6 +218,10 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
             break
     else:
         step = recipe.train.steps
+    if step > saved_at and (recipe.train.checkpoint_minutes or recipe.train.checkpoint_every):
+        # the end too: a finished run can be trained further (launch --resume RUN --set train.steps=MORE), and a
+        # restart after a failure past the last timed checkpoint loses nothing
+        _checkpoint(recipe, ctx, model, optimizer, step, out_dir, None)
     telemetry.stop()
     if recipe.train.save_probe_logits:
         _save_probe(model, batches.micro_batches(0)[0], ctx, out_dir)
@@ -233,13 +235,46 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
     return summary
 
 
+class Deadline:
+    """A checkpoint due by the wall clock, decided the same on every rank (rank 0's clock, broadcast), asked only
+    at logging steps so that it costs one small collective per log window."""
+
+    def __init__(self, minutes: float, ctx: Context) -> None:
+        self.minutes, self.ctx, self.started = minutes, ctx, time.monotonic()
+
+    def due(self) -> bool:
+        if not self.minutes:
+            return False
+        flag = torch.tensor([1.0 if time.monotonic() - self.started >= self.minutes * 60 else 0.0],
+                            device=self.ctx.device)
+        if self.ctx.world > 1:
+            dist.broadcast(flag, src=0)
+        return bool(flag.item())
+
+
+def _checkpoint(recipe: Recipe, ctx: Context, model, optimizer, step: int, out_dir: Path, reporter) -> None:
+    started = time.perf_counter()
+    saved_to = resume.save(model, optimizer, step, out_dir / "checkpoints", ctx.device, recipe.train.keep_checkpoints)
+    size = sum(f.stat().st_size for f in saved_to.glob("rank*.pt"))
+    seconds = round(time.perf_counter() - started, 3)
+    if reporter is not None:   # checkpoint_every's: an event in metrics.jsonl, as always
+        reporter.event({"step": step, "checkpoint_s": seconds, "checkpoint_bytes_node": size})
+    elif ctx.rank == 0:        # the timed and final ones: a line in the log, metrics.jsonl keeps its records
+        print(f"checkpoint at step {step} in {seconds:.2f}s: {saved_to}", flush=True)
+
+
 def _resume(recipe: Recipe, ctx: Context, model, optimizer, out_dir: Path) -> int:
     choice = recipe.train.resume
+    attempt = int(os.environ.get("NODECTL_ATTEMPT", "0") or 0)
     if choice == "none":
         return 0
     found = resume.agreed_latest(out_dir / "checkpoints", ctx.device) if choice == "auto" \
         else Path(os.path.expanduser(choice))
     if found is None:
+        if attempt and ctx.rank == 0:   # a --resume or a restart that cannot continue says so before it trains
+            kept = _keep_previous_adapter(out_dir, attempt)
+            print(f"attempt {attempt}: no checkpoint in {out_dir / 'checkpoints'}, so training starts again from "
+                  f"step 0" + (f"; the previous attempt's adapter is kept as {kept}" if kept else ""), flush=True)
         return 0
     if not (found / resume.COMPLETE).exists():
         raise ConfigError(f"train.resume: {found} is not a complete checkpoint")
@@ -348,3 +383,17 @@ def _reduce_window(ctx, step, window, window_start, steps, optimizer, flops, pea
         "max_memory_gb": torch.cuda.max_memory_allocated(ctx.device) / 1e9 if ctx.on_gpu else None,
         "real_tokens": int(real_tokens), "time": wall, "_clock": clock,
     }
+
+
+def _keep_previous_adapter(out_dir: Path, attempt: int) -> Path | None:
+    """An earlier attempt's adapter, moved out of the way of this attempt's saves (which would rotate it out)."""
+    link = out_dir / "adapter"
+    if not link.is_symlink():
+        return None
+    target = out_dir / os.readlink(link)
+    kept = out_dir / f"previous-attempt-{attempt - 1}"
+    if not target.is_dir() or kept.exists():
+        return None
+    os.replace(target, kept)
+    link.unlink()
+    return kept

@@ -173,3 +173,31 @@ def test_plateau_early_stop_fires_at_the_same_step_on_every_rank(tmp_path, demo_
     beats = [json.loads((tmp_path / "out" / "heartbeat" / f"rank{r}.json").read_text())["step"] for r in (0, 1)]
     assert beats == [4, 4]
     assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_a_run_without_checkpoint_settings_still_resumes_from_its_end(tmp_path, demo_cache, monkeypatch):
+    """The demo recipe sets no checkpoint_every: the end-of-run checkpoint (on by default, with the timed ones)
+    lets `launch --resume RUN --set train.steps=MORE` continue instead of starting again from step 0."""
+    out = tmp_path / "out"
+    first = torchrun(1, out, demo_cache, "train.steps=6", "train.log_every=1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert (out / "checkpoints" / "ckpt-0000006").is_dir()
+    monkeypatch.setenv("NODECTL_ATTEMPT", "1")
+    more = torchrun(1, out, demo_cache, "train.steps=9", "train.log_every=1")
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "resuming at step 6" in more.stdout
+    assert sorted(losses(out / "metrics.jsonl")) == list(range(1, 10))
+
+
+def test_a_restart_that_cannot_continue_says_so_and_keeps_the_previous_adapter(tmp_path, demo_cache, monkeypatch):
+    out = tmp_path / "out"
+    first = torchrun(1, out, demo_cache, "train.steps=3", "train.checkpoint_minutes=0")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert not (out / "checkpoints").exists()
+    previous = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+    monkeypatch.setenv("NODECTL_ATTEMPT", "1")
+    again = torchrun(1, out, demo_cache, "train.steps=3", "train.checkpoint_minutes=0", "lora.dropout=0.2")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "attempt 1: no checkpoint" in again.stdout and "starts again from step 0" in again.stdout
+    assert (out / "previous-attempt-0" / "adapter_model.safetensors").read_bytes() == previous
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()

@@ -119,8 +119,8 @@ def test_terminal_escapes_from_a_node_are_shown_not_obeyed():
 
 @pytest.mark.parametrize("text, words", [
     ("nodes:\n  - {host: a, name: '..'}\n", "not . or .."),
-    ("nodes:\n  - {host: a, env: {NODECTL_RUN_ID: other}}\n", "NODECTL_"),
-    ("defaults: {env: {nodectl_node_rank: '0'}}\nnodes:\n  - {host: a}\n", "NODECTL_"),
+    ("nodes:\n  - {host: a, env: {NODECTL_RUN_ID: other}}\n", "NODECTL_RUN_ID"),
+    ("defaults: {env: {nodectl_node_rank: '0'}}\nnodes:\n  - {host: a}\n", "NODECTL_NODE_RANK"),
 ])
 def test_inventory_values_that_would_confuse_nodectl_are_refused(text, words):
     with pytest.raises(InventoryError, match=words.replace(".", r"\.")):
