@@ -86,3 +86,41 @@ def no_user_ssh_config(monkeypatch, tmp_path):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
     monkeypatch.delenv("NODECTL_INVENTORY", raising=False)
+
+
+def _processes_of_runs_under(folder: str) -> list[int]:
+    """Live processes of a run whose run folder is under `folder` (a local node of this test)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        run_dir = next((v[len(b"NODECTL_RUN_DIR="):] for v in environ if v.startswith(b"NODECTL_RUN_DIR=")), b"")
+        if state != "Z" and run_dir.decode(errors="replace").startswith(folder):
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(autouse=True)
+def no_process_left_behind(tmp_path):
+    """A test whose run (on a local node, its folder under the test's tmp_path) leaves a process behind fails:
+    a stray rank would hold CPU, ports or a GPU for every later test, and for a user."""
+    yield
+    import signal
+    import time
+
+    deadline = time.time() + 15   # a stop still in progress
+    left = _processes_of_runs_under(str(tmp_path))
+    while left and time.time() < deadline:
+        time.sleep(0.5)
+        left = _processes_of_runs_under(str(tmp_path))
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, f"processes of this test's runs were left running: {left}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -215,6 +216,10 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
     for key, value in positive.items():
         if value < 1:
             raise ConfigError(f"{key}: expected a positive integer, got {value}")
+    for section in ("model", "lora", "data", "train"):
+        for key, value in vars(getattr(recipe, section)).items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ConfigError(f"{section}.{key}: expected a finite number, got {value}")
     if not 0 <= recipe.train.checkpoint_minutes < float("inf"):
         raise ConfigError(f"train.checkpoint_minutes: expected minutes >= 0, got {recipe.train.checkpoint_minutes}")
     if (recipe.train.early_stop_patience or recipe.train.eval_at_start) and not (recipe.train.eval_every and

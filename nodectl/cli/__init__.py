@@ -12,6 +12,7 @@ import click
 
 from nodectl import __version__
 from nodectl.cli.context import AppContext
+from nodectl.cli.options import Seconds
 from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, install_signal_handlers
 from nodectl.remote.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, TransportOptions
 
@@ -107,7 +108,7 @@ class NodectlGroup(click.Group):
 @click.option("--json", "as_json", is_flag=True, help="One JSON document on stdout, nothing else there.")
 @click.option("--accept-new-host-keys", is_flag=True,
               help="Record unknown SSH host keys (like ssh's accept-new); a changed key is still refused.")
-@click.option("--connect-timeout", type=click.FloatRange(min=0.5), default=DEFAULT_CONNECT_TIMEOUT,
+@click.option("--connect-timeout", type=Seconds(min=0.5), default=DEFAULT_CONNECT_TIMEOUT,
               show_default=True, help="Seconds to wait for each node's SSH connection.")
 @click.option("--fanout", type=click.IntRange(min=1), default=DEFAULT_FANOUT, show_default=True,
               help="Nodes worked on at once.")

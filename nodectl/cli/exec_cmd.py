@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from nodectl import hostlist
 from nodectl.cli.context import AppContext
-from nodectl.cli.options import node_selection
+from nodectl.cli.options import Seconds, node_selection
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE, UsageError
 from nodectl.remote.transport import NodeResult
 
@@ -59,7 +59,7 @@ def group(results: list[NodeResult], timeout: float) -> list[dict]:
 
 @click.command("exec", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 @node_selection
-@click.option("--timeout", type=click.FloatRange(min=1), default=60.0, show_default=True,
+@click.option("--timeout", type=Seconds(min=1), default=60.0, show_default=True,
               help="Seconds each node's command may run; then it is stopped there (SIGTERM, SIGKILL 5 s later).")
 @click.option("--stdin", "forward_stdin", is_flag=True,
               help="Send this command's standard input to every node (read whole first; at most 64 MiB).")

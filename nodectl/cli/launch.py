@@ -15,7 +15,7 @@ from rich.syntax import Syntax
 from nodectl import attend
 from nodectl.remote import sync
 from nodectl.cli.context import AppContext
-from nodectl.cli.options import node_selection
+from nodectl.cli.options import Seconds, node_selection
 from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, ignore_signals_while_cleaning
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.job import (Job, JobSpec, StartFailed, launch_argv, plan_job, processes_left, record_job, save_preflight,
@@ -88,7 +88,7 @@ def _print_dry_run(app: AppContext, job: Job, unsettled: list[str]) -> None:
 @click.option("--detach", is_flag=True, help="Return once every node has started.")
 @click.option("--follow", type=click.Choice(["rank0", "all"]), default="rank0", show_default=True,
               help="Stream rank 0, or every rank prefixed [node/rank].")
-@click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
+@click.option("--grace", type=Seconds(min=0), default=10.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL when stopping.")
 @click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
               help="After a failure, stop the run everywhere and start it again as its next attempt, up to N times "
@@ -96,7 +96,7 @@ def _print_dry_run(app: AppContext, job: Job, unsettled: list[str]) -> None:
 @click.option("--exclude-failed", is_flag=True,
               help="With --max-restarts: before each restart, run the quick preflight on the run's nodes and "
                    "leave out the ones that fail it or are lost; the run goes on with the rest.")
-@click.option("--stall-after", type=click.FloatRange(min=1), default=None,
+@click.option("--stall-after", type=Seconds(min=1), default=None,
               help="Stop the run when a live rank's heartbeat is older than this many seconds.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override one value of the built-in trainer's recipe (repeatable), e.g. --set train.steps=200.")

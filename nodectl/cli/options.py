@@ -42,3 +42,15 @@ def node_selection(fn):
                       help="Leave these nodes out (names, hosts or ranges like gpu[03-04]).")(fn)
     return click.option("--nodes", type=NodeCount(),
                         help="The first N nodes, or these nodes (names, hosts or ranges like gpu[01-08]).")(fn)
+
+
+class Seconds(click.FloatRange):
+    """A duration in seconds: a finite number in range (click's FloatRange lets `nan` and `inf` through, and a
+    `nan` timeout never fires)."""
+    name = "seconds"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if number != number or number in (float("inf"), float("-inf")):
+            self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
+        return number

@@ -16,15 +16,18 @@ from nodectl.preflight.run import run_preflight, save
 @click.argument("inventory_path", metavar="[INVENTORY]", required=False)
 @node_selection
 @click.option("--gpus", type=click.IntRange(1, MAX_RANKS_PER_NODE), help="Ranks per node the launch will use.")
-@click.option("--quick", "depth", flag_value="quick", help="Skip the collective test.")
-@click.option("--full", "depth", flag_value="full", help="Collective sizes up to 4 GiB.")
+@click.option("--quick", is_flag=True, help="The probe's checks only: no GPU job, no collective test.")
+@click.option("--full", is_flag=True, help="Collective sizes up to 4 GiB, and node-pair tests.")
 @click.option("--all", "show_all", is_flag=True, help="Print every check of every node (the full matrix).")
 @click.option("--collective-timeout", type=click.IntRange(5, 3600), default=DEFAULT_DEADLINE_S, show_default=True,
               metavar="SECONDS", help="Longest wait of the collective test for a peer or one all-reduce.")
 @click.pass_obj
-def command(app: AppContext, inventory_path, nodes, exclude, gpus, depth, collective_timeout,
+def command(app: AppContext, inventory_path, nodes, exclude, gpus, quick, full, collective_timeout,
             show_all) -> None:
     """Check every node (GPUs, P2P, IB, versions, ports, clocks, shm...) and run a collective test."""
+    if quick and full:
+        raise click.UsageError("--quick and --full ask for opposite tiers; give one of them")
+    depth = "quick" if quick else "full" if full else "default"
     inventory = app.inventory(inventory_path).select(nodes, exclude)
     with app.cluster(inventory) as cluster, app.node_progress("probing nodes", len(inventory.nodes)) as advance:
         report = run_preflight(inventory, cluster, gpus=gpus, quick=depth == "quick", full=depth == "full",

@@ -8,6 +8,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from nodectl.cli.context import AppContext
+from nodectl.cli.options import Seconds
 from nodectl.cli.runs_cmds import opened, refresh_state, run_option
 from nodectl.errors import exit_code_for
 from nodectl.runs import RunState
@@ -55,7 +56,7 @@ def _rank_state(rank: RankState, answer: PollAnswer, stall_after: float) -> dict
 
 @click.command("status")
 @run_option
-@click.option("--stall-after", type=click.FloatRange(min=0), default=300.0, show_default=True,
+@click.option("--stall-after", type=Seconds(min=0), default=300.0, show_default=True,
               help="Call a live rank stalled when its heartbeat is older than this (seconds).")
 @click.pass_obj
 def command(app: AppContext, run_id: str | None, stall_after: float) -> None:

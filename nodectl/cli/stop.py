@@ -8,6 +8,7 @@ import click
 from rich.markup import escape
 
 from nodectl.cli.context import AppContext
+from nodectl.cli.options import Seconds
 from nodectl.cli.runs_cmds import opened, run_option
 from nodectl.errors import exit_code_for
 from nodectl.runs import RunState
@@ -16,7 +17,7 @@ from nodectl.watch import stop_nodes
 
 @click.command("stop")
 @run_option
-@click.option("--grace", type=click.FloatRange(min=0), default=10.0, show_default=True,
+@click.option("--grace", type=Seconds(min=0), default=10.0, show_default=True,
               help="Seconds between SIGTERM and SIGKILL.")
 @click.pass_obj
 def command(app: AppContext, run_id: str | None, grace: float) -> None:

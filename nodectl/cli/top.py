@@ -10,6 +10,7 @@ from rich.live import Live
 from rich.table import Table
 
 from nodectl.cli.context import AppContext
+from nodectl.cli.options import Seconds
 from nodectl.cli.runs_cmds import opened, refresh_state, run_option
 from nodectl.cli.status import rank_rows
 from nodectl.runs import FINAL_STATES, Run
@@ -76,10 +77,10 @@ def render(snap: dict) -> Table:
 
 @click.command("top")
 @run_option
-@click.option("--interval", type=click.FloatRange(min=0.5), default=2.0, show_default=True,
+@click.option("--interval", type=Seconds(min=0.5), default=2.0, show_default=True,
               help="Seconds between updates.")
 @click.option("--once", is_flag=True, help="Print one table (or, with --json, one document) and exit.")
-@click.option("--stall-after", type=click.FloatRange(min=0), default=300.0, show_default=True,
+@click.option("--stall-after", type=Seconds(min=0), default=300.0, show_default=True,
               help="Call a live rank stalled when its heartbeat is older than this (seconds).")
 @click.pass_obj
 def command(app: AppContext, run_id: str | None, interval: float, once: bool, stall_after: float) -> None:

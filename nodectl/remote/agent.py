@@ -64,14 +64,17 @@ def _answer(node, command: str, result):
     none: AgentError when runctl said why it could not, AnswerError when the answer is not what `command`
     answers."""
     answer = last_json(result.stdout)
+    what = f"runctl {command}"
     if answer is None:
-        raise AgentError(explain_failure(node, f"`runctl {command}`", result))
+        raise AgentError(explain_failure(node, f"`{what}`", result), kind="exited", command=what,
+                         exit_code=result.exit_code, last_lines=_printable(result.tail(8)))
     if answer.get("error"):
-        raise AgentError(f"{node.name}: {_printable(answer['error'])}")
+        raise AgentError(f"{node.name}: {_printable(answer['error'])}", command=what, exit_code=result.exit_code)
     try:
         return answers.parse(command, answer)
     except answers.AnswerError as exc:
-        raise AgentError(f"{node.name} answered `runctl {command}` malformed: {exc}") from None
+        raise AgentError(f"{node.name} answered `{what}` malformed: {exc}", kind="malformed", command=what,
+                         exit_code=result.exit_code) from None
 
 
 def _printable(text) -> str:
@@ -134,7 +137,9 @@ def _install(transport: Transport, path: str, timeout: float) -> None:
                f"mv {quote_path(path)}.tmp$$ {quote_path(path)}")
     installed = transport.run(install, stdin=_runctl()[0], timeout=timeout)
     if not installed.ok:
-        raise AgentError(explain_failure(transport.node, "installing runctl", installed))
+        raise AgentError(explain_failure(transport.node, "installing runctl", installed), kind="exited",
+                         command="installing runctl", exit_code=installed.exit_code,
+                         last_lines=_printable(installed.tail(8)))
 
 
 def last_json(stdout: str) -> dict | None:

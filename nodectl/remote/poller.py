@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from nodectl.remote import agent
 from nodectl.runs import RunNode
-from nodectl.remote.transport import Cluster, CommandTimeout, NodeResult
+from nodectl.remote.transport import Cluster, CommandTimeout, NodeResult, failure_of
 
 
 @dataclass
@@ -56,10 +56,11 @@ class Poller:
                                    timeout=self.timeout)
                 result = NodeResult(run_node.node, value=value)
             except agent.AgentError as exc:  # the node answered, with an error
-                result = NodeResult(run_node.node, error=str(exc))
+                result = NodeResult(run_node.node, failure=failure_of(exc))
             except Exception as exc:  # Unreachable, CommandTimeout, a broken connection: this node's news only
-                result = NodeResult(run_node.node, error=str(exc) or exc.__class__.__name__,
-                                    unreachable=True)
+                failure = failure_of(exc)
+                result = NodeResult(run_node.node, failure=replace(failure, kind="unreachable",
+                                                                   message=failure.message or exc.__class__.__name__))
                 hung = isinstance(exc, CommandTimeout)
             seq += 1
             with self._lock:

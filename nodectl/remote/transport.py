@@ -57,7 +57,14 @@ class CommandResult:
 
 
 class NodeError(Exception):
-    """A node-side failure whose message is already written for the user (it names the node)."""
+    """A node-side failure whose message is already written for the user (it names the node). `kind`: "answered"
+    (a node-side helper said why it could not), "exited" (it ended without answering), "malformed" (its answer is
+    not what the command answers); with the command, its exit code and last lines where there are."""
+
+    def __init__(self, message: str, *, kind: str = "answered", command: str | None = None,
+                 exit_code: int | None = None, last_lines: str = "") -> None:
+        super().__init__(message)
+        self.kind, self.command, self.exit_code, self.last_lines = kind, command, exit_code, last_lines
 
 
 class Unreachable(Exception):
@@ -515,14 +522,50 @@ def make_transport(node: Node, options: TransportOptions) -> Transport:
     return LocalTransport(node, options) if node.is_local else SSHTransport(node, options)
 
 
+@dataclass(frozen=True)
+class NodeFailure:
+    """Why one node gave no value, as one type (invoke's UnexpectedExit, per node). `kind`: unreachable (connect,
+    authentication, host key, a dropped connection), timeout (the command outlived its limit), and NodeError's
+    answered, exited, malformed; internal for a bug of nodectl's."""
+
+    kind: str
+    message: str
+    command: str | None = None
+    exit_code: int | None = None
+    last_lines: str = ""
+
+    @property
+    def unreachable(self) -> bool:
+        return self.kind == "unreachable"
+
+
+def failure_of(exc: BaseException) -> NodeFailure:
+    """The one reading of an exception raised by one node's work."""
+    if isinstance(exc, Unreachable):
+        return NodeFailure("unreachable", str(exc))
+    if isinstance(exc, CommandTimeout):
+        return NodeFailure("timeout", str(exc) or "the command timed out")
+    if isinstance(exc, NodeError):
+        return NodeFailure(exc.kind, str(exc), exc.command, exc.exit_code, exc.last_lines)
+    return NodeFailure("internal", f"{exc.__class__.__name__}: {exc}")
+
+
 @dataclass
 class NodeResult(Generic[T]):
-    """The outcome of one node's share of a fan-out: a value, or why there is none."""
+    """The outcome of one node's share of a fan-out: a value, or why there is none (`failure`; `error` is its
+    message and `unreachable` whether the node could not be reached, for the many readers of those two)."""
 
     node: Node
     value: T | None = None
     error: str | None = None
     unreachable: bool = False
+    failure: NodeFailure | None = None
+
+    def __post_init__(self) -> None:
+        if self.failure is not None:
+            self.error, self.unreachable = self.failure.message, self.failure.unreachable
+        elif self.error is not None:
+            self.failure = NodeFailure("unreachable" if self.unreachable else "answered", self.error)
 
     @property
     def ok(self) -> bool:
@@ -554,12 +597,8 @@ class Cluster:
         def one(node: Node) -> NodeResult[T]:
             try:
                 result = NodeResult(node, value=work(self.transports[node.name]))
-            except Unreachable as exc:
-                result = NodeResult(node, error=str(exc), unreachable=True)
-            except (CommandTimeout, NodeError) as exc:
-                result = NodeResult(node, error=str(exc))
             except Exception as exc:  # one node's surprise must not take the others' results with it
-                result = NodeResult(node, error=f"{exc.__class__.__name__}: {exc}")
+                result = NodeResult(node, failure=failure_of(exc))
             if on_done:
                 on_done(result)
             return result

@@ -182,3 +182,25 @@ def _shape(value, prefix: str = "") -> set[str]:
         else:
             out |= _shape(inner, path)
     return out
+
+
+def test_a_node_failure_is_one_type_with_its_kind_command_exit_code_and_last_lines(tmp_path):
+    """What invoke's UnexpectedExit gives per command, nodectl gives per node: a helper that could not run, one
+    that answered why it could not, and a node that could not be reached, told apart by `kind`."""
+    missing = parse_inventory(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
+                              f"python: /no/such/python3, workdir: {tmp_path / 'w'}}}\n")
+    with Cluster(missing.nodes, TransportOptions()) as cluster:
+        [result] = cluster.fan_out(lambda t: agent.call(t, "port", "0"))
+    assert not result.ok and not result.unreachable
+    failure = result.failure
+    assert failure.kind == "exited" and failure.command == "runctl port" and failure.exit_code == 127
+    assert "not found" in failure.last_lines and "/no/such/python3" in failure.message
+    fine = parse_inventory(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
+                           f"python: {sys.executable}, workdir: {tmp_path / 'w2'}}}\n")
+    with Cluster(fine.nodes, TransportOptions()) as cluster:
+        [answered] = cluster.fan_out(lambda t: agent.call(t, "stop", str(tmp_path / "no-run")))
+    assert answered.failure.kind == "answered" and "no run at" in answered.error and not answered.unreachable
+    gone = parse_inventory("nodes:\n  - {host: 127.0.0.1, port: 1, name: gone, device: cpu}\n")
+    with Cluster(gone.nodes, TransportOptions(connect_timeout=2)) as cluster:
+        [far] = cluster.fan_out(lambda t: agent.call(t, "port", "0"))
+    assert far.failure.kind == "unreachable" and far.unreachable

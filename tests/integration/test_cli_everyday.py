@@ -41,6 +41,8 @@ def test_global_options_work_after_the_command_but_not_inside_the_users_argument
     (["--set", "train.steps=0"], "recipe error: train.steps: expected a positive integer"),
     (["--set", "steps=3"], "expected section.key=value"),
     (["--config", "hosts.yaml"], "recipe error: nodes: unknown section"),
+    (["--set", "train.lr=nan"], "recipe error: train.lr: expected a finite number"),
+    (["--set", "train.checkpoint_minutes=-1"], "recipe error: train.checkpoint_minutes"),
 ])
 def test_a_bad_recipe_is_refused_before_any_node_is_touched(project, args, message):
     """hosts.yaml names a node that never answers: reaching for it would take the connect timeout and exit 3."""
@@ -229,3 +231,14 @@ def test_everyday_honesty_a_users_script_its_outputs_stop_and_status(project):
     (project / "hosts.yaml").unlink()
     nothing = run_nodectl(["launch", "--dry-run", "--", "train.py"], env=env, cwd=project)
     assert nothing.exit_code == 0 and "using this machine" in nothing.stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--connect-timeout", "nan", "status"], "not a finite number of seconds"),
+    (["--connect-timeout", "inf", "status"], "not a finite number of seconds"),
+    (["stop", "--grace", "nan"], "not a finite number of seconds"),
+    (["preflight", "--quick", "--full"], "--quick and --full"),
+])
+def test_options_that_cannot_mean_anything_are_usage_errors(project, args, words):
+    result = run_nodectl(args, env=env_for(project), cwd=project)
+    assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.stderr, result.stderr
