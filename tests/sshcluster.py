@@ -16,6 +16,7 @@ import os
 import pwd
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -263,10 +264,19 @@ class SSHCluster:
         return subprocess.Popen(argv, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
 
     def stop_node(self, index: int) -> None:
+        """The node's sshd goes down with its sessions (`sshd: root@notty`, one per open connection, which
+        outlive the listener otherwise); what was started on the node keeps running, as on a machine whose sshd
+        died."""
         proc = self.nodes[index].process
         if proc and proc.poll() is None:
+            sessions = _sshd_sessions_under(proc.pid)
             proc.terminate()
             proc.wait(5)
+            for pid in sessions:
+                try:
+                    os.kill(pid, signal.SIGTERM)
+                except OSError:
+                    pass
 
     def restart_node(self, index: int) -> None:
         self.nodes[index].process = self._sshd(self.nodes[index])
@@ -342,3 +352,25 @@ class SSHCluster:
         argv = ["nsenter", "-t", str(node.process.pid), "-m", "--", "su", "-s", "/bin/sh", node.spec.user, "-c",
                 command]
         return subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+
+
+def _sshd_sessions_under(root: int) -> list[int]:
+    """The sshd processes below `root` (the per-connection ones of a listener)."""
+    parents, names = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            names[int(entry)] = stat[stat.index("(") + 1:stat.rindex(")")]
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, todo = [], [root]
+    while todo:
+        current = todo.pop()
+        for pid, parent in parents.items():
+            if parent == current:
+                todo.append(pid)
+                if names.get(pid) == "sshd":
+                    found.append(pid)
+    return found
