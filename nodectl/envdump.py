@@ -35,10 +35,24 @@ def _volatile(key: str) -> bool:
 _VOLATILE_ENV = {"SSH_CLIENT", "SSH_CONNECTION", "PWD", "OLDPWD", "_", "SHLVL"}
 
 
+# What a training run depends on most comes first in --diff; the long tail of packages and environment last.
+FIRST = ("torch.", "gpus.driver", "gpus.cuda_driver", "python.version", "packages.torch", "packages.nvidia-nccl",
+         "os.kernel", "gpus.", "infiniband.")
+LAST = ("packages.", "env.")
+
+
+def _order(key: str) -> tuple[int, int, str]:
+    first = next((i for i, prefix in enumerate(FIRST) if key.startswith(prefix)), None)
+    if first is not None:
+        return 0, first, key
+    return (2 if key.startswith(LAST) else 1), 0, key
+
+
 def diff_reports(reports: Mapping[str, Mapping]) -> dict[str, dict[str, Any]]:
-    """{dotted key: {node: value}} for every key whose value is not the same on all nodes (missing counts)."""
+    """{dotted key: {node: value}} for every key whose value is not the same on all nodes (missing counts): the
+    versions a run depends on first (torch, driver, CUDA, NCCL, Python), packages and environment last."""
     flat = {node: flatten(report) for node, report in reports.items()}
-    keys = sorted(set().union(*(f.keys() for f in flat.values()))) if flat else []
+    keys = sorted(set().union(*(f.keys() for f in flat.values())), key=_order) if flat else []
     differing = {}
     for key in keys:
         if _volatile(key):

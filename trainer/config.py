@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from dataclasses import dataclass, field, fields
@@ -252,6 +253,9 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
         raise ConfigError(f"lora.expert_r: expected 0 (lora.r) or a positive rank, got {recipe.lora.expert_r}")
     if not 0 <= recipe.lora.dropout < 1:
         raise ConfigError(f"lora.dropout: expected 0 <= dropout < 1, got {recipe.lora.dropout}")
+    problem = _chat_without_template(recipe)
+    if problem:
+        raise ConfigError(problem)
     if not node_files:
         return
     import importlib.util
@@ -270,3 +274,31 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
                           f"folder is expected; nothing is downloaded)")
     if recipe.data.path != "demo" and not Path(os.path.expanduser(recipe.data.path)).is_file():
         raise ConfigError(f"data.path: {recipe.data.path} is not a file")
+
+
+def _chat_without_template(recipe: Recipe) -> str | None:
+    """Chat records for a model whose tokenizer has no chat template, where both can be read from here (on the
+    controller: a project's data file and a model folder it also has). Elsewhere the ranks find it."""
+    data = Path(os.path.expanduser(recipe.data.path))
+    if recipe.data.path == "demo" or recipe.model.path == "demo" or data.suffix != ".jsonl" or not data.is_file():
+        return None
+    try:
+        with open(data, encoding="utf-8") as handle:
+            first = next((line for line in handle if line.strip()), "")
+        if "messages" not in json.loads(first):
+            return None
+    except (OSError, ValueError, TypeError):
+        return None
+    folder = Path(os.path.expanduser(recipe.model.path))
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return None   # the model folder is on the nodes only
+    try:
+        has_template = bool(json.loads(config.read_text()).get("chat_template"))
+    except (OSError, ValueError, AttributeError):
+        return None
+    if has_template or (folder / "chat_template.jinja").is_file():
+        return None
+    return (f"data.path: {recipe.data.path} holds chat records ('messages'), but the tokenizer of "
+            f"{recipe.model.path} has no chat template (tokenizer_config.json's chat_template or chat_template.jinja);"
+            f" use a model that has one (model.path: demo has), or {{'prompt', 'response'}} records")

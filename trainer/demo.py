@@ -9,7 +9,12 @@ import string
 import time
 from pathlib import Path
 
-DEMO_VERSION = 1
+DEMO_VERSION = 2   # 2: the tokenizer has a chat template
+# Chat with `model.path: demo`: "role: text" lines, an assistant turn ending with the end-of-sequence token, in the
+# demo's own characters (lower-case letters, digits, " .:-" and newlines; any other character reads as <unk>).
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                 "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+                 "{% if add_generation_prompt %}assistant: {% endif %}")
 CHARS = string.ascii_lowercase + string.digits + " .:-\n"
 
 
@@ -38,6 +43,7 @@ def _write_tokenizer(folder: Path) -> None:
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", bos_token="<s>",
                                    eos_token="</s>", unk_token="<unk>")
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(folder)
 
 

@@ -192,8 +192,17 @@ def open_errors(conn, exc: BaseException, timeout: float) -> str | None:
         return (f"HOST KEY CHANGED for {name}: expected {fingerprint(exc.expected_key)}, got {fingerprint(exc.key)}. "
                 f"If the host was reinstalled, remove the old key with `ssh-keygen -R {shlex.quote(name)}` and "
                 f"connect again; otherwise do not connect")
-    if isinstance(exc, paramiko.AuthenticationException):
-        return f"authentication failed for {target}{via} ({exc}); check identity_file, ssh-agent and authorized_keys"
+    if isinstance(exc, FileNotFoundError) and exc.filename:
+        return (f"cannot log in to {target}{via}: the key file {exc.filename} does not exist; fix identity_file: in "
+                f"hosts.yaml (or ~/.ssh/config's IdentityFile)")
+    if isinstance(exc, paramiko.AuthenticationException) or (
+            isinstance(exc, paramiko.SSHException) and any(
+                words in str(exc) for words in ("No existing session", "No authentication methods available"))):
+        return f"authentication failed for {target}{via} ({_reason(exc)}); tried {_keys_tried(conn)}; the public " \
+               f"key must be in that user's ~/.ssh/authorized_keys on the node"
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+        return (f"cannot connect to {target}{via}: connection refused (nothing listens on port {conn.port} there: "
+                f"is sshd running, is port: right, does a firewall reject it?)")
     if isinstance(exc, (socket.timeout, TimeoutError)):
         return f"connection to {target}{via} timed out after {timeout:g}s"
     if isinstance(exc, socket.gaierror):
@@ -213,3 +222,22 @@ def _port_of(conn, exc) -> int | None:
             return int(hop.port)
         hop = hop.gateway if not isinstance(hop.gateway, str) else None
     return int(conn.port)
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc)
+    if "No existing session" in text or "No authentication methods available" in text:
+        return "no key was offered: none could be loaded"
+    return text or exc.__class__.__name__
+
+
+def _keys_tried(conn) -> str:
+    """Where paramiko looked for a key: the identity file(s), the agent, the default ~/.ssh/id_* files."""
+    files = conn.connect_kwargs.get("key_filename") or []
+    files = [files] if isinstance(files, str) else list(files)
+    shown = [f"{f}{'' if os.path.exists(os.path.expanduser(f)) else ' (missing)'}" for f in files]
+    agent = "ssh-agent" if os.environ.get("SSH_AUTH_SOCK") else "no ssh-agent (SSH_AUTH_SOCK unset)"
+    defaults = [p for p in ("~/.ssh/id_ed25519", "~/.ssh/id_ecdsa", "~/.ssh/id_rsa")
+                if os.path.exists(os.path.expanduser(p))]
+    return ", ".join(["identity_file " + ", ".join(shown) if shown else "no identity_file", agent,
+                      ("default keys " + ", ".join(defaults)) if defaults else "no ~/.ssh/id_* key"])

@@ -96,6 +96,7 @@ def test_wrong_port_and_refused_key_are_clear_exit_3(ssh_cluster, tmp_path):
     wrong_port = ssh_cluster.inventory(tmp_path / "port.yaml", count=1, port=2299)
     result = run_nodectl(["-i", str(wrong_port), "--connect-timeout", "3", "env-dump"], env=ssh_cluster.env())
     assert result.exit_code == 3 and f"{ssh_cluster.nodes[0].address}:2299" in result.stderr and "Traceback" not in result.output
+    assert "nothing listens on port 2299" in result.stderr and "Errno" not in result.stderr
 
     stranger = tmp_path / "stranger_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(stranger)], check=True)
@@ -106,3 +107,9 @@ def test_wrong_port_and_refused_key_are_clear_exit_3(ssh_cluster, tmp_path):
         (ssh_cluster.home / ".ssh" / "known_hosts").read_text())
     result = run_nodectl(["-i", str(refused), "env-dump"], env=env)
     assert result.exit_code == 3 and "authentication failed" in result.stderr and "authorized_keys" in result.stderr
+    assert f"identity_file {stranger}" in result.stderr and "no ssh-agent" in result.stderr
+
+    missing = ssh_cluster.inventory(tmp_path / "missing.yaml", count=1, identity_file=str(tmp_path / "no_such_key"))
+    result = run_nodectl(["-i", str(missing), "env-dump"], env=env)
+    assert result.exit_code == 3 and str(tmp_path / "no_such_key") in result.stderr, result.stderr
+    assert "No existing session" not in result.stderr and "Errno" not in result.stderr

@@ -242,3 +242,19 @@ def test_everyday_honesty_a_users_script_its_outputs_stop_and_status(project):
 def test_options_that_cannot_mean_anything_are_usage_errors(project, args, words):
     result = run_nodectl(args, env=env_for(project), cwd=project)
     assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_chat_records_for_a_model_without_a_template_are_refused_on_the_controller(project):
+    """Seen before any node is touched (the project has both files), not on every rank after the start."""
+    model = project / "plain-model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
+    (project / "chat.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                 {"role": "assistant", "content": "yo"}]}) + "\n")
+    result = run_nodectl(["launch", "--dry-run", "--set", f"model.path={model}", "--set", "data.path=chat.jsonl"],
+                         env=env_for(project), cwd=project)
+    assert result.exit_code == 2 and "has no chat template" in result.stderr, result.stderr
+    with_demo = run_nodectl(["launch", "--dry-run", "-i", "local.yaml", "--set", "data.path=chat.jsonl"],
+                            env=env_for(project), cwd=project)
+    assert with_demo.exit_code == 0, with_demo.stderr

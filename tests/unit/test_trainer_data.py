@@ -164,3 +164,17 @@ def test_a_node_tokenizes_once_while_its_other_ranks_wait(tmp_path, tokenizer):
     assert len({a["rows"] for a in answers}) == 1 and "packing:" in answers[0]["said"][1]
     path.write_text(path.read_text() + json.dumps({"text": "one more"}) + "\n")
     assert "(tokenized," in ranks(1)[0]["said"][0]
+
+
+def test_the_demo_model_takes_chat_records(tmp_path):
+    """`model.path: demo` with `data.path: my_chat.jsonl` works: the demo tokenizer has a chat template, and the
+    loss lands on the assistant's turns."""
+    from transformers import AutoTokenizer
+
+    demo = trainer_module("demo")
+    demo._write_tokenizer(tmp_path / "demo")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "demo")
+    example = data.encode({"messages": CONVERSATION}, tok)
+    shown = "".join(tok.convert_ids_to_tokens([t for t, label in zip(example.input_ids, example.labels)
+                                               if label != data.IGNORE]))
+    assert shown == "cba\n</s>ed\n</s>", shown   # each assistant turn and its end marker, nothing else
