@@ -16,6 +16,7 @@ from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge
 from nodectl.preflight.network import judge_collective, judge_pairs
 from nodectl.preflight.verdict import FAIL, WARN, CheckResult
 from nodectl.plan import visible_devices
+from nodectl.remote.answers import AnswerError, parse_gpu_job
 from nodectl.remote.probe_nodes import probe_nodes
 from nodectl.resources import resource_dir
 from nodectl.runs import private_folder, runs_root
@@ -78,9 +79,11 @@ def _gpu_job(transport: Transport) -> dict:
     prefix = f"CUDA_VISIBLE_DEVICES={shlex.quote(visible)} " if visible is not None else ""
     result = transport.run(f"{prefix}{quote_path(node.python)} -", stdin=source, timeout=300)
     try:
-        return json.loads(result.stdout.strip().splitlines()[-1])
+        return parse_gpu_job(json.loads(result.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
         return {"error": f"exit {result.exit_code}: {result.tail(3)}"}
+    except AnswerError as exc:
+        return {"error": str(exc)}
 
 
 def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], port: int | None,

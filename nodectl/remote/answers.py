@@ -264,3 +264,40 @@ def _convert(kind: Any, value: Any, where: str) -> Any:
 def _kind(value: Any) -> str:
     text = repr(value)
     return f"{type(value).__name__} {text[:40]}{'...' if len(text) > 40 else ''}"
+
+
+# The probe's report (launchers/probe.py) and the GPU job's answer (launchers/gpuhealth.py) stay JSON mappings: they
+# are stored as they came (preflight.json, env-dump) and judged by pure functions that read them by section. They
+# are parsed here once for their shape: each section an object (or, where it lists records, a list of objects;
+# a section whose facts could not be read is {"error": ...}), so a broken or hostile node is one node's error, not
+# a traceback in a check. The contract test keeps the key names of both sides in step.
+PROBE_OBJECTS = ("os", "cpu", "memory", "python", "torch", "packages", "gpus", "modules", "kernel_events", "limits",
+                 "disk", "env", "clock")
+PROBE_LISTS = ("nics", "infiniband")
+
+
+def parse_probe(raw: Any) -> dict:
+    if not isinstance(raw, Mapping):
+        raise AnswerError(f"the probe's report: expected an object, got {_kind(raw)}")
+    for section in PROBE_OBJECTS + PROBE_LISTS:
+        value = raw.get(section)
+        if value is None or (isinstance(value, Mapping) and (section in PROBE_OBJECTS or "error" in value)):
+            continue
+        if section in PROBE_LISTS and isinstance(value, list) and all(isinstance(v, Mapping) for v in value):
+            continue
+        raise AnswerError(f"the probe's report: `{section}`: expected "
+                          f"{'a list of objects' if section in PROBE_LISTS else 'an object'}, got {_kind(value)}")
+    devices = (raw.get("gpus") or {}).get("devices")
+    if devices is not None and not (isinstance(devices, list) and all(isinstance(d, Mapping) for d in devices)):
+        raise AnswerError(f"the probe's report: `gpus.devices`: expected a list of objects, got {_kind(devices)}")
+    return dict(raw)
+
+
+def parse_gpu_job(raw: Any) -> dict:
+    if not isinstance(raw, Mapping):
+        raise AnswerError(f"the GPU job's answer: expected an object, got {_kind(raw)}")
+    for key in ("devices", "pairs"):
+        value = raw.get(key)
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, Mapping) for v in value)):
+            raise AnswerError(f"the GPU job's answer: `{key}`: expected a list of objects, got {_kind(value)}")
+    return dict(raw)

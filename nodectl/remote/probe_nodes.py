@@ -7,6 +7,7 @@ import time
 from typing import Iterable, Mapping
 
 from nodectl.remote.agent import classify_failure
+from nodectl.remote.answers import AnswerError, parse_probe
 from nodectl.inventory import Node
 from nodectl.resources import resource_dir
 from nodectl.remote.transport import Cluster, NodeResult, Transport, quote_path
@@ -42,9 +43,11 @@ def run_probe(transport: Transport, source: str | None = None, import_torch: boo
         check, message = classify_failure(node, f"the probe `{command}`", result)
         raise ProbeFailed(message, check)
     try:
-        report = json.loads(result.stdout.strip().splitlines()[-1])
+        report = parse_probe(json.loads(result.stdout.strip().splitlines()[-1]))
     except (ValueError, IndexError):
         raise ProbeFailed(f"probe on {node.name} printed no report: {result.tail(5)}") from None
+    except AnswerError as exc:
+        raise ProbeFailed(f"probe on {node.name} answered malformed: {exc}") from None
     report.setdefault("clock", {})
     if isinstance(report["clock"].get("time"), (int, float)):
         # The node read its clock somewhere inside [before, after]; its start-up (imports) sits before that

@@ -204,3 +204,20 @@ def test_a_node_failure_is_one_type_with_its_kind_command_exit_code_and_last_lin
     with Cluster(gone.nodes, TransportOptions(connect_timeout=2)) as cluster:
         [far] = cluster.fan_out(lambda t: agent.call(t, "port", "0"))
     assert far.failure.kind == "unreachable" and far.unreachable
+
+
+@pytest.mark.parametrize("saved", ["cpu-node.json", "h200.json"])
+def test_reports_saved_from_real_nodes_parse_and_broken_shapes_are_named(saved):
+    report = json.loads((SAVED / saved).read_text())
+    assert answers.parse_probe(report) == report
+    for section, bad, words in (("gpus", ["x"], "`gpus`: expected an object"),
+                                ("nics", {"eth0": "up"}, "`nics`: expected a list of objects"),
+                                ("disk", "full", "`disk`: expected an object")):
+        with pytest.raises(answers.AnswerError, match=words):
+            answers.parse_probe({**report, section: bad})
+    assert answers.parse_probe({**report, "infiniband": {"error": "no /sys/class/infiniband"}})
+    with pytest.raises(answers.AnswerError, match="gpus.devices"):
+        answers.parse_probe({**report, "gpus": {"available": True, "devices": "all of them"}})
+    assert answers.parse_gpu_job({"devices": [{"index": 0}], "pairs": []})
+    with pytest.raises(answers.AnswerError, match="`pairs`"):
+        answers.parse_gpu_job({"devices": [], "pairs": "none"})
