@@ -114,6 +114,8 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
     if max_restarts and detach:
         raise UsageError("--max-restarts needs an attached launch: nodectl itself watches the run and restarts it "
                          "(drop --detach)")
+    if resume_run is not None and not resume_run.strip():
+        raise UsageError("--resume: an empty run id (nodectl runs lists them)")
     if resume_run:
         previous, inventory, gpus, command, config, sync_dir, max_restarts, overrides = _resume_args(
             app, resume_run, command, config, max_restarts, overrides)

@@ -474,6 +474,16 @@ def _send(channel, data: bytes, stall: float) -> None:
             select.select([], [channel], [], 0.05)
 
 
+OUTPUT_KEPT = 32 << 20   # per stream and command: what a node prints beyond this, its oldest part is dropped
+
+
+def _keep_tail(buffer: bytearray) -> None:
+    """A node that prints without end (a hostile one printed 1 GB before its JSON) costs bounded memory: the
+    newest OUTPUT_KEPT bytes are kept, where the answer (the last JSON line) and the last lines are."""
+    if len(buffer) > 2 * OUTPUT_KEPT:
+        del buffer[:len(buffer) - OUTPUT_KEPT]
+
+
 def _finish(channel, limit: float) -> tuple[int, str, str]:
     out, err = bytearray(), bytearray()
     deadline = time.monotonic() + limit
@@ -481,11 +491,14 @@ def _finish(channel, limit: float) -> tuple[int, str, str]:
                and not channel.recv_ready() and not channel.recv_stderr_ready()):
         while channel.recv_ready():
             out += channel.recv(1 << 16)
+            _keep_tail(out)
         while channel.recv_stderr_ready():
             err += channel.recv_stderr(1 << 16)
+            _keep_tail(err)
         if time.monotonic() > deadline:
             raise CommandTimeout(f"no answer within {limit:g}s")
         select.select([channel], [], [], 0.05)
+    del out[:max(0, len(out) - OUTPUT_KEPT)], err[:max(0, len(err) - OUTPUT_KEPT)]
     return channel.recv_exit_status(), out.decode(errors="replace"), err.decode(errors="replace")
 
 

@@ -238,6 +238,7 @@ def test_everyday_honesty_a_users_script_its_outputs_stop_and_status(project):
     (["--connect-timeout", "inf", "status"], "not a finite number of seconds"),
     (["stop", "--grace", "nan"], "not a finite number of seconds"),
     (["preflight", "--quick", "--full"], "--quick and --full"),
+    (["launch", "--resume", "", "--dry-run"], "--resume: an empty run id"),
 ])
 def test_options_that_cannot_mean_anything_are_usage_errors(project, args, words):
     result = run_nodectl(args, env=env_for(project), cwd=project)

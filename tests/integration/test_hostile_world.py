@@ -122,3 +122,19 @@ def test_a_child_that_sheds_the_runs_environment_does_not_survive_stop(tmp_path)
                 os.kill(pid, 9)
             except OSError:
                 pass
+
+
+def test_a_node_that_floods_before_its_answer_costs_bounded_memory(ssh_cluster, tmp_path, monkeypatch):
+    """A compromised node printed 1 GB before its JSON and drove `status` to 3 GB. What is kept of a command's
+    output is bounded (its newest part, where the answer is), and the answer is still read."""
+    from nodectl.inventory import load_inventory
+
+    for key, value in ssh_cluster.env().items():
+        monkeypatch.setenv(key, value)
+    inventory = load_inventory(ssh_cluster.inventory(tmp_path / "one.yaml", count=1))
+    with Cluster(inventory.nodes, TransportOptions()) as cluster:
+        transport = cluster.transport(inventory.nodes[0])
+        result = transport.run("head -c 300000000 /dev/zero | tr '\\0' x; echo; echo '{\"answer\": 42}'",
+                               timeout=300)
+    assert agent.last_json(result.stdout) == {"answer": 42}
+    assert len(result.stdout) <= 33 << 20
