@@ -31,3 +31,10 @@ def torchrun(nproc: int, out: Path, demo_cache: Path, *sets: str, timeout: float
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def demo_folder(demo_cache: Path) -> Path:
+    """Where the trainer builds its demo model and data under NODECTL_DEMO_CACHE (versioned by the trainer)."""
+    from trainer_import import trainer_module
+
+    return demo_cache / f"demo-v{trainer_module('demo').DEMO_VERSION}"

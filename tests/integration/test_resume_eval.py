@@ -10,7 +10,7 @@ import torch
 
 from conftest import run_nodectl
 from launch_helpers import kill_leftovers, wait_for
-from trainer_helpers import torchrun
+from trainer_helpers import demo_folder, torchrun
 from trainer_import import trainer_module
 
 pytestmark = pytest.mark.slow
@@ -149,9 +149,9 @@ def test_eval_subset_is_fixed_and_eval_loss_matches_one_process(tmp_path, demo_c
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     data, evaluate = trainer_module("data"), trainer_module("evaluate")
-    model_dir = demo_cache / "demo-v1" / "model"
+    model_dir = demo_folder(demo_cache) / "model"
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    examples = data.load_examples(demo_cache / "demo-v1" / "train.jsonl", tokenizer, 64, False)
+    examples = data.load_examples(demo_folder(demo_cache) / "train.jsonl", tokenizer, 64, False)
     _, held = evaluate.split(examples, 200, 0)
     subset = evaluate.eval_subset(held, 24, 0)
     assert subset == evaluate.eval_subset(held, 24, 0)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_nodectl
-from trainer_helpers import metrics, torchrun
+from trainer_helpers import demo_folder, metrics, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -32,14 +32,14 @@ def test_two_ranks_learn_and_the_adapter_reloads_with_peft(tmp_path, demo_cache)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(demo_cache / "demo-v1" / "model", dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(demo_folder(demo_cache) / "model", dtype=torch.float32)
     model = PeftModel.from_pretrained(base, str(adapter)).eval()
     probe = torch.load(out / "probe.pt")
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     mask = probe["attention_mask"].bool()
     torch.testing.assert_close(logits[mask], probe["logits"][mask], rtol=1e-4, atol=1e-4)
-    untrained = AutoModelForCausalLM.from_pretrained(demo_cache / "demo-v1" / "model", dtype=torch.float32)
+    untrained = AutoModelForCausalLM.from_pretrained(demo_folder(demo_cache) / "model", dtype=torch.float32)
     with torch.no_grad():
         before = untrained(input_ids=probe["input_ids"], attention_mask=probe["attention_mask"]).logits
     assert not torch.allclose(before[mask], probe["logits"][mask], atol=1e-2)  # the adapter changed something
