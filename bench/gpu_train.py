@@ -74,7 +74,8 @@ def nodectl_part(name: str, nodes: int, gpus: int, steps: int, args, work: Path,
     runs = sorted(p for p in (project / "runs").iterdir() if not p.name.startswith(".")) if (project / "runs").is_dir() else []
     if not runs:
         return {"exit": code}
-    node0 = Path(env["HOME"]) / ".nodectl" / "local" / "runs" / runs[-1].name / "local0" / "output"
+    run_dir = Path(env["HOME"]) / ".nodectl" / "local" / "runs" / runs[-1].name
+    node0 = run_dir / "local0" / "output" if (run_dir / "local0").is_dir() else run_dir / "output"  # one node: no subfolder
     records = jsonl(node0 / "metrics.jsonl")
     summary = json.loads((node0 / "summary.json").read_text()) if (node0 / "summary.json").exists() else {}
     steps = [r for r in records if "loss" in r and "tokens_per_s_per_gpu" in r]

@@ -25,12 +25,25 @@ def write_atomic(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _request_fifo(path: str) -> str:
+    """The FIFO that `nodectl diagnose` writes to and the listener in the rank (lib/sitecustomize.py) reads;
+    "" (no listener) where it cannot be made."""
+    try:
+        if os.path.lexists(path):
+            os.unlink(path)
+        os.mkfifo(path, 0o600)
+        return path
+    except OSError:
+        return ""
+
+
 def main() -> int:
     run_dir, rank = os.environ["NODECTL_RUN_DIR"], os.environ["RANK"]
     env = dict(os.environ, NODECTL_STACK_FILE=f"{run_dir}/stacks/rank{rank}.txt",
                NODECTL_METRICS=f"{run_dir}/metrics/rank{rank}.jsonl")
     lib = os.path.dirname(os.path.abspath(__file__))  # nodectl_metrics.py, after the program's own paths
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), lib) if p)
+    env["NODECTL_RANK_HELPER"] = _request_fifo(f"{run_dir}/flight/rank{rank}.request")
     exit_file = f"{run_dir}/state/rank{rank}.exit"
     if os.path.exists(exit_file):  # torchrun restarted this rank (--max-restarts): keep the earlier exit aside
         os.replace(exit_file, f"{exit_file}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', 'prev')}")

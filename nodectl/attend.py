@@ -57,7 +57,16 @@ class AttemptRecorded:
     nnodes: int
 
 
-Event = Stopping | NotAnswering | Restarting | CheckingNodes | LeavingOut | AttemptRecorded
+@dataclass(frozen=True)
+class Diagnosed:
+    """A rank stalled: why, across every rank (nodectl/diagnose/), before the run is stopped or while it is kept."""
+    failure: Failure
+    diagnosis: object       # nodectl.diagnose.gather.Diagnosis, or None when gathering it failed
+    kept: bool              # --on-stall keep: the run goes on
+    error: str = ""
+
+
+Event = Stopping | NotAnswering | Restarting | CheckingNodes | LeavingOut | AttemptRecorded | Diagnosed
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,7 @@ class Outcome:
 
 
 def attend(job: Job, run: Run, cluster: Cluster, *, grace: float, connect_timeout: float,
-           stall_after: float | None = None, exclude_failed: bool = False,
+           stall_after: float | None = None, keep_stalled: bool = False, exclude_failed: bool = False,
            stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
            notify: Callable[[Event], None] = lambda event: None, progress: Progress = no_progress) -> Outcome:
     """Watch the started `job` until it succeeds, or fails with no restart left (`plan.max_restarts`). A
@@ -76,7 +85,7 @@ def attend(job: Job, run: Run, cluster: Cluster, *, grace: float, connect_timeou
     restarts_left = job.plan.max_restarts
     while True:
         failure = watch(run, cluster, grace=grace, lost_after=connect_timeout + 5, stall_after=stall_after,
-                        stream_for=stream_for, notify=notify, progress=progress)
+                        keep_stalled=keep_stalled, stream_for=stream_for, notify=notify, progress=progress)
         if failure is None or not restarts_left:
             return Outcome(job, run, failure)
         restarts_left -= 1
@@ -93,14 +102,24 @@ def attend(job: Job, run: Run, cluster: Cluster, *, grace: float, connect_timeou
 
 
 def watch(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_after: float | None = None,
+          keep_stalled: bool = False,
           stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
           notify: Callable[[Event], None] = lambda event: None, progress: Progress = no_progress) -> Failure | None:
     """Follow the run to its end: None when it succeeded, else its first failure (the run stopped everywhere,
-    the failing rank's last lines kept)."""
+    the failing rank's last lines kept). A stall is diagnosed first; with `keep_stalled` the run goes on."""
     run_nodes = run.nodes()
     stream = stream_for(run_nodes)
+    verdicts: list[dict] = []
+
+    def stalled(failure: Failure) -> bool:
+        if stream:
+            stream.flush()
+        verdicts.append(_diagnose_stall(run, cluster, failure, keep_stalled, notify))
+        return not keep_stalled
+
     try:
-        outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=lost_after, stall_after=stall_after)
+        outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=lost_after, stall_after=stall_after,
+                                        on_stall=stalled)
     finally:
         if stream:
             stream.flush()
@@ -110,6 +129,8 @@ def watch(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_
     notify(Stopping(failure))
     record = {"kind": failure.kind, "node": failure.node, "rank": failure.rank, "code": failure.code,
               "detail": failure.detail, "description": failure.describe()}
+    if verdicts and verdicts[-1]:
+        record["diagnosis"] = verdicts[-1]
     stopped = stop_run(run, cluster, grace, RunState.FAILED, progress=progress, failure=record)
     for name, result in stopped.items():
         if not result.ok:
@@ -117,6 +138,20 @@ def watch(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_
     failure.last_lines = failure_lines(cluster, run_nodes, failure)
     failure.processes_left = {name: r.value.left for name, r in stopped.items() if r.ok}
     return failure
+
+
+def _diagnose_stall(run: Run, cluster: Cluster, failure: Failure, kept: bool, notify) -> dict:
+    """The diagnosis of a stall, told as an event; its verdict for the manifest ({} when it could not be made:
+    the stop must go on whatever happened here)."""
+    from nodectl.diagnose.gather import diagnose
+
+    try:
+        diagnosis = diagnose(run, cluster)
+    except Exception as exc:  # noqa: BLE001 - a broken diagnosis must not keep a stalled run from being stopped
+        notify(Diagnosed(failure, None, kept, f"{type(exc).__name__}: {exc}"))
+        return {}
+    notify(Diagnosed(failure, diagnosis, kept))
+    return {**diagnosis.verdict.to_json(), "folder": str(diagnosis.folder)}
 
 
 def _passing_nodes(job: Job, failure: Failure, cluster: Cluster, connect_timeout: float, notify,

@@ -4,6 +4,7 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from rich.markup import escape
 
@@ -225,15 +226,18 @@ class LogStream:
 
 
 def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream | None, *, interval: float = 1.0,
-                 lost_after: float = 15.0, stall_after: float | None = None) -> tuple[RunState, Failure | None]:
+                 lost_after: float = 15.0, stall_after: float | None = None,
+                 on_stall: Callable[[Failure], bool] | None = None) -> tuple[RunState, Failure | None]:
     """Watch until the run succeeds (SUCCEEDED) or something fails (FAILED with the first failure).
 
     Every node is polled by a thread of its own (nodectl/remote/poller.py) and decisions use each node's latest answer,
     so a node whose commands hang never delays what the others report; a node that has not answered properly
-    for `lost_after` seconds (unreachable, erroring, or hanging) is lost."""
+    for `lost_after` seconds (unreachable, erroring, or hanging) is lost. A stall is told to `on_stall` first
+    (once per stalled rank and step), which says whether it ends the watch (True) or the run is kept."""
     offsets = (lambda: dict(stream.offsets)) if stream else dict
     seen: dict[str, int] = {}
     last_good: dict[str, float] = {}
+    stalls = StallWatch(stall_after)
     with Poller(cluster, run_nodes, offsets, interval, timeout=lost_after) as poller:
         while True:
             time.sleep(interval)
@@ -245,21 +249,26 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
                     last_good[name] = a.at
             if stream:
                 stream.feed(fresh)
-            outcome = _judge({name: a.result for name, a in answers.items()}, len(run_nodes), stall_after)
+            latest = {name: a.result for name, a in answers.items()}
+            outcome = _judge(latest, len(run_nodes))
+            if outcome is None:
+                stall = stalls.check(latest)
+                if stall and (on_stall is None or on_stall(stall)):
+                    outcome = stall
             if outcome is None:
                 outcome = _lost_node(run_nodes, answers, last_good, poller.started, lost_after)
             if outcome:
                 return (RunState.FAILED, outcome) if isinstance(outcome, Failure) else (RunState.SUCCEEDED, None)
 
 
-def _judge(states: dict[str, NodeResult], nodes: int, stall_after) -> Failure | str | None:
+def _judge(states: dict[str, NodeResult], nodes: int) -> Failure | str | None:
     """The first failure in the latest answers, "succeeded" when every node says so, else None."""
     failures = rank_failures(states)
     if failures:
         return failures[0]
-    for check in (_stalled_rank(states, stall_after), _vanished(states)):
-        if check:
-            return check
+    vanished = _vanished(states)
+    if vanished:
+        return vanished
     return "succeeded" if len(states) == nodes and finished_ok(states) else None
 
 
@@ -281,16 +290,40 @@ def _lost_node(run_nodes: list[RunNode], answers: dict, last_good: dict[str, flo
     return None
 
 
-def _stalled_rank(states, stall_after: float | None) -> Failure | None:
-    if not stall_after:
+@dataclass
+class StallWatch:
+    """A live rank stalls when its heartbeat is older than `stall_after`; a rank that writes none (a script not
+    written for nodectl) when its log has not grown for that long after its first line. Each stall (rank and
+    step, or log size) is told once."""
+
+    stall_after: float | None
+    grew: dict[int, tuple[int, float]] = field(default_factory=dict)   # rank -> (log size, when it last changed)
+    told: set = field(default_factory=set)
+
+    def check(self, states: dict[str, NodeResult]) -> Failure | None:
+        if not self.stall_after:
+            return None
+        now = time.monotonic()
+        for name, result in states.items():
+            for rank in (result.value.ranks if result.ok else ()):
+                if not rank.alive:
+                    continue
+                size, since = self.grew.get(rank.rank, (None, now))
+                if size != rank.log_size:
+                    self.grew[rank.rank] = (rank.log_size, now)
+                    since = now
+                if rank.heartbeat_age is not None:
+                    age, why = rank.heartbeat_age, f"no heartbeat for {rank.heartbeat_age:.0f}s (last step {rank.step})"
+                elif not rank.log_size:
+                    continue   # no line yet: still starting (imports, model loading), never a stall
+                else:
+                    age = now - since
+                    why = f"no heartbeat (the script writes none) and no output for {age:.0f}s"
+                key = (rank.rank, rank.step if rank.heartbeat_age is not None else size)
+                if age > self.stall_after and key not in self.told:
+                    self.told.add(key)
+                    return Failure("stalled", name, rank.rank, detail=why, time=time.time())
         return None
-    for name, result in states.items():
-        for rank in (result.value.ranks if result.ok else ()):
-            age = rank.heartbeat_age
-            if rank.alive and age is not None and age > stall_after:
-                return Failure("stalled", name, rank.rank, detail=f"no heartbeat for {age:.0f}s (last step "
-                                                                  f"{rank.step})", time=time.time())
-    return None
 
 
 def _vanished(states) -> Failure | None:

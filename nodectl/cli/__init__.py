@@ -151,10 +151,11 @@ def run() -> None:
 
 
 def _register() -> None:
-    from nodectl.cli import (collect, env_dump, exec_cmd, launch, preflight, report, runs, stacks, status, stop,
-                             tail, top)
+    from nodectl.cli import (collect, diagnose, env_dump, exec_cmd, launch, preflight, report, runs, stacks, status,
+                             stop, tail, top)
 
-    for module in (preflight, env_dump, launch, exec_cmd, tail, status, top, stacks, stop, collect, runs, report):
+    for module in (preflight, env_dump, launch, exec_cmd, tail, status, top, stacks, diagnose, stop, collect, runs,
+                   report):
         main.add_command(module.command)
 
 

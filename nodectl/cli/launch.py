@@ -15,6 +15,7 @@ from rich.syntax import Syntax
 from nodectl import attend
 from nodectl.remote import sync
 from nodectl.cli.context import AppContext
+from nodectl.cli.diagnose import print_diagnosis
 from nodectl.cli.options import Seconds, node_selection
 from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, ignore_signals_while_cleaning
 from nodectl.inventory import MAX_RANKS_PER_NODE
@@ -97,7 +98,12 @@ def _print_dry_run(app: AppContext, job: Job, unsettled: list[str]) -> None:
               help="With --max-restarts: before each restart, run the quick preflight on the run's nodes and "
                    "leave out the ones that fail it or are lost; the run goes on with the rest.")
 @click.option("--stall-after", type=Seconds(min=1), default=None,
-              help="Stop the run when a live rank's heartbeat is older than this many seconds.")
+              help="A live rank whose heartbeat is older than this many seconds (or, for a script that writes "
+                   "none, whose log has not grown for that long) stalls: the run is diagnosed (nodectl diagnose) "
+                   "and stopped.")
+@click.option("--on-stall", type=click.Choice(["stop", "keep"]), default="stop", show_default=True,
+              help="With --stall-after: after the diagnosis, stop the run, or keep it running (to attach a "
+                   "debugger, or wait it out).")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override one value of the built-in trainer's recipe (repeatable), e.g. --set train.steps=200.")
 @click.option("--resume", "resume_run", metavar="RUN",
@@ -105,12 +111,17 @@ def _print_dry_run(app: AppContext, job: Job, unsettled: list[str]) -> None:
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit, template, dry_run, skip_preflight,
-            detach, follow, grace, max_restarts, exclude_failed, stall_after, overrides, resume_run,
+            detach, follow, grace, max_restarts, exclude_failed, stall_after, on_stall, overrides, resume_run,
             command) -> None:
     """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
     previous = None
     if exclude_failed and not max_restarts:
         raise UsageError("--exclude-failed decides which nodes a restart uses: give --max-restarts N too")
+    if on_stall == "keep" and not stall_after:
+        raise UsageError("--on-stall keep says what to do with a stall: give --stall-after SECONDS too")
+    if stall_after and detach:
+        raise UsageError("--stall-after needs an attached launch: nodectl itself watches the heartbeats (on a "
+                         "detached run, `nodectl status --stall-after S` and `nodectl diagnose`)")
     if max_restarts and detach:
         raise UsageError("--max-restarts needs an attached launch: nodectl itself watches the run and restarts it "
                          "(drop --detach)")
@@ -168,6 +179,7 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
                 _detached(app, run, job)
                 return
             outcome = attend.attend(job, run, cluster, grace=grace, stall_after=stall_after,
+                                    keep_stalled=on_stall == "keep",
                                     connect_timeout=app.transport_options.connect_timeout,
                                     exclude_failed=exclude_failed, stream_for=_stream_maker(app, follow),
                                     notify=_printer(app), progress=app.node_progress)
@@ -234,6 +246,15 @@ def _printer(app: AppContext):
             app.info(f"checking the {event.count} node(s) of run {event.run_id} before the restart (quick preflight)")
         elif isinstance(event, attend.LeavingOut):
             app.err.print(f"[yellow]leaving out {escape(event.node)}[/]: {escape(event.why)}")
+        elif isinstance(event, attend.Diagnosed):
+            app.err.print(f"[red]{escape(event.failure.describe())}[/]; diagnosing every rank")
+            if event.diagnosis is None:
+                app.err.print(f"the diagnosis failed: {escape(event.error)}")
+            else:
+                print_diagnosis(app, event.diagnosis, console=app.err)
+            if event.kept:
+                app.err.print(f"--on-stall keep: run {event.diagnosis.run_id if event.diagnosis else ''} goes on; "
+                              f"stop it with Ctrl-C or nodectl stop")
         elif isinstance(event, attend.AttemptRecorded):
             app.info(f"run {event.run_id}: attempt {event.attempt} on {event.nnodes} node(s)")
     return show

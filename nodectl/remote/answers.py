@@ -112,6 +112,37 @@ class StacksAnswer:
 
 
 @dataclass(frozen=True)
+class CpuUse:
+    percent: float                     # of one core, over `seconds`
+    threads: dict[str, float] = field(default_factory=dict)   # the busiest threads by id
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class RankDump(RankState):
+    """One rank as `diagnose` saw it. `listener` is what the rank's own listener (launchers/sitecustomize.py)
+    answered from inside the process: stacks and flight recorder, kept as a mapping and read by
+    nodectl/diagnose/flight.py, which checks each part's shape itself."""
+
+    log_tail: str = ""
+    cpu: CpuUse | None = None
+    main_state: str | None = None      # R running, S sleeping, D in I/O (the main thread's)
+    listener: dict | None = None
+    listener_error: str | None = None
+    stack: Stack | None = None         # py-spy or faulthandler, for a rank without a listener
+
+
+@dataclass(frozen=True)
+class DiagnoseAnswer:
+    now: float
+    node_rank: int
+    ranks: dict[str, RankDump]
+    launcher_exit: ExitRecord | None = None
+    gpu_sample: GpuSample | None = None
+    timeout_dumps: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class PackAnswer:
     archive: str
     entries: int
@@ -188,7 +219,7 @@ ANSWERS: dict[str, type] = {
     "poll": PollAnswer, "tail": TailAnswer, "stop": StopAnswer, "stacks": StacksAnswer, "pack": PackAnswer,
     "port": PortAnswer, "prepare": PrepareAnswer, "start": StartAnswer, "have": HaveAnswer,
     "identity": IdentityAnswer, "receive": ReceiveAnswer, "listen": ListenAnswer, "connect": ConnectAnswer,
-    "route": RouteAnswer, "serve": Done, "unlisten": Done, "cleanup": Done,
+    "route": RouteAnswer, "diagnose": DiagnoseAnswer, "serve": Done, "unlisten": Done, "cleanup": Done,
 }
 
 

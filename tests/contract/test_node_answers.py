@@ -80,6 +80,14 @@ def test_every_runctl_answer_parses_into_its_type(local_node):
         stacks = one(cluster, node, lambda t: agent.call(t, "stacks", run_dir, timeout=60))
         assert "rank.py" in (stacks.stacks["0"].text or ""), stacks
 
+        diagnosed = one(cluster, node, lambda t: agent.call(t, "diagnose", run_dir, request={"wait": 5}))
+        assert isinstance(diagnosed, answers.DiagnoseAnswer) and diagnosed.node_rank == 0
+        dump = diagnosed.ranks["0"]
+        assert dump.alive and dump.cpu is not None and dump.main_state and "rank up" in dump.log_tail
+        main_thread = next(t for t in dump.listener["threads"] if t["main"])
+        assert any(frame[0].endswith("rank.py") for frame in main_thread["frames"]), dump.listener
+        assert dump.listener["flight"] == {}   # no torch.distributed in this program: nothing imported for it
+
         stopped = one(cluster, node, lambda t: agent.call(t, "stop", run_dir, request={"grace": 5}))
         assert isinstance(stopped, answers.StopAnswer) and stopped.terminated >= 1 and stopped.left == 0
 

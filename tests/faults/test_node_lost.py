@@ -160,3 +160,50 @@ def test_rank_ports_blocked_while_the_master_port_is_open_fail_within_the_deadli
     assert "cannot connect to rank" in collective["detail"] and f"{SUBNET}." in collective["detail"], collective
     assert "timed out" in collective["detail"] and "firewall" in collective["hint"]
     assert elapsed < 60, elapsed    # the collective's 10 s deadline, not torch's 30 minutes (gloo)
+
+
+STEADY = """\
+import time
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+tensor = torch.ones(4)
+print("hung from here", flush=True)
+while True:
+    dist.all_reduce(tensor)
+    time.sleep(0.2)
+"""
+
+
+def test_diagnose_names_the_node_whose_link_was_cut_while_the_others_wait(namespaced_cluster, tmp_path):
+    """A detached run; node1's link goes down: node0's rank waits in an all_reduce that node1 will never join.
+    `diagnose` (exit 3: a node cannot be reached) gives the lost node as the verdict, within its bound."""
+    cluster = namespaced_cluster
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "steady.py").write_text(STEADY)
+    inventory = str(cluster.inventory(env={"GLOO_SOCKET_IFNAME": "eth0"}))
+    env = cluster.env()
+    started = run_nodectl(["-i", inventory, "launch", "--skip-preflight", "--detach", "--", "steady.py"], env=env,
+                          cwd=project)
+    assert started.exit_code == 0, started.output
+    run_id = latest_run_id(project)
+    try:
+        wait_for(lambda: run_nodectl(["tail", "all"], env=env, cwd=project).output.count("hung from here") >= 2,
+                 timeout=150, interval=1)
+        time.sleep(2)
+        sh("ip", "link", "set", "nctl-h1", "down")
+        time.sleep(8)
+        began = time.monotonic()
+        result = run_nodectl(["--connect-timeout", "3", "--json", "diagnose"], env=env, cwd=project, timeout=120)
+        print(f"\ndiagnosis with a lost node in {time.monotonic() - began:.1f} s")
+        assert result.exit_code == 3, result.output
+        found = result.json()
+        assert found["kind"] == "gone" and found["culprits"] == [1] and found["unreachable"] == ["node1"]
+        assert found["summary"].startswith("node node1 was lost (")
+        assert "while rank 0 waits in all_reduce #" in found["summary"]
+    finally:
+        subprocess.run(["ip", "link", "set", "nctl-h1", "up"], capture_output=True)
+        run_nodectl(["-i", inventory, "stop", "--run", run_id, "--grace", "1"], env=env, cwd=project, timeout=120)
+        kill_leftovers(run_id)

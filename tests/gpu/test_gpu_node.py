@@ -52,3 +52,50 @@ def test_the_demo_trains_on_the_gpu_through_launch(gpu_node):
     records = [json.loads(line) for line in
                next((gpu_node / "runs").glob("*/nodes/gpu0/output/metrics.jsonl")).read_text().splitlines()]
     assert records and records[-1]["step"] > 0 and all(r["loss"] == r["loss"] for r in records if "loss" in r)
+
+
+NCCL_QUEUED = '''\
+import os
+import torch
+import torch.distributed as dist
+
+torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+dist.init_process_group("nccl")
+tensor = torch.ones(1 << 20, device="cuda")
+for _ in range(3):
+    dist.all_reduce(tensor)
+torch.cuda.synchronize()
+print("hung from here", flush=True)
+torch.cuda._sleep(int(4e11))   # the GPU spins for minutes: the next all_reduce waits behind it on the stream
+dist.all_reduce(tensor)
+torch.cuda.synchronize()
+'''
+
+
+def test_diagnose_reads_the_nccl_flight_recorder_of_a_live_rank(gpu_node):
+    """One GPU, one NCCL rank: its 4th all_reduce is queued behind a kernel that spins for minutes. The listener
+    answers from inside the process; the NCCL recorder's entry is read with its state, and the GPU is busy."""
+    import time
+
+    (gpu_node / "queued.py").write_text(NCCL_QUEUED)
+    started = nodectl(gpu_node, "launch", "--skip-preflight", "--detach", "--", "queued.py")
+    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+    try:
+        deadline = time.monotonic() + 120
+        while "hung from here" not in nodectl(gpu_node, "tail", "rank0").stdout:
+            assert time.monotonic() < deadline, nodectl(gpu_node, "tail", "rank0", "-n", "40").stdout
+            time.sleep(1)
+        time.sleep(8)
+        result = nodectl(gpu_node, "--json", "diagnose")
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        found = json.loads(result.stdout)
+        print(json.dumps({k: found[k] for k in ("kind", "summary", "evidence", "gpus", "seconds")}, indent=1))
+        rank = found["ranks"][0]
+        assert any(v.startswith("nccl") for v in rank["flight_recorder"]), rank
+        assert rank["waits_in"]["backend"] == "nccl" and rank["waits_in"]["op"] == "all_reduce"
+        assert rank["waits_in"]["state"] in ("scheduled", "started")
+        assert rank["last_completed"]["0"] == rank["waits_in"]["seq"] - 1
+        assert found["kind"] == "network" and "nccl" in found["summary"]
+        assert found["gpus"]["gpu0"][0]["util"] > 50
+    finally:
+        nodectl(gpu_node, "stop", "--grace", "1")

@@ -29,7 +29,8 @@ def test_every_command_in_the_table_exists_with_its_options():
             assert name not in main.commands, f"{name} is built: drop its (planned) mark in docs/REFERENCE.md"
             continue
         command = main.commands[name]
-        known = {opt for param in command.params for opt in getattr(param, "opts", []) + getattr(param, "secondary_opts", [])}
+        params = [*command.params, *main.params]   # global options are taken after the command too
+        known = {opt for param in params for opt in getattr(param, "opts", []) + getattr(param, "secondary_opts", [])}
         for option in re.findall(r"(--[a-z][a-z-]*|-[a-zA-Z])\b", usage.split(name, 1)[1]):
             assert option in known, f"`nodectl {name}` has no {option} (docs/REFERENCE.md says it does)"
 

@@ -1,0 +1,178 @@
+"""nodectl's listener inside every rank, for `nodectl diagnose`: any torchrun script, unmodified.
+
+rankexec.py puts the run's lib/ folder (this file's) on the rank's PYTHONPATH and names a FIFO in
+NODECTL_RANK_HELPER; Python imports `sitecustomize` at start-up, so this runs in the rank's process before its
+program. It starts one daemon thread that blocks opening the FIFO: it costs nothing until runctl's `diagnose`
+writes a request to it. It then answers, from inside the live process, even when the main thread waits in a
+collective (torch releases the GIL there) or spins in Python (the GIL is handed over every few ms):
+- the Python stack of every thread (`sys._current_frames`);
+- torch's flight recorder (the NCCL one and the CPU/gloo one, whichever this torch has): the process groups and
+  the latest collectives with their sequence ids, ops, sizes and states, without the recorded stack traces
+  (symbolising them took 3 s of CPU per rank on the first dump; the threads' stacks say where each rank is). The answer holds a trimmed JSON copy;
+  the full dump goes next to it as the pickle torch writes, for torch's own analyser (`torchfrtrace`).
+The answer is written to flight/rank<R>.answer.json in the run folder, atomically, with the request's id.
+
+The variable is removed from the environment at once, so the rank's own child processes (data loader workers,
+a compile pool) do not start listeners of their own. A sitecustomize that was already on the path (a
+distribution's, a virtualenv's) still runs: it is imported after this one. Standard library only.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+ENTRIES_PER_GROUP = 32      # the latest collectives of each process group kept in the JSON answer
+FRAMES_PER_THREAD = 48
+FRAMES_PER_ENTRY = 12
+
+
+def _start() -> None:
+    fifo = os.environ.pop("NODECTL_RANK_HELPER", None)
+    run_dir, rank = os.environ.get("NODECTL_RUN_DIR"), os.environ.get("RANK")
+    if not fifo or not run_dir or rank is None:
+        return
+    import threading
+
+    threading.Thread(target=_serve, args=(fifo, os.path.join(run_dir, "flight"), rank),
+                     name="nodectl-diagnose", daemon=True).start()
+
+
+def _serve(fifo: str, folder: str, rank: str) -> None:
+    while True:
+        try:
+            fd = os.open(fifo, os.O_RDONLY)   # blocks (the GIL released) until runctl opens it to write
+        except OSError:
+            return                            # the run folder is gone: nothing will ask again
+        with os.fdopen(fd, "rb") as handle:
+            request = handle.read(256).decode("ascii", "replace").strip()
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(1e-5)   # a main thread spinning in Python holds the GIL 5 ms per hand-over
+        try:
+            answer = _snapshot(folder, rank)
+        except Exception as exc:  # noqa: BLE001 - whatever fails here must never reach the rank's program
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            sys.setswitchinterval(interval)
+        answer["request"] = request
+        _write_json(os.path.join(folder, f"rank{rank}.answer.json"), answer)
+
+
+def _snapshot(folder: str, rank: str) -> dict:
+    import threading
+    import time
+    import traceback
+
+    names = {t.ident: (t.name, t.native_id) for t in threading.enumerate()}
+    me, main = threading.get_ident(), threading.main_thread().ident
+    threads = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        name, native = names.get(ident, (f"thread {ident}", None))
+        stack = traceback.extract_stack(frame)[-FRAMES_PER_THREAD:]
+        threads.append({"name": name, "main": ident == main, "native_id": native,
+                        "frames": [[f.filename, f.lineno, f.name, f.line or ""] for f in stack]})
+    threads.sort(key=lambda t: not t["main"])
+    answer = {"pid": os.getpid(), "time": time.time(), "threads": threads, "flight": _flight_recorder(folder, rank),
+              "listener_tid": threading.get_native_id()}   # its own CPU is not the rank's
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        answer["torch"] = str(getattr(torch, "__version__", "?"))
+    return answer
+
+
+def _flight_recorder(folder: str, rank: str) -> dict:
+    """{backend: trimmed dump} for each flight recorder this process has; {} when it never loaded
+    torch.distributed (nothing is imported here that the program did not import itself)."""
+    c10d = sys.modules.get("torch._C._distributed_c10d")
+    if c10d is None:
+        return {}
+    import pickle
+
+    found = {}
+    for backend, name in (("nccl", "_dump_nccl_trace"), ("gloo", "_dump_fr_trace")):
+        dump_trace = getattr(c10d, name, None)
+        if dump_trace is None:
+            continue
+        try:
+            try:   # without the stack traces: symbolising them costs seconds of CPU on the first dump
+                raw = dump_trace(True, False, False)
+            except TypeError:
+                raw = dump_trace()
+            dump = pickle.loads(raw)   # torch's own bytes, from inside this process
+        except Exception as exc:  # noqa: BLE001 - an old torch, a recorder not enabled
+            found[backend] = {"error": f"{type(exc).__name__}: {exc}"}
+            continue
+        if not isinstance(dump, dict) or not dump.get("entries") and not dump.get("pg_status"):
+            continue
+        raw_folder = os.path.join(folder, "ondemand")
+        os.makedirs(raw_folder, exist_ok=True)
+        with open(os.path.join(raw_folder, f"{backend}_rank_{rank}"), "wb") as handle:
+            handle.write(raw)
+        found[backend] = _trimmed(dump)
+    return found
+
+
+def _trimmed(dump: dict) -> dict:
+    entries, kept, seen = dump.get("entries") or [], [], {}
+    for entry in reversed(entries):
+        group = entry.get("pg_id", entry.get("process_group"))
+        key = str(group)
+        seen[key] = seen.get(key, 0) + 1
+        if seen[key] <= ENTRIES_PER_GROUP or not entry.get("retired", True):
+            entry = dict(entry)
+            frames = entry.get("frames") or []
+            entry["frames"] = [f for f in frames if isinstance(f, dict)][:FRAMES_PER_ENTRY]
+            kept.append(entry)
+    out = {k: v for k, v in dump.items() if k != "entries"}
+    out["entries"] = list(reversed(kept))
+    return _plain(out)
+
+
+def _plain(value):
+    """JSON's types only: tuples become lists, anything else its text."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return str(value)
+
+
+def _write_json(path: str, value: dict) -> None:
+    import json
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            json.dump(value, handle)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def _chain() -> None:
+    """The sitecustomize this one shadows, if the path has another."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    if spec is None or spec.loader is None:
+        return
+    try:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    except Exception as exc:  # noqa: BLE001 - what site.py does with a failing sitecustomize
+        print(f"Error in sitecustomize ({spec.origin}); set PYTHONVERBOSE for traceback:\n"
+              f"{type(exc).__name__}: {exc}", file=sys.stderr)
+
+
+try:
+    _start()
+except Exception:  # noqa: BLE001 - the rank's program runs whatever happens here
+    pass
+_chain()

@@ -1,0 +1,75 @@
+"""The listener every rank gets (launchers/sitecustomize.py): it starts only in the rank's own process, answers
+from inside it while the main thread is busy, and never displaces a sitecustomize the environment already had."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+LAUNCHERS = Path(__file__).resolve().parents[2] / "launchers"
+
+PROGRAM = """\
+import os, subprocess, sys, time
+print("helper variable left:", os.environ.get("NODECTL_RANK_HELPER"), flush=True)
+print("child sees:", subprocess.run([sys.executable, "-c", "import os; print(os.environ.get('NODECTL_RANK_HELPER'))"],
+                                    capture_output=True, text=True).stdout.strip(), flush=True)
+spins = 0
+while spins >= 0:   # busy in Python: the listener still answers
+    spins += 1
+"""
+
+
+def start(tmp_path: Path, extra_path: str = "") -> tuple[subprocess.Popen, Path]:
+    run_dir = tmp_path / "run"
+    (run_dir / "flight").mkdir(parents=True)
+    fifo = run_dir / "flight" / "rank0.request"
+    os.mkfifo(fifo)
+    (tmp_path / "program.py").write_text(PROGRAM)
+    env = {**os.environ, "NODECTL_RANK_HELPER": str(fifo), "NODECTL_RUN_DIR": str(run_dir), "RANK": "0",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(LAUNCHERS), extra_path) if p)}
+    proc = subprocess.Popen([sys.executable, "-u", str(tmp_path / "program.py")], env=env, stdout=subprocess.PIPE,
+                            text=True, cwd=tmp_path)
+    return proc, run_dir
+
+
+def ask(run_dir: Path, request: str) -> dict:
+    with open(run_dir / "flight" / "rank0.request", "w") as handle:
+        handle.write(request + "\n")
+    answer_path = run_dir / "flight" / "rank0.answer.json"
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        if answer_path.exists():
+            answer = json.loads(answer_path.read_text())
+            if answer.get("request") == request:
+                return answer
+        time.sleep(0.05)
+    raise AssertionError("the listener did not answer")
+
+
+def test_the_listener_answers_from_a_busy_process_and_only_the_rank_runs_one(tmp_path):
+    proc, run_dir = start(tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "helper variable left: None"
+        assert proc.stdout.readline().strip() == "child sees: None"
+        time.sleep(0.5)   # into the loop
+        answer = ask(run_dir, "first")
+        main = next(t for t in answer["threads"] if t["main"])
+        assert main["frames"][-1][0].endswith("program.py") and main["frames"][-1][3].startswith("while spins")
+        assert answer["flight"] == {} and answer["pid"] == proc.pid
+        assert ask(run_dir, "second")["request"] == "second"   # it listens again after answering
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_sitecustomize_already_on_the_path_still_runs(tmp_path):
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIRS_RAN = True\n")
+    (tmp_path / "check.py").write_text("import builtins\nprint(getattr(builtins, 'THEIRS_RAN', False))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(LAUNCHERS), str(theirs)])}
+    out = subprocess.run([sys.executable, str(tmp_path / "check.py")], env=env, capture_output=True, text=True)
+    assert out.stdout.strip() == "True", out.stderr
