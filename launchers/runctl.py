@@ -562,6 +562,12 @@ def cmd_tail(args: list, request: dict) -> dict:
 def cmd_stop(args: list, request: dict) -> dict:
     """SIGTERM every process of this node's share of the run, SIGKILL what is left after the grace period."""
     run_dir, grace = os.path.expanduser(args[0]), float(request.get("grace", 10))
+    if not os.path.isdir(run_dir):
+        return {"error": f"no run at {run_dir}"}
+    if request.get("unstarted") and not os.path.exists(os.path.join(run_dir, "state", "pgid")) \
+            and not (os.path.exists(os.path.join(run_dir, "node.json")) and run_processes(run_dir)):
+        shutil.rmtree(run_dir, ignore_errors=True)   # prepared (or half-prepared) by a controller that died
+        return {"time": time.time(), "terminated": 0, "killed": 0, "left": 0, "removed": True}
     if not os.path.exists(os.path.join(run_dir, "node.json")):
         return {"error": f"no run at {run_dir}"}
     markers = _markers(run_dir)
@@ -724,36 +730,64 @@ def cmd_diagnose(args: list, request: dict) -> dict:
 
 def cmd_pack(args: list, request: dict) -> dict:
     """A tar.gz of the run's results (not code/ or lib/, not env.sh or launch.sh, which hold the real secrets;
-    the controller keeps their redacted copies) for `collect` to fetch. Files that vanish while it is packed (a
+    the controller keeps their redacted copies) for `collect` to fetch, plus the run-relative paths in
+    request["also"] (a script's `--output_dir out` lands in code/out). Files that vanish while it is packed (a
     checkpoint rotating out) are counted, not an error; what is neither a file, a folder nor a link to a sibling
     (a fifo, a socket, a device, a link out of the run) is left out and counted."""
     run_dir = os.path.expanduser(args[0])
     target = os.path.join(run_dir, ".collect.tar.gz")
-    count, vanished, skipped = 0, 0, []
+    packed = {"count": 0, "vanished": 0, "skipped": [], "missing": []}
     with tarfile.open(target, "w:gz") as tar:
         for folder, dirs, names in os.walk(run_dir):
             relative = os.path.relpath(folder, run_dir)
             if relative == ".":
                 dirs[:] = [d for d in dirs if d not in ("code", "lib")]
-                names = [n for n in names if n not in ("env.sh", "launch.sh") and not n.startswith(".collect")]
-            links = [d for d in dirs if os.path.islink(os.path.join(folder, d))]  # output/adapter -> adapter-<step>
-            for name in sorted(names + links):
-                path = os.path.join(folder, name)
-                arcname = os.path.normpath(os.path.join(relative, name))
-                try:
-                    mode = os.lstat(path).st_mode
-                    if stat.S_ISLNK(mode) and not _sibling_link(os.readlink(path)):
-                        skipped.append(arcname)
-                        continue
-                    if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-                        skipped.append(arcname)
-                        continue
-                    tar.add(path, arcname=arcname, recursive=False)
-                    count += 1
-                except FileNotFoundError:
-                    vanished += 1
-    return {"archive": target, "entries": count, "vanished": vanished, "skipped": skipped[:50],
-            "bytes": os.path.getsize(target)}
+                names = [n for n in names if n not in SECRET_FILES and not n.startswith(".collect")]
+            _pack_entries(tar, folder, relative, names, dirs, packed)
+        for also in request.get("also") or []:
+            _pack_also(tar, run_dir, also, packed)
+    return {"archive": target, "entries": packed["count"], "vanished": packed["vanished"],
+            "skipped": packed["skipped"][:50], "missing": packed["missing"], "bytes": os.path.getsize(target)}
+
+
+SECRET_FILES = ("env.sh", "launch.sh")
+
+
+def _pack_also(tar, run_dir: str, also: str, packed: dict) -> None:
+    """One more path inside the run folder (relative, no `..`, never the files that hold secrets)."""
+    parts = [p for p in str(also).split("/") if p not in ("", ".")]
+    if not parts or ".." in parts or str(also).startswith("/") or parts[-1] in SECRET_FILES:
+        packed["missing"].append(f"{also} (not a path inside the run folder)")
+        return
+    path = os.path.join(run_dir, *parts)
+    if not os.path.lexists(path):
+        packed["missing"].append(f"{also} (not there)")
+        return
+    if os.path.isdir(path) and not os.path.islink(path):
+        for folder, dirs, names in os.walk(path):
+            _pack_entries(tar, folder, os.path.relpath(folder, run_dir), names, dirs, packed)
+    else:
+        _pack_entries(tar, os.path.dirname(path), os.path.relpath(os.path.dirname(path), run_dir),
+                      [parts[-1]], [], packed)
+
+
+def _pack_entries(tar, folder: str, relative: str, names: list, dirs: list, packed: dict) -> None:
+    links = [d for d in dirs if os.path.islink(os.path.join(folder, d))]  # output/adapter -> adapter-<step>
+    for name in sorted(names + links):
+        path = os.path.join(folder, name)
+        arcname = os.path.normpath(os.path.join(relative, name))
+        try:
+            mode = os.lstat(path).st_mode
+            if stat.S_ISLNK(mode) and not _sibling_link(os.readlink(path)):
+                packed["skipped"].append(arcname)
+                continue
+            if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+                packed["skipped"].append(arcname)
+                continue
+            tar.add(path, arcname=arcname, recursive=False)
+            packed["count"] += 1
+        except FileNotFoundError:
+            packed["vanished"] += 1
 
 
 def _sibling_link(target: str) -> bool:

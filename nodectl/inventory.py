@@ -5,6 +5,7 @@ exception escapes `load_inventory` for any input document.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 import re
@@ -175,10 +176,20 @@ def parse_inventory(text: str, source: str = "hosts.yaml") -> Inventory:
     return _Parser(source).inventory(doc)
 
 
+ENV_ENTRY_MAX = 128 * 1024     # the kernel's MAX_ARG_STRLEN: one NAME=value string when a process starts
+ENV_TOTAL_MAX = 1024 * 1024    # half of the default ARG_MAX, for everything else in a rank's environment and argv
+
+
 def host_name_problem(host: str) -> str | None:
     """Why `host` cannot be a DNS name (RFC 1035: labels of at most 63, names of at most 253 characters), or
     None. Addresses and bracketed IPv6 pass."""
-    if ":" in host or host.startswith("["):
+    if ":" in host:
+        try:
+            ipaddress.IPv6Address(host.split("%", 1)[0])
+        except ValueError:
+            return f"a host name or IP address; {host!r} is neither (an IPv6 address looks like ::1 or fe80::2)"
+        return None
+    if host.startswith("["):
         return None
     if len(host) > 253:
         return f"a host name of at most 253 characters, got {len(host)}"
@@ -289,6 +300,10 @@ class _Parser:
     def expand(self, raw: Any, index: int, doc: dict) -> list[Any]:
         """`host: gpu[01-16]` is sixteen nodes; `name:` and `addr:` then hold a range of the same length (or are
         left out). Each copy keeps the entry's line numbers for later messages."""
+        for key in ("host", "addr"):   # [::1]: an IPv6 address in brackets, not a range
+            value = raw.get(key) if isinstance(raw, dict) else None
+            if isinstance(value, str) and value.startswith("[") and value.endswith("]") and ":" in value:
+                raw[key] = value[1:-1]
         ranged = [key for key in ("host", "name", "addr") if isinstance(raw, dict) and isinstance(raw.get(key), str)
                   and "[" in raw[key]]
         if not ranged:
@@ -327,6 +342,9 @@ class _Parser:
         if problem := host_name_problem(host):
             self.fail(f"{where}.host", problem, raw, "host")
         name = raw.get("name", host)
+        if "name" not in raw and ":" in host:
+            self.fail(f"{where}.name", f"a name for this node: its host {host} is an IPv6 address, which cannot name "
+                      f"its folders (name: node0)", raw, "host")
         if not isinstance(name, str) or not NAME_RE.match(name) or len(name) > NAME_MAX or name in (".", ".."):
             self.fail(f"{where}.name", f"a label of letters, digits, '.', '-' and '_' (not . or ..), at most {NAME_MAX} "
                       f"characters", raw, "name")
@@ -368,6 +386,10 @@ class _Parser:
             else:  # user, identity_file, python, workdir: plain one-line strings
                 if not isinstance(value, str) or not value.strip() or any(c in value for c in "\n\r\0"):
                     self.fail(label, f"a non-empty one-line string, got {value!r}", raw, key)
+                if key == "workdir" and not (value.startswith("/") or value == "~" or value.startswith("~/")):
+                    self.fail(label, f"an absolute path or one in the login user's home (~/...), got {value!r} (a "
+                              f"relative path would depend on where each command starts; ~user is not supported)",
+                              raw, key)
                 out[key] = value
         return out
 
@@ -387,6 +409,14 @@ class _Parser:
             if isinstance(item, (dict, list)) or item is None or (isinstance(item, str) and "\0" in item):
                 self.fail(f"{label}.{name}", "a string or number", value, name)
             env[name] = str(item).lower() if isinstance(item, bool) else str(item)
+            if len(name) + 1 + len(env[name].encode("utf-8", "surrogateescape")) >= ENV_ENTRY_MAX:
+                self.fail(f"{label}.{name}", "a value under 128 KiB: Linux refuses to start a process with a longer "
+                          "variable (MAX_ARG_STRLEN), so no rank would start; put it in a file on the nodes and "
+                          "name the file", value, name)
+        if sum(len(k) + len(v) + 2 for k, v in env.items()) >= ENV_TOTAL_MAX:
+            self.fail(label, f"variables under {ENV_TOTAL_MAX // 1024} KiB in all: with the rest of a rank's "
+                      f"environment and arguments they must fit the kernel's limit (ARG_MAX, 2 MiB by default)",
+                      parent, "env")
         return env
 
     def port(self, value: Any, label: str, parent: dict, key: str | None = None) -> int:

@@ -24,7 +24,7 @@ from nodectl.inventory import Inventory
 from nodectl.remote.start import NodeStart, settle_master_port, start_run, survey
 from nodectl.plan import LaunchPlan, build_plan
 from nodectl.render import RenderedNode, render_plan
-from nodectl.runs import Run, RunState, create_run, git_revision
+from nodectl.runs import Run, RunState, create_run, git_revision, this_controller
 from nodectl.secrets import redact_args
 from nodectl.remote.transport import Cluster, NodeResult
 from nodectl.watch import stop_nodes
@@ -131,7 +131,7 @@ def record_job(job: Job, previous: Run | None = None) -> Run:
                                         "started": manifest.started, "ended": manifest.ended,
                                         "failure": manifest.failure}]
         run.update(attempt=plan.attempt, state=RunState.STARTING, attempts=history, ended=None,
-                   started=time.time(), plan=plan.to_json(), failure=None)
+                   started=time.time(), plan=plan.to_json(), failure=None, controller=this_controller())
     for r in job.rendered:
         (run.folder / "scripts" / f"{r.node}.sh").write_text(r.launch_redacted)
         (run.folder / "scripts" / f"{r.node}.env").write_text(r.env_redacted)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -79,6 +80,7 @@ class Manifest:
     failure: dict | None = None
     attempts: list = field(default_factory=list)
     left_out: list = field(default_factory=list)
+    controller: dict | None = None  # the nodectl process that started this attempt: host, pid, its start time
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -245,10 +247,31 @@ def create_run(plan_json: dict, *, argv: list[str], config_fingerprint: str, inv
         config=plan_json.get("config"), fingerprint=config_fingerprint,
         inventory={"source": inventory_source, "nodes": [n["node"] for n in plan_json["nodes"]]},
         git_revision=git, nodectl_version=__version__, python=sys.version.split()[0], started=time.time(),
-        plan=plan_json)
+        plan=plan_json, controller=this_controller())
     _write_json(run.manifest_path, manifest.to_json())
     _register(run)
     return run
+
+
+def this_controller() -> dict:
+    import psutil
+
+    return {"host": socket.gethostname(), "pid": os.getpid(), "since": round(psutil.Process().create_time(), 2)}
+
+
+def controller_gone(manifest: Manifest) -> bool:
+    """True when the nodectl process that started the run's current attempt is known to have ended (killed, or
+    its machine rebooted): recorded on this host, and no process with that pid and start time lives. False where
+    it lives, or cannot be told (another host, an older manifest)."""
+    import psutil
+
+    recorded = manifest.controller or {}
+    if recorded.get("host") != socket.gethostname() or not isinstance(recorded.get("pid"), int):
+        return False
+    try:
+        return abs(psutil.Process(recorded["pid"]).create_time() - float(recorded.get("since", 0))) > 1.0
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError, TypeError):
+        return True
 
 
 def _all_runs() -> list[Run]:

@@ -68,14 +68,16 @@ STOP_SLACK = 10.0   # seconds beyond the grace a node gets to confirm a stop (ru
 
 
 def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
-               on_done=None) -> dict[str, NodeResult]:
+               on_done=None, unstarted: bool = False) -> dict[str, NodeResult]:
     """Stop the run on every node, waiting at most grace + STOP_SLACK on each: a hung node must not hold up the
-    report; its result then says it did not answer."""
+    report; its result then says it did not answer. `unstarted`: the run never started (its controller died
+    while starting it): a node's prepared or half-prepared folder is removed."""
     by_name = {rn.node.name: rn for rn in run_nodes}
 
     def work(transport):
         rn = by_name[transport.node.name]
-        return agent.call(transport, "stop", rn.run_dir, request={"grace": grace}, timeout=grace + STOP_SLACK)
+        return agent.call(transport, "stop", rn.run_dir, request={"grace": grace, "unstarted": unstarted},
+                          timeout=grace + STOP_SLACK)
 
     return {r.node.name: r for r in cluster.fan_out(work, [rn.node for rn in run_nodes], on_done=on_done)}
 

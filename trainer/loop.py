@@ -6,6 +6,7 @@ import functools
 import json
 import math
 import os
+import signal
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -162,6 +163,7 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
     window_start, window_steps = time.perf_counter(), 0
     stopper = EarlyStop(recipe.train.early_stop_patience, recipe.train.early_stop_min_delta)
     timed = Deadline(recipe.train.checkpoint_minutes, ctx)
+    term = TermRequest()
     saved_at = start_step
     summary: dict = {"trainable_params": trainable, "frozen_params": frozen, "resumed_from": start_step or None,
                      "end_reason": f"completed {recipe.train.steps} steps"}
@@ -205,9 +207,18 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
         if evaluates:
             reason = stopper.update(step + 1, run_eval(step + 1))
         every = recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0
-        if every or ((step + 1) % recipe.train.log_every == 0 and timed.due()):
+        due, stopping = timed.check(term.asked) if (step + 1) % recipe.train.log_every == 0 or last else (False, False)
+        if every or due or (stopping and step + 1 > saved_at):
             _checkpoint(recipe, ctx, model, optimizer, step + 1, out_dir, reporter if every else None)
             saved_at, timed = step + 1, Deadline(recipe.train.checkpoint_minutes, ctx)
+        if stopping and not last:
+            telemetry.stop()
+            reporter.event({"step": step + 1, "stop": "SIGTERM"})
+            reporter.close()
+            if ctx.rank == 0:
+                print(f"stopped by SIGTERM at step {step + 1}; checkpoint written: launch --resume continues from it",
+                      flush=True)
+            raise SystemExit(128 + signal.SIGTERM)
         if recipe.train.save_every and (step + 1) % recipe.train.save_every == 0 and not last:
             checkpoint.save_adapter(model, out_dir, step + 1, recipe.train.keep_last)
         window_start += time.perf_counter() - aside
@@ -235,21 +246,36 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
     return summary
 
 
+class TermRequest:
+    """SIGTERM (`nodectl stop`, fail-fast, a scheduler) noted, not obeyed at once: the loop checkpoints at its next
+    logging step, when every rank agrees (Deadline.check), then exits 143. A rank stuck elsewhere is SIGKILLed
+    after stop's --grace as before; a checkpoint cut short is never taken as complete."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        try:
+            signal.signal(signal.SIGTERM, self._note)
+        except ValueError:   # not the main thread (a test harness): SIGTERM keeps its default
+            pass
+
+    def _note(self, signum, frame) -> None:
+        self.asked = True
+
+
 class Deadline:
-    """A checkpoint due by the wall clock, decided the same on every rank (rank 0's clock, broadcast), asked only
-    at logging steps so that it costs one small collective per log window."""
+    """A checkpoint due by the wall clock (rank 0's clock) or a stop asked on any rank, decided the same on every
+    rank, asked only at logging steps so that it costs one small collective per log window."""
 
     def __init__(self, minutes: float, ctx: Context) -> None:
         self.minutes, self.ctx, self.started = minutes, ctx, time.monotonic()
 
-    def due(self) -> bool:
-        if not self.minutes:
-            return False
-        flag = torch.tensor([1.0 if time.monotonic() - self.started >= self.minutes * 60 else 0.0],
-                            device=self.ctx.device)
+    def check(self, stop_asked: bool) -> tuple[bool, bool]:
+        """(a timed checkpoint is due, a rank was asked to stop)."""
+        due = bool(self.minutes) and self.ctx.rank == 0 and time.monotonic() - self.started >= self.minutes * 60
+        flags = torch.tensor([1.0 if due else 0.0, 1.0 if stop_asked else 0.0], device=self.ctx.device)
         if self.ctx.world > 1:
-            dist.broadcast(flag, src=0)
-        return bool(flag.item())
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return bool(flags[0].item()), bool(flags[1].item())
 
 
 def _checkpoint(recipe: Recipe, ctx: Context, model, optimizer, step: int, out_dir: Path, reporter) -> None:

@@ -8,29 +8,37 @@ from rich.markup import escape
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, run_option
-from nodectl.errors import exit_code_for
+from nodectl.errors import UsageError, exit_code_for
 from nodectl.remote.collect import collect_node
 from nodectl.visible import visible
 
 
 @click.command("collect")
 @run_option
+@click.option("--path", "paths", multiple=True, metavar="PATH",
+              help="Also bring back this path of the node's run folder (repeatable), e.g. code/out for a script "
+                   "run with --output_dir out (scripts run in <run folder>/code).")
 @click.pass_obj
-def command(app: AppContext, run_id: str | None) -> None:
+def command(app: AppContext, run_id: str | None, paths: tuple[str, ...]) -> None:
     """Bring a run's logs, heartbeats, metrics and outputs (not the code) back here."""
+    for path in paths:
+        parts = path.split("/")
+        if not path or path.startswith(("/", "~")) or ".." in parts:
+            raise UsageError(f"--path {path!r}: name a path inside the run folder, relative to it (code/out)")
     run = opened(app, run_id)
     run_nodes = {rn.node.name: rn for rn in run.nodes()}
     with app.cluster_for(run_nodes.values()) as cluster, \
             app.node_progress("collecting", len(run_nodes)) as advance:
         results = cluster.fan_out(
-            lambda t: collect_node(t, run_nodes[t.node.name].run_dir, run.folder / "nodes" / t.node.name),
+            lambda t: collect_node(t, run_nodes[t.node.name].run_dir, run.folder / "nodes" / t.node.name, paths),
             on_done=advance)
     for result in results:
         if result.ok:
             collected = result.value
             app.info(f"{result.node.name}: {collected.bytes / 1024:.0f} KiB -> "
                      f"{run.folder / 'nodes' / result.node.name}/")
-            for what, names in (("refused (not a plain file or folder inside the run)", collected.refused),
+            for what, names in (("asked for with --path and not found", collected.missing),
+                                ("refused (not a plain file or folder inside the run)", collected.refused),
                                 ("left out on the node (fifo, socket, device or a link out of the run)",
                                  collected.skipped)):
                 if names:

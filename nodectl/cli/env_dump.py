@@ -10,7 +10,7 @@ from rich.table import Table
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import node_selection
 from nodectl.envdump import diff_reports, summary_row
-from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
+from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE, NodectlError, UsageError
 from nodectl.remote.probe_nodes import probe_nodes
 
 
@@ -22,6 +22,8 @@ from nodectl.remote.probe_nodes import probe_nodes
 @click.pass_obj
 def command(app: AppContext, nodes: int | None, exclude: tuple[str, ...], diff: bool, output: Path | None) -> None:
     """Snapshot every node (OS, CPU, memory, Python packages, torch/CUDA/NCCL, GPUs, NICs, IB, limits, env)."""
+    if output and output.exists() and not output.is_dir():
+        raise UsageError(f"-o {output}: not a folder (give a folder to write one <node>.json per node into)")
     inventory = app.inventory().select(nodes, exclude)
     with app.cluster(inventory) as cluster, app.node_progress("probing nodes", len(inventory.nodes)) as advance:
         results = probe_nodes(cluster, on_done=advance)
@@ -29,9 +31,12 @@ def command(app: AppContext, nodes: int | None, exclude: tuple[str, ...], diff: 
     failed = {r.node.name: r.error or r.value.get("error") for r in results if r.node.name not in reports}
     unreachable = {r.node.name: r.error for r in results if r.unreachable}
     if output:
-        output.mkdir(parents=True, exist_ok=True)
-        for name, report in reports.items():
-            (output / f"{name}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        try:
+            output.mkdir(parents=True, exist_ok=True)
+            for name, report in reports.items():
+                (output / f"{name}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+        except OSError as exc:
+            raise NodectlError(f"-o {output}: cannot write the reports: {exc.strerror or exc}") from None
     differences = diff_reports(reports) if diff else None
     if app.json:
         document = {"nodes": reports, "errors": failed}

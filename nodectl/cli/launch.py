@@ -115,6 +115,12 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
             command) -> None:
     """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
     previous = None
+    for position, argument in enumerate(command, 1):
+        try:
+            argument.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError(f"argument {position} after `--` is not UTF-8 text ({os.fsencode(argument)!r}"
+                             f"): nodectl records and quotes arguments as UTF-8") from None
     if exclude_failed and not max_restarts:
         raise UsageError("--exclude-failed decides which nodes a restart uses: give --max-restarts N too")
     if on_stall == "keep" and not stall_after:
@@ -170,7 +176,8 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
                      f"{plan.backend}, master {plan.master_addr}:{plan.master_port}")
             if job.spec.command:   # a script of the user's: say where outputs that `collect` brings back go
                 app.info("outputs: write them under $NODECTL_RUN_DIR/output on each node (the script runs in "
-                         "$NODECTL_RUN_DIR/code); nodectl collect brings back the run folder but code/")
+                         "$NODECTL_RUN_DIR/code); nodectl collect brings back the run folder but code/ "
+                         "(collect --path code/DIR for more)")
         try:
             if preflight:
                 save_preflight(run, plan.attempt, preflight, facts)
@@ -375,5 +382,6 @@ def _report_failure(app: AppContext, outcome: attend.Outcome) -> None:
             app.err.print(f"last lines of rank {failure.rank}:" if failure.rank is not None else
                           f"last lines of torchrun on {failure.node} (logs/launcher.log):")
             app.err.print(visible(failure.last_lines.rstrip()), markup=False, highlight=False)
-        app.err.print(f"all logs: nodectl tail all --run {run_id}   (or nodectl collect --run {run_id})")
+        where = "launcher" if failure.kind == "launcher" else "all"
+        app.err.print(f"all logs: nodectl tail {where} --run {run_id}   (or nodectl collect --run {run_id})")
     raise SystemExit(EXIT_FAILED)

@@ -1,10 +1,12 @@
 """Shared helpers of the commands that act on a recorded run (tail, status, stop, stacks, collect)."""
 from __future__ import annotations
 
+import time
+
 import click
 
 from nodectl.cli.context import AppContext
-from nodectl.runs import Run, RunState, open_run
+from nodectl.runs import Run, RunState, controller_gone, open_run
 from nodectl.watch import derive_state
 
 
@@ -16,12 +18,30 @@ def opened(app: AppContext, run_id: str | None) -> Run:
     return open_run(run_id)
 
 
+NEVER_STARTED = {"kind": "controller", "description": "nodectl ended (killed?) while it was starting the run: no "
+                 "node started it; `nodectl stop` removes what it had prepared on the nodes"}
+
+
+def never_started(states: dict) -> bool:
+    """Every node answered, and none has started the run (no run folder, or one prepared and never started)."""
+    for result in states.values():
+        if result.ok:
+            if result.value.started:
+                return False
+        elif result.unreachable or "no run at" not in (result.error or ""):
+            return False
+    return bool(states)
+
+
 def refresh_state(run: Run, states: dict) -> RunState:
     """Correct a recorded state that only the nodes can settle: an attached controller that was killed leaves
     "starting" or "running", and nobody watches a detached run end. Final states stay as recorded."""
     manifest = run.read()
     if manifest.state.final:
         return manifest.state
+    if manifest.state == RunState.STARTING and controller_gone(manifest) and never_started(states):
+        run.update(state=RunState.FAILED, ended=time.time(), failure=NEVER_STARTED)
+        return RunState.FAILED
     derived = derive_state(states)
     if derived and derived != manifest.state:
         changes = {"state": derived}

@@ -24,7 +24,8 @@ def rank_rows(states: dict, run_nodes, stall_after: float) -> list[dict]:
         answer = result.value if result.ok else None
         if not answer:
             reason = result.error
-            rows += [{"node": rn.node.name, "rank": r, "state": "lost", "detail": reason} for r in rn.ranks]
+            state = "not started" if not result.unreachable and "no run at" in (reason or "") else "lost"
+            rows += [{"node": rn.node.name, "rank": r, "state": state, "detail": reason} for r in rn.ranks]
             continue
         for rank in answer.ranks:
             rows.append({"node": rn.node.name, "rank": rank.rank, **_rank_state(rank, answer, stall_after)})
@@ -47,6 +48,8 @@ def _rank_state(rank: RankState, answer: PollAnswer, stall_after: float) -> dict
         row["state"], row["exit_code"] = f"exited({rank.exit.code})", rank.exit.code
     elif rank.alive:
         row["state"] = "stalled" if age is not None and age > stall_after else "running"
+    elif not answer.started:
+        row["state"] = "not started"
     elif answer.alive:
         row["state"] = "starting"
     else:
@@ -88,6 +91,8 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
                           "-" if age is None else f"{age:.0f}s ago", str(row.get("step") or "-"),
                           "-" if row.get("loss") is None else f"{row['loss']:.4f}", str(row.get("pid") or "-"))
         app.out.print(table)
+        if (run.read().failure or {}).get("kind") == "controller":
+            app.out.print(run.read().failure["description"])
         if run_state == RunState.STOPPED:
             ended = run.read().ended
             app.out.print("stopped by the user" + (f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ended))}"

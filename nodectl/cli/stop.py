@@ -11,7 +11,7 @@ from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
 from nodectl.cli.runs_cmds import opened, run_option
 from nodectl.errors import exit_code_for
-from nodectl.runs import RunState
+from nodectl.runs import RunState, controller_gone
 from nodectl.watch import stop_nodes
 
 
@@ -24,17 +24,28 @@ def command(app: AppContext, run_id: str | None, grace: float) -> None:
     """Stop a run on every node. Safe to repeat."""
     run = opened(app, run_id)
     run_nodes = run.nodes(left_out=True)
+    manifest = run.read()
+    unstarted = (manifest.failure or {}).get("kind") == "controller" or \
+        (manifest.state == RunState.STARTING and controller_gone(manifest))
     app.info(f"stopping run {run.run_id} ({run.folder}) on {len(run_nodes)} node(s)")
     with app.cluster_for(run_nodes) as cluster, app.node_progress("stopping", len(run_nodes)) as advance:
-        results = stop_nodes(cluster, run_nodes, grace, on_done=advance)
+        results = stop_nodes(cluster, run_nodes, grace, on_done=advance, unstarted=unstarted)
     summary = {}
-    for name, result in results.items():
+    for name, result in list(results.items()):
         answer = result.value if result.ok else None
+        if not answer and unstarted and "no run at" in (result.error or ""):
+            summary[name] = {"left": 0, "absent": True}
+            app.info(f"{name}: nothing there (the run never reached it)")
+            results.pop(name)
+            continue
         if not answer:
             summary[name] = {"error": result.error}
             app.err.print(f"[red]{escape(name)}[/]: {escape(summary[name]['error'])}")
             continue
         summary[name] = asdict(answer)
+        if answer.removed:
+            app.info(f"{name}: the run folder it had prepared, never started, is removed")
+            continue
         app.info(f"{name}: {answer.terminated} process(es) stopped, {answer.killed} needed SIGKILL, "
                  f"{answer.left} left")
     code = exit_code_for(results.values())

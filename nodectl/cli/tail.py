@@ -12,6 +12,7 @@ from nodectl.cli.runs_cmds import opened, run_option
 from nodectl.errors import EXIT_UNREACHABLE, UsageError
 from nodectl.runs import Run, RunNode
 from nodectl.remote.answers import NO_LOG
+from nodectl.visible import visible
 from nodectl.watch import LogStream, poll, tail_lines
 
 MAX_TAIL_LINES = 100_000
@@ -29,7 +30,7 @@ def resolve_target(run: Run, target: str) -> dict[int, str]:
     for rn in run_nodes:
         if target in (rn.node.name, f"node{rn.node_rank}"):
             return {rank: rn.node.name for rn2 in [rn] for rank in rn2.ranks}
-    valid = ["all"] + [f"rank{r}" for r in sorted(ranks)][:16] + [f"node{rn.node_rank}" for rn in run_nodes] \
+    valid = ["all", "launcher"] + [f"rank{r}" for r in sorted(ranks)][:16] + [f"node{rn.node_rank}" for rn in run_nodes] \
         + [rn.node.name for rn in run_nodes]
     raise UsageError(f"unknown target {target!r} for run {run.run_id}; valid: {', '.join(dict.fromkeys(valid))}")
 
@@ -46,8 +47,12 @@ def _collected(run: Run, node: str, rank: int) -> Path:
 @run_option
 @click.pass_obj
 def command(app: AppContext, target: str, follow: bool, lines: int, run_id: str | None) -> None:
-    """Print the last lines of TARGET's log: rank<R>, node<K>, a node name, or all."""
+    """Print the last lines of TARGET's log: rank<R>, node<K>, a node name, all, or launcher (torchrun's own log
+    on every node: what it said when it failed before any rank started)."""
     run = opened(app, run_id)
+    if target == "launcher":
+        _launcher_logs(app, run, lines, follow)
+        return
     ranks = resolve_target(run, target)
     run_nodes = [rn for rn in run.nodes() if any(r in rn.ranks for r in ranks)]
     collected: list[dict] = []
@@ -91,3 +96,33 @@ def _from_collected(run: Run, rn: RunNode, ranks: list[int], lines: int, stream:
     if not found:
         stream.console.print(f"{rn.node.name} cannot be reached and its logs were not collected")
     return found
+
+
+def _launcher_logs(app: AppContext, run: Run, lines: int, follow: bool) -> None:
+    """Every node's logs/launcher.log (torchrun's and launch.sh's own output), node by node."""
+    if follow:
+        raise UsageError("tail launcher shows torchrun's own log as it is; -f follows ranks (tail all -f)")
+    run_nodes = run.nodes()
+    found, unreachable = [], False
+    with app.cluster_for(run_nodes) as cluster:
+        for rn in run_nodes:
+            logs = tail_lines(cluster, rn, ["launcher"], lines)
+            if not logs:
+                collected = run.folder / "nodes" / rn.node.name / "logs" / "launcher.log"
+                text = collected.read_text(errors="replace") if collected.is_file() else None
+                unreachable |= text is None
+                text = "\n".join(text.splitlines()[-lines:]) if text and lines else text
+            else:
+                text = logs["launcher"].text
+            found.append({"node": rn.node.name, "text": text})
+    if app.json:
+        app.emit_json({"run_id": run.run_id, "target": "launcher", "logs": found, "complete": not unreachable})
+    else:
+        for entry in found:
+            app.heading(f"launcher log of {entry['node']}")
+            text = entry["text"]
+            app.out.print(visible(text.rstrip("\n")) if text else
+                          ("(empty)" if text is not None else "cannot be reached and its logs were not collected"),
+                          markup=False, highlight=False)
+    if unreachable:
+        raise SystemExit(EXIT_UNREACHABLE)

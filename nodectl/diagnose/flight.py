@@ -2,13 +2,17 @@
 met so far, into the records the verdicts work on.
 
 The flight recorder's dump is a mapping with `version`, `pg_config`, `pg_status` and `entries` (one per
-collective or point-to-point op). The formats handled, by `version` (the field, not torch's version):
-- "2.10" (torch 2.13, gloo and NCCL): `collective_seq_id`, `p2p_seq_id`, `pg_id`, `process_group` as
-  [name, description], `profiling_name` "gloo:all_reduce", `state` scheduled/started/completed, `retired`.
-  gloo never moves `state` past "scheduled": a gloo op is done when `retired` is true, or when its sequence id is
-  at or below the group's `pg_status.last_completed_collective`.
-- "2.x" from torch 2.6-2.12 (NCCL): the same keys; `pg_status` keyed by the group's id.
-- older dumps name the sequence id `seq_id`; a dump without `pg_status` is judged from its entries alone.
+collective or point-to-point op). The formats met and saved (tests/data/diagnose/), by `version` (the dump's
+field, not torch's version):
+- "2.10" from torch 2.11 (NCCL 2.28.9 on an H200, and gloo) and torch 2.13 (gloo): `collective_seq_id`,
+  `p2p_seq_id`, `pg_id`, `process_group` as [name, description], `profiling_name` "nccl:all_reduce",
+  `input_sizes`/`input_dtypes`, `state`, `retired`, `time_created_ns`; `pg_status` keyed by the group's id with
+  `last_enqueued_collective`/`last_completed_collective`. NCCL moves `state` from scheduled to started to
+  completed. gloo never moves it past "scheduled": a gloo op is done when `retired` is true, or when its sequence
+  id is at or below the group's `last_completed_collective`. gloo's `pg_config` names the default group ""
+  where NCCL's names it "0" (torch's own analyser, `torchfrtrace`, fails on gloo dumps for that reason).
+- torch before 2.4 named the sequence id `seq_id`; a dump without `pg_status` is judged from its entries alone.
+  torch 2.6-2.10 were not met here; their dumps carry the same keys as far as torch's analyser reads them.
 Anything else in a dump is ignored, and a malformed part is skipped with a note: the answer comes from a node.
 """
 from __future__ import annotations

@@ -97,6 +97,7 @@ class StopAnswer:
     terminated: int = 0
     killed: int = 0
     time: float = 0.0
+    removed: bool = False     # a run folder that was never started, removed (its controller died while starting)
 
 
 @dataclass(frozen=True)
@@ -149,6 +150,7 @@ class PackAnswer:
     bytes: int
     vanished: int = 0
     skipped: tuple[str, ...] = ()    # fifos, sockets, devices, links out of the run: left out by the node
+    missing: tuple[str, ...] = ()    # asked-for paths (collect --path) that are not there, or not inside the run
 
 
 @dataclass(frozen=True)

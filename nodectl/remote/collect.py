@@ -28,16 +28,17 @@ class Collected:
     entries: int          # what the node packed
     refused: tuple[str, ...] = ()     # names in the archive that were not unpacked (hostile or unsupported)
     skipped: tuple[str, ...] = ()     # what the node left out: fifos, sockets, devices, links out of the run
+    missing: tuple[str, ...] = ()     # --path entries the node did not have
 
 
-def collect_node(transport: Transport, run_dir: str, target: Path) -> Collected:
-    packed = agent.call(transport, "pack", run_dir, timeout=600)
+def collect_node(transport: Transport, run_dir: str, target: Path, also: tuple[str, ...] = ()) -> Collected:
+    packed = agent.call(transport, "pack", run_dir, timeout=600, request={"also": list(also)})
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "collect.tar.gz"
         transport.get(packed.archive, local)
         agent.call(transport, "cleanup", packed.archive)
         refused = unpack(local, target)
-    return Collected(packed.bytes, packed.entries, tuple(refused), packed.skipped)
+    return Collected(packed.bytes, packed.entries, tuple(refused), packed.skipped, packed.missing)
 
 
 def unpack(archive: Path, target: Path) -> list[str]:

@@ -90,6 +90,11 @@ def test_diagnose_reads_the_nccl_flight_recorder_of_a_live_rank(gpu_node):
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
         found = json.loads(result.stdout)
         print(json.dumps({k: found[k] for k in ("kind", "summary", "evidence", "gpus", "seconds")}, indent=1))
+        if os.environ.get("NODECTL_SAVE_DUMPS"):   # how tests/data/diagnose/nccl-*/ was made
+            target = Path(os.environ["NODECTL_SAVE_DUMPS"]) / "queued"
+            target.mkdir(parents=True, exist_ok=True)
+            for saved in (gpu_node / found["folder"]).glob("*.json"):
+                (target / saved.name).write_text(saved.read_text())
         rank = found["ranks"][0]
         assert any(v.startswith("nccl") for v in rank["flight_recorder"]), rank
         assert rank["waits_in"]["backend"] == "nccl" and rank["waits_in"]["op"] == "all_reduce"

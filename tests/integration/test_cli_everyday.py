@@ -203,6 +203,9 @@ def test_when_torchrun_fails_before_any_rank_its_own_last_lines_are_shown(projec
                          cwd=project)
     assert result.exit_code == 1, result.stdout + result.stderr
     assert "last lines of torchrun on" in result.stderr and "No module named 'torch'" in result.stderr
+    assert "nodectl tail launcher" in result.stderr
+    shown = run_nodectl(["tail", "launcher", "-i", "bare.yaml"], env=env_for(project), cwd=project)
+    assert shown.exit_code == 0 and "No module named 'torch'" in shown.stdout, shown.stdout + shown.stderr
 
 
 def test_everyday_honesty_a_users_script_its_outputs_stop_and_status(project):
@@ -259,3 +262,93 @@ def test_chat_records_for_a_model_without_a_template_are_refused_on_the_controll
     with_demo = run_nodectl(["launch", "--dry-run", "-i", "local.yaml", "--set", "data.path=chat.jsonl"],
                             env=env_for(project), cwd=project)
     assert with_demo.exit_code == 0, with_demo.stderr
+
+
+def test_a_scripts_relative_output_dir_comes_home_with_collect_path(project):
+    """A third-party script's `--output_dir out` lands in <run>/code/out on the node: plain `collect` leaves code/
+    on the node, `collect --path code/out` brings that folder back; a path outside the run is refused."""
+    (project / "train.py").write_text("import os, sys\nos.makedirs(sys.argv[2], exist_ok=True)\n"
+                                      "open(os.path.join(sys.argv[2], 'result.txt'), 'w').write('42')\n")
+    env = env_for(project)
+    ran = run_nodectl(["launch", "-i", "local.yaml", "--skip-preflight", "--", "train.py", "--output_dir", "out"],
+                      env=env, cwd=project)
+    assert ran.exit_code == 0, ran.stdout + ran.stderr
+    assert "collect --path code/DIR" in ran.stderr
+    run_id = run_nodectl(["runs", "--json"], env=env, cwd=project).json()["runs"][-1]["run_id"]
+    nodes = project / "runs" / run_id / "nodes"
+    assert run_nodectl(["collect"], env=env, cwd=project).exit_code == 0
+    assert not list(nodes.glob("*/code/out/result.txt"))
+    brought = run_nodectl(["collect", "--path", "code/out", "--path", "code/nothing"], env=env, cwd=project)
+    assert brought.exit_code == 0, brought.stderr
+    [result] = nodes.glob("*/code/out/result.txt")
+    assert result.read_text() == "42"
+    assert "asked for with --path and not found: code/nothing" in brought.stderr
+    for bad in ("../../etc", "/etc", "code/../../x"):
+        refused = run_nodectl(["collect", "--path", bad], env=env, cwd=project)
+        assert refused.exit_code == 2 and "inside the run folder" in refused.stderr, refused.stderr
+
+
+def test_stop_lets_the_trainer_checkpoint_and_resume_continues_from_there(project, demo_cache):
+    """`nodectl stop` sends SIGTERM: the built-in trainer checkpoints at its next logging step (every rank agrees
+    there) and exits; `launch --resume` then continues from that step, with no checkpoint setting in the recipe."""
+    import re
+
+    (project / "demo.yaml").write_text(f"nodes:\n  - {{host: localhost, transport: local, device: cpu, gpus: 2, "
+                                       f"env: {{NODECTL_DEMO_CACHE: '{demo_cache}'}}}}\n")
+    env = env_for(project)
+    started = run_nodectl(["launch", "-i", "demo.yaml", "--skip-preflight", "--detach", "--set", "train.steps=100000",
+                           "--set", "train.log_every=2"], env=env, cwd=project)
+    assert started.exit_code == 0, started.stderr
+    run_id = run_nodectl(["runs", "--json"], env=env, cwd=project).json()["runs"][-1]["run_id"]
+
+    def step() -> int:
+        ranks = run_nodectl(["--json", "status"], env=env, cwd=project).json()["ranks"]
+        return min((r.get("step") or 0) for r in ranks)
+
+    deadline = time.time() + 180
+    while step() < 4:
+        assert time.time() < deadline, run_nodectl(["tail", "all"], env=env, cwd=project).stdout
+        time.sleep(1)
+    stopped = run_nodectl(["stop", "--grace", "60"], env=env, cwd=project)
+    assert stopped.exit_code == 0, stopped.stdout + stopped.stderr
+    said = run_nodectl(["tail", "rank0", "-n", "30"], env=env, cwd=project).stdout
+    found = re.search(r"stopped by SIGTERM at step (\d+); checkpoint written", said)
+    assert found, said
+    at = int(found[1])
+    assert at % 2 == 0 and at >= 4
+    resumed = run_nodectl(["launch", "-i", "demo.yaml", "--resume", run_id, "--set", f"train.steps={at + 2}"], env=env,
+                          cwd=project,
+                          timeout=300)
+    assert resumed.exit_code == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    assert f"resuming at step {at}" in resumed.stdout
+
+
+@pytest.mark.parametrize("node, message", [
+    ("{host: ':', transport: local}", "':' is neither (an IPv6 address"),
+    ("{host: '[::1]', transport: local}", "its host ::1 is an IPv6 address, which cannot name"),
+    ("{host: localhost, transport: local, workdir: rel/dir}", "an absolute path or one in the login user's home"),
+    ("{host: localhost, transport: local, workdir: '~bob/x'}", "~user is not supported"),
+    ("{host: localhost, transport: local, env: {BIG: " + "x" * 140_000 + "}}", "a value under 128 KiB: Linux refuses"),
+])
+def test_odd_hosts_workdirs_and_env_are_refused_with_the_reason(project, node, message):
+    (project / "odd.yaml").write_text(f"nodes:\n  - {node}\n")
+    result = run_nodectl(["launch", "-i", "odd.yaml", "--dry-run", "--", "train.py"], env=env_for(project),
+                         cwd=project)
+    assert result.exit_code == 2 and message in result.stderr, result.stderr[-500:]
+
+
+def test_a_bracketed_ipv6_host_with_a_name_is_the_address(project):
+    (project / "v6.yaml").write_text("nodes:\n  - {host: '[::1]', name: v6, transport: local}\n")
+    result = run_nodectl(["--json", "launch", "-i", "v6.yaml", "--dry-run", "--", "train.py"], env=env_for(project),
+                         cwd=project)
+    assert result.exit_code == 0, result.stderr
+    assert result.json()["plan"]["nodes"][0]["node"]["host"] == "::1"
+
+
+def test_a_non_utf8_argument_and_an_output_that_is_not_a_folder_are_usage_errors(project):
+    env = env_for(project)
+    result = run_nodectl(["launch", "-i", "local.yaml", "--dry-run", "--", "train.py", os.fsdecode(b"\xff")], env=env,
+                         cwd=project)
+    assert result.exit_code == 2 and "argument 2 after `--` is not UTF-8 text (b'\\xff')" in result.stderr
+    dumped = run_nodectl(["env-dump", "-i", "local.yaml", "-o", "/dev/full"], env=env, cwd=project)
+    assert dumped.exit_code == 2 and "-o /dev/full: not a folder" in dumped.stderr, dumped.stderr

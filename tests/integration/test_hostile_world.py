@@ -138,3 +138,45 @@ def test_a_node_that_floods_before_its_answer_costs_bounded_memory(ssh_cluster, 
                                timeout=300)
     assert agent.last_json(result.stdout) == {"answer": 42}
     assert len(result.stdout) <= 33 << 20
+
+
+def test_a_controller_killed_while_starting_leaves_a_settled_run_and_nothing_on_the_nodes(ssh_cluster, tmp_path):
+    """kill -9 of `nodectl launch` during the sync: `status` settles the run from the nodes' truth (failed: nodectl
+    ended while starting it; no node started it; exit 1, not "lost" with exit 3), and `stop` removes what the
+    nodes had prepared."""
+    import json
+    import signal
+
+    from conftest import run_nodectl
+    from launch_helpers import latest_run_id
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("print('never')\n")
+    with open(project / "weights.bin", "wb") as handle:   # sparse: cheap to make, long enough to send
+        handle.truncate(480 << 20)
+    env = ssh_cluster.env()
+    inventory = str(ssh_cluster.inventory(count=2))
+    controller = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", inventory, "launch", "--skip-preflight",
+                                   "--", "train.py"], cwd=project, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not list((project / "runs").glob("*/manifest.json")) if (project / "runs").is_dir() else True:
+        assert time.time() < deadline and controller.poll() is None
+        time.sleep(0.02)
+    controller.send_signal(signal.SIGKILL)
+    controller.wait()
+    run_id = latest_run_id(project)
+    assert json.loads((project / "runs" / run_id / "manifest.json").read_text())["state"] == "starting"
+    status = run_nodectl(["--json", "status"], env=env, cwd=project)
+    assert status.exit_code == 1, status.output
+    document = status.json()
+    assert document["state"] == "failed"
+    assert [row["state"] for row in document["ranks"]] == ["not started", "not started"], document["ranks"]
+    manifest = json.loads((project / "runs" / run_id / "manifest.json").read_text())
+    assert manifest["failure"]["kind"] == "controller"
+    assert "while it was starting the run" in run_nodectl(["status"], env=env, cwd=project).stdout
+    stopped = run_nodectl(["stop"], env=env, cwd=project)
+    assert stopped.exit_code == 0, stopped.output
+    for node in ssh_cluster.nodes[:2]:
+        assert not (node.workdir / "runs" / run_id).exists()

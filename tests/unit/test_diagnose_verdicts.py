@@ -24,7 +24,7 @@ def shorten(path: str) -> str:
 
 
 def raw(version: str, scenario: str) -> dict[str, dict]:
-    return {p.stem: json.loads(p.read_text()) for p in sorted((DATA / version / scenario).glob("node*.json"))}
+    return {p.stem: json.loads(p.read_text()) for p in sorted((DATA / version / scenario).glob("*.json"))}
 
 
 def views_of(answers: dict[str, dict]) -> list[RankView]:
@@ -179,3 +179,19 @@ def test_older_dump_formats_are_read():
     assert recorder.last_completed == {"0": 7} and recorder.last_enqueued == {"0": 8}
     assert [c.seq for c in recorder.pending()] == [8]
     assert recorder.pending()[0].shapes() == "input [8] Float"
+
+
+def test_a_real_nccl_dump_reads_its_states_and_points_at_the_gpu():
+    """Saved by tests/gpu/test_gpu_node.py on an H200 (torch 2.11, NCCL 2.28.9): one NCCL rank whose 4th all_reduce
+    is queued behind a kernel that spins; the recorder calls it scheduled, the first three completed."""
+    answers = raw("nccl-2.11", "queued")
+    [view] = views_of(answers)
+    assert view.recorder.versions == ("nccl 2.10",)
+    assert view.recorder.last_completed == {"0": 3} and view.recorder.last_enqueued == {"0": 4}
+    [pending] = view.recorder.pending()
+    assert (pending.backend, pending.op, pending.seq, pending.state) == ("nccl", "all_reduce", 4, "scheduled")
+    assert pending.shapes() == "input [1048576] Float"
+    found = judge([view], shorten)
+    assert found.kind == "network"
+    assert "the only rank of group 0 has been in all_reduce #4 (group 0)" in found.summary
+    assert "(nccl: scheduled)" in found.summary
