@@ -505,8 +505,31 @@ def _limit(value: int):
 def probe_limits() -> dict:
     memlock = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     nofile = resource.getrlimit(resource.RLIMIT_NOFILE)
+    nproc = resource.getrlimit(resource.RLIMIT_NPROC)
     return {"memlock_soft": _limit(memlock[0]), "memlock_hard": _limit(memlock[1]),
-            "nofile_soft": _limit(nofile[0]), "nofile_hard": _limit(nofile[1])}
+            "nofile_soft": _limit(nofile[0]), "nofile_hard": _limit(nofile[1]),
+            "nproc_soft": _limit(nproc[0]), "nproc_hard": _limit(nproc[1]), "pids_max": _pids_max()}
+
+
+def _pids_max():
+    """The pids cgroup's limit on this session's tasks (threads count): "max", a number, or None unreadable."""
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":   # cgroup v2
+            candidate = f"/sys/fs/cgroup{path}/pids.max"
+        elif "pids" in controllers.split(","):
+            candidate = f"/sys/fs/cgroup/pids{path}/pids.max"
+        else:
+            continue
+        value = _read(candidate)
+        if value:
+            return value if value == "max" else int(value) if value.isdigit() else None
+    return None
 
 
 def probe_disk(workdir: str) -> dict:
@@ -516,7 +539,22 @@ def probe_disk(workdir: str) -> dict:
     stat = os.statvfs(path)
     shm = os.statvfs("/dev/shm") if os.path.exists("/dev/shm") else None
     return {"workdir": os.path.expanduser(workdir), "checked_path": path, "free_bytes": stat.f_bavail * stat.f_frsize,
-            "shm_bytes": shm.f_blocks * shm.f_frsize if shm else None, **_try_write(os.path.expanduser(workdir))}
+            "shm_bytes": shm.f_blocks * shm.f_frsize if shm else None, **_try_write(os.path.expanduser(workdir)),
+            "scratch": {"tmp": _scratch(tempfile.gettempdir()),
+                        "cache": _scratch(os.environ.get("HF_HOME") or os.environ.get("XDG_CACHE_HOME")
+                                          or os.path.expanduser("~/.cache"))}}
+
+
+def _scratch(folder: str) -> dict:
+    """A folder ranks write to behind the program's back (torch.compile and Triton in the temp folder, Hugging
+    Face and Triton caches under ~/.cache): writable, and its free space."""
+    found = {"path": folder, **_try_write(folder)}
+    try:
+        stat = os.statvfs(folder)
+        found["free_bytes"] = stat.f_bavail * stat.f_frsize
+    except OSError:
+        pass
+    return found
 
 
 def _try_write(folder: str) -> dict:

@@ -91,6 +91,33 @@ def check_uniformity(reports: Mapping[str, Mapping]) -> list[CheckResult]:
     return results
 
 
+DISTRIBUTED_ENV = ("NCCL_", "TORCH_", "GLOO_", "NVSHMEM_", "UCX_", "FI_", "CUDA_DEVICE_MAX_CONNECTIONS",
+                   "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
+def check_distributed_env(reports: Mapping[str, Mapping]) -> CheckResult:
+    """Variables that change how ranks talk or allocate, set in one node's login environment and not another's
+    (an NCCL_SOCKET_IFNAME in one ~/.bashrc): the ranks then disagree, and nothing says why. The inventory's env:
+    sets them for every node alike, over the login environment."""
+    envs = {node: {k: v for k, v in (r.get("env") or {}).items() if isinstance(k, str) and k.startswith(DISTRIBUTED_ENV)}
+            for node, r in reports.items() if isinstance(r.get("env"), Mapping) and "error" not in r["env"]}
+    if not envs:
+        return CheckResult("same NCCL/torch env", "cluster", SKIP, "no node reported its environment")
+    names = sorted(set().union(*(e.keys() for e in envs.values())))
+    differing = [name for name in names if len({str(e.get(name)) for e in envs.values()}) > 1]
+    if not differing:
+        return CheckResult("same NCCL/torch env", "cluster", PASS,
+                           f"{len(names)} such variable(s), the same everywhere" if names else "none set")
+    shown = []
+    for name in differing[:3]:
+        spread = {node: (e[name] if name in e else "unset") for node, e in envs.items()}
+        shown.append(f"{name}: {_spread(spread)}")
+    more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
+    return CheckResult("same NCCL/torch env", "cluster", WARN, " | ".join(shown) + more,
+                       "set them once for every node in the inventory's env: (defaults:), or remove them from "
+                       "the nodes' shell start-up files")
+
+
 IGNORED_PACKAGES = {"pip", "setuptools", "wheel", "nodectl"}
 
 

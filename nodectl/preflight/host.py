@@ -87,6 +87,55 @@ def check_disk(node: str, report: Mapping) -> CheckResult:
     return CheckResult("disk", node, PASS, f"{gib(free)} free")
 
 
+SCRATCH_WARN = 4 << 30
+NPROC_FAIL, NPROC_WARN = 4096, 16384   # threads count: each rank runs dozens (NCCL, gloo, loaders, compile pool)
+SCRATCH_USE = {"tmp": "torch.compile, Triton and data loaders write there",
+               "cache": "Hugging Face downloads and Triton kernels are cached there"}
+
+
+def check_scratch(node: str, report: Mapping) -> list[CheckResult]:
+    """The temp folder and the cache folder a rank gets: writable, with room."""
+    out = []
+    for key in ("tmp", "cache"):
+        found = get(report, "disk", "scratch", key)
+        if not isinstance(found, Mapping) or "writable" not in found:
+            out.append(CheckResult(key, node, SKIP, "the probe did not read it"))
+            continue
+        where = found.get("path", key)
+        if not found["writable"]:
+            out.append(CheckResult(key, node, FAIL, f"{where} cannot be written ({found.get('write_error')}): "
+                                   f"{SCRATCH_USE[key]}",
+                                   "make it writable for the login user, or point the ranks elsewhere in the "
+                                   f"inventory's env: ({'TMPDIR' if key == 'tmp' else 'HF_HOME, XDG_CACHE_HOME'})"))
+        elif isinstance(found.get("free_bytes"), int) and found["free_bytes"] < SCRATCH_WARN:
+            out.append(CheckResult(key, node, WARN, f"{gib(found['free_bytes'])} free in {where}: {SCRATCH_USE[key]}",
+                                   f"free space there or set {'TMPDIR' if key == 'tmp' else 'HF_HOME'} in env: to a "
+                                   f"larger disk"))
+        else:
+            out.append(CheckResult(key, node, PASS, f"{where} writable"))
+    return out
+
+
+def check_processes(node: str, report: Mapping) -> CheckResult:
+    """Processes and threads a session may run (RLIMIT_NPROC counts the user's threads; a pids cgroup counts the
+    session's): a rank starts dozens of threads, torch.compile a worker pool, each data loader worker more."""
+    soft, pids = get(report, "limits", "nproc_soft"), get(report, "limits", "pids_max")
+    if soft is None and pids is None:
+        return CheckResult("processes", node, SKIP, "the probe did not read the process limits")
+    limits = {name: v for name, v in (("ulimit -u", soft), ("pids cgroup", pids))
+              if isinstance(v, int) and not isinstance(v, bool)}
+    if not limits:
+        return CheckResult("processes", node, PASS, "no limit on processes and threads")
+    name, lowest = min(limits.items(), key=lambda item: item[1])
+    fix = ("raise it: '* soft nproc 65536' in /etc/security/limits.conf for ulimit -u; TasksMax= (systemd) or the "
+           "container's --pids-limit for the pids cgroup")
+    if lowest < NPROC_FAIL:
+        return CheckResult("processes", node, FAIL, f"{name} allows {lowest} processes and threads", fix)
+    if lowest < NPROC_WARN:
+        return CheckResult("processes", node, WARN, f"{name} allows {lowest} processes and threads", fix)
+    return CheckResult("processes", node, PASS, f"{lowest} processes and threads ({name})")
+
+
 def check_workdir(node: str, report: Mapping) -> CheckResult:
     """The workdir must take the run folders: created and written by the login user."""
     reason = unreadable(report, "disk")

@@ -74,6 +74,8 @@ NODE_CHECKS = (
     Check("disk", "host", lambda f: host.check_disk(f.node, f.report)),
     Check("clock", "host", lambda f: host.check_clock(f.node, f.report)),
     Check("nofile", "host", lambda f: host.check_nofile(f.node, f.report)),
+    Check("processes", "host", lambda f: host.check_processes(f.node, f.report)),
+    Check("tmp, cache", "host", lambda f: host.check_scratch(f.node, f.report)),
     Check("socket ifname", "network", lambda f: network.check_socket_ifname(f.node, f.report, f.env)),
     Check("master port", "network", lambda f: network.check_master_port(f.node, f.extras["port"]), needs="port"),
     Check("reach master", "network",
@@ -90,6 +92,7 @@ NODE_CHECKS = (
 CLUSTER_CHECKS = (
     Check("same torch/cuda/nccl/driver/python/packages", "cluster", lambda r: cluster.check_versions(r)),
     Check("same kernel/vbios/hca firmware/ofed/swap, cpu governor", "cluster", lambda r: cluster.check_uniformity(r)),
+    Check("same NCCL/torch env", "cluster", lambda r: cluster.check_distributed_env(r)),
     Check("one GPU model", "cluster", lambda r: cluster.check_gpu_models(r), cuda_only=True),
     Check("ib rate", "cluster", lambda r: cluster.check_ib_rates(r), cuda_only=True),
     Check("collective, nccl transport", "network", lambda r: [], tiers=MEASURED),

@@ -38,10 +38,13 @@ def healthy_report():
                        for i in range(8)],
         "modules": {"nvidia_peermem": True, "nv_peer_mem": False, "nvidia": True},
         "kernel_events": {"readable": True, "events": []},
-        "limits": {"memlock_soft": "unlimited", "nofile_soft": 1048576, "nofile_hard": 1048576},
+        "limits": {"memlock_soft": "unlimited", "nofile_soft": 1048576, "nofile_hard": 1048576,
+                   "nproc_soft": 2061564, "nproc_hard": 2061564, "pids_max": "max"},
         "nics": [{"name": "lo", "state": "unknown"}, {"name": "ens1", "state": "up"}, {"name": "ens2", "state": "down"},
                  {"name": "ib0", "state": "up"}],
-        "disk": {"shm_bytes": 64 << 30, "free_bytes": 500 << 30, "workdir": "/home/u/nodectl", "writable": True},
+        "disk": {"shm_bytes": 64 << 30, "free_bytes": 500 << 30, "workdir": "/home/u/nodectl", "writable": True,
+                 "scratch": {"tmp": {"path": "/tmp", "writable": True, "free_bytes": 200 << 30},
+                             "cache": {"path": "/home/u/.cache", "writable": True, "free_bytes": 500 << 30}}},
         "clock": {"skew_s": 0.02, "round_trip_s": 0.3},
         "os": {"kernel": "5.15.0-119-generic"},
         "cpu": {"governor": "performance"},
@@ -361,3 +364,36 @@ def test_the_preflight_table_fits_80_columns_with_a_gpu_nodes_thirty_checks():
     out = io.StringIO()
     print_report(Console(file=out, width=80), PreflightReport(names, results))
     assert "WARN gpu-node-with-a-long-name-01 thermal" in out.getvalue() and "preflight --all" in out.getvalue()
+
+
+def test_what_a_rank_writes_to_and_is_limited_by_behind_the_programs_back():
+    """The node that looks healthy and is not: a temp folder that cannot be written (torch.compile fails at its
+    first graph), a full cache disk, a pids cgroup or ulimit -u that the threads of 8 ranks exhaust."""
+    report = healthy_report()
+    report["disk"]["scratch"]["tmp"] = {"path": "/tmp", "writable": False, "write_error": "PermissionError: denied"}
+    report["disk"]["scratch"]["cache"]["free_bytes"] = 1 << 30
+    report["limits"]["pids_max"] = 2048
+    results = verdicts(report)
+    assert results["tmp"].verdict == FAIL and "/tmp cannot be written" in results["tmp"].detail
+    assert "TMPDIR" in results["tmp"].hint
+    assert results["cache"].verdict == WARN and "1.0 GiB free in /home/u/.cache" in results["cache"].detail
+    assert results["processes"].verdict == FAIL and "pids cgroup allows 2048" in results["processes"].detail
+    report["limits"].update(pids_max="max", nproc_soft=8192)
+    assert verdicts(report)["processes"].verdict == WARN
+    assert "ulimit -u allows 8192" in verdicts(report)["processes"].detail
+    del report["limits"]["nproc_soft"], report["limits"]["pids_max"]
+    assert verdicts(report)["processes"].verdict == SKIP
+
+
+def test_distributed_env_that_differs_between_login_environments_warns():
+    reports = {name: healthy_report() for name in ("n0", "n1", "n2")}
+    for name, report in reports.items():
+        report["env"] = {"PATH": f"/bin:{name}", "NCCL_IB_HCA": "mlx5"}
+    reports["n1"]["env"]["NCCL_SOCKET_IFNAME"] = "eth0"
+    result = cluster_checks.check_distributed_env(reports)
+    assert result.verdict == WARN
+    assert result.detail == "NCCL_SOCKET_IFNAME: eth0 on n1; unset on n0, n2"
+    assert "inventory's env:" in result.hint
+    del reports["n1"]["env"]["NCCL_SOCKET_IFNAME"]
+    same = cluster_checks.check_distributed_env(reports)
+    assert same.verdict == PASS and "1 such variable(s), the same everywhere" == same.detail
