@@ -56,6 +56,7 @@ class JobSpec:
     run_id: str | None = None         # a new id when None
     attempt: int = 0
     shared_workdirs: frozenset[str] = frozenset()
+    any_port: bool = False            # --force: a taken master_port moves to a free one instead of failing
 
     def plan(self) -> LaunchPlan:
         plan = build_plan(self.inventory, gpus=self.gpus, command=self.command, sync_dir=self.sync_dir,
@@ -102,7 +103,7 @@ def settle_job(job: Job, cluster: Cluster, *, survey_nodes: bool = True) -> Job:
         missing = surveyed.missing
         if surveyed.shared:
             spec = replace(spec, shared_workdirs=surveyed.shared)
-    plan = settle_master_port(spec.plan() if spec is not job.spec else job.plan, cluster)
+    plan = settle_master_port(spec.plan() if spec is not job.spec else job.plan, cluster, move=spec.any_port)
     return Job(spec, plan, tuple(render_plan(plan, spec.template)), missing)
 
 

@@ -101,6 +101,9 @@ def _print_dry_run(app: AppContext, job: Job, unsettled: list[str]) -> None:
               help="A live rank whose heartbeat is older than this many seconds (or, for a script that writes "
                    "none, whose log has not grown for that long) stalls: the run is diagnosed (nodectl diagnose) "
                    "and stopped.")
+@click.option("--force", is_flag=True,
+              help="Start even when the inventory's master_port is taken on node 0 (a live run holds it): this run "
+                   "gets a free port instead.")
 @click.option("--on-stall", type=click.Choice(["stop", "keep"]), default="stop", show_default=True,
               help="With --stall-after: after the diagnosis, stop the run, or keep it running (to attach a "
                    "debugger, or wait it out).")
@@ -111,8 +114,8 @@ def _print_dry_run(app: AppContext, job: Job, unsettled: list[str]) -> None:
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit, template, dry_run, skip_preflight,
-            detach, follow, grace, max_restarts, exclude_failed, stall_after, on_stall, overrides, resume_run,
-            command) -> None:
+            detach, follow, grace, max_restarts, exclude_failed, stall_after, force, on_stall, overrides,
+            resume_run, command) -> None:
     """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
     previous = None
     for position, argument in enumerate(command, 1):
@@ -155,7 +158,7 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
                    files=tuple(files + sync.nodectl_files(not command, config)), gpus=gpus, config=config,
                    overrides=tuple(overrides), max_restarts=max_restarts, template=template, facts=facts,
                    argv=launch_argv(), run_id=previous.run_id if previous else None,
-                   attempt=previous.read().attempt + 1 if previous else 0)
+                   attempt=previous.read().attempt + 1 if previous else 0, any_port=force)
     job = plan_job(spec)
     if dry_run:
         _print_dry_run(app, job, _unsettled(job, facts, skip_preflight))

@@ -28,8 +28,9 @@ class NodeStart:
     bytes_sent: int
 
 
-def settle_master_port(plan: LaunchPlan, cluster: Cluster) -> LaunchPlan:
-    """Make sure node 0 can listen on the master port; move a port nodectl chose if it is taken."""
+def settle_master_port(plan: LaunchPlan, cluster: Cluster, move: bool = False) -> LaunchPlan:
+    """Make sure node 0 can listen on the master port; move a port nodectl chose (or, with `move`, the
+    inventory's) if it is taken."""
     master = plan.nodes[0].node
     answer = cluster.fan_out(lambda t: agent.call(t, "port", str(plan.master_port)), [master])[0]
     if answer.unreachable:
@@ -38,13 +39,14 @@ def settle_master_port(plan: LaunchPlan, cluster: Cluster) -> LaunchPlan:
         raise NodectlError(f"{master.name}: cannot check master port {plan.master_port}: {answer.error}")
     if answer.value.free:
         return plan
-    if plan.port_was_chosen:
+    if plan.port_was_chosen or move:
         return with_port(plan, answer.value.port)
     holders = [run.run_id for run in live_runs_on(master.host, plan.master_port) if run.run_id != plan.run_id]
     held = (f" by run {holders[0]}, recorded as still running (nodectl status --run {holders[0]}; nodectl stop --run "
             f"{holders[0]} ends it)" if holders else "")
-    raise NodectlError(f"master_port {plan.master_port} is in use on {master.name}{held}; stop what holds it, or "
-                       f"pick another master_port in the inventory (or leave it out: nodectl then picks a free one)")
+    raise NodectlError(f"master_port {plan.master_port} is in use on {master.name}{held}. Choices: stop what holds "
+                       f"it; pick another master_port in the inventory (or leave it out: nodectl then picks a free "
+                       f"one); or launch --force to start this run on a free port anyway")
 
 
 @dataclass(frozen=True)

@@ -184,7 +184,15 @@ def test_a_second_launch_on_a_fixed_port_names_the_live_run_holding_it(project):
         second = run_nodectl(["launch", "-i", "fixed.yaml", "--", "train.py"], env=env, cwd=project)
         assert second.exit_code == 1, second.stdout + second.stderr
         assert f"master_port {port} is in use" in second.stderr and f"nodectl stop --run {run_id}" in second.stderr
-        assert "Traceback" not in second.stderr
+        assert "launch --force" in second.stderr and "Traceback" not in second.stderr
+        # --force: this run takes a free port and starts beside the live one
+        forced = run_nodectl(["--json", "launch", "-i", "fixed.yaml", "--force", "--detach", "--", "train.py"],
+                             env=env, cwd=project)
+        assert forced.exit_code == 0, forced.stdout + forced.stderr
+        forced_id = forced.json()["run_id"]
+        manifest = json.loads((project / "runs" / forced_id / "manifest.json").read_text())
+        assert manifest["plan"]["master_port"] != port
+        run_nodectl(["stop", "--run", forced_id], env=env, cwd=project)
     finally:
         run_nodectl(["stop", "--run", run_id], env=env, cwd=project)
 
