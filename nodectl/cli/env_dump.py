@@ -1,6 +1,7 @@
 """`nodectl env-dump`: one JSON snapshot per node, a table of key facts, or only what differs."""
 from __future__ import annotations
 
+import errno
 import json
 from pathlib import Path
 
@@ -36,6 +37,8 @@ def command(app: AppContext, nodes: int | None, exclude: tuple[str, ...], diff: 
             for name, report in reports.items():
                 (output / f"{name}.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
         except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise   # "the local disk is full", said by the command line for every command
             raise NodectlError(f"-o {output}: cannot write the reports: {exc.strerror or exc}") from None
     differences = diff_reports(reports) if diff else None
     if app.json:
