@@ -132,7 +132,8 @@ def _secure(conn, timeout: float, accept_new: bool) -> None:
 
 def connection(host: str, *, user: str | None, port: int | None, identity_file: str | None, timeout: float,
                accept_new: bool):
-    """An unopened fabric Connection to `host`, its ProxyJump hops (from ~/.ssh/config) built and secured."""
+    """An unopened fabric Connection to `host`: its ProxyJump hops (from ~/.ssh/config) built and secured, or its
+    ProxyCommand run as the socket (ssh's rule: ProxyJump wins when both are set)."""
     from fabric import Config
 
     cls = _connection_class()
@@ -148,6 +149,8 @@ def connection(host: str, *, user: str | None, port: int | None, identity_file: 
             _secure(hop_conn, timeout, accept_new)
             gateway = hop_conn
         conn.gateway = gateway
+    elif (command := conn.ssh_config.get("proxycommand")) and command.strip().lower() != "none":
+        conn.gateway = command   # fabric runs it (paramiko.ProxyCommand): the target's stdio through it
     return conn
 
 
@@ -176,7 +179,9 @@ def system_ssh_argv(client: str, conn, identity_file: str | None, timeout: float
         argv += ["-l", conn.user]
     if conn.port:
         argv += ["-p", str(conn.port)]
-    return argv + ["--", conn.host]
+    # the name as written in the inventory: OpenSSH then applies the same Host block (HostName, ProxyJump,
+    # ProxyCommand) that the paramiko connection did; the resolved HostName would bypass a bastion
+    return argv + ["--", getattr(conn, "original_host", None) or conn.host]
 
 
 def open_errors(conn, exc: BaseException, timeout: float) -> str | None:
@@ -184,7 +189,8 @@ def open_errors(conn, exc: BaseException, timeout: float) -> str | None:
     import paramiko
 
     target = f"{conn.user}@{conn.host}:{conn.port}"
-    via = f" (through ProxyJump {conn.ssh_config.get('proxyjump')})" if conn.gateway else ""
+    via = "" if not conn.gateway else f" (through ProxyCommand {conn.gateway})" if isinstance(conn.gateway, str) \
+        else f" (through ProxyJump {conn.ssh_config.get('proxyjump')})"
     if isinstance(exc, HostKeyError):
         return str(exc)
     if isinstance(exc, paramiko.BadHostKeyException):

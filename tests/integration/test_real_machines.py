@@ -19,7 +19,7 @@ import pytest
 
 from conftest import make_cluster, run_nodectl
 from launch_helpers import kill_leftovers, latest_run_id, make_project, run_processes, wait_for
-from sshcluster import NodeSpec
+from sshcluster import NODE_PYTHON, NodeSpec
 
 pytestmark = pytest.mark.slow
 
@@ -389,6 +389,59 @@ def test_proxyjump_checks_the_bastion_key_and_honours_the_timeout(tmp_path_facto
                 filler.close()
         assert result.exit_code == 3 and "timed out" in result.stderr, result.output[-2000:]
         assert elapsed < 20, elapsed
+    finally:
+        cluster.stop()
+
+
+RELAY = """\
+import os, socket, sys, threading
+peer = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+
+
+def upstream():
+    while data := os.read(0, 65536):
+        peer.sendall(data)
+    peer.shutdown(socket.SHUT_WR)
+
+
+threading.Thread(target=upstream, daemon=True).start()
+while data := peer.recv(65536):
+    os.write(1, data)
+"""
+
+
+def test_proxycommand_is_honoured_by_paramiko_and_by_the_system_ssh_stream(tmp_path_factory, tmp_path):
+    """~/.ssh/config's ProxyCommand fronts a HostName nothing can reach directly (192.0.2.1, TEST-NET): env-dump
+    and a launch work only through the command, and the sync's system ssh is given the alias, not the address,
+    so it applies the same Host block (before, paramiko dialled 192.0.2.1 and the stream bypassed bastions)."""
+    cluster = make_cluster(tmp_path_factory, 1, first_octet=34)
+    [target] = cluster.nodes
+    relay = tmp_path / "relay.py"
+    relay.write_text(RELAY)
+    (cluster.home / ".ssh" / "config").write_text(
+        f"Host viacmd\n  HostName 192.0.2.1\n  Port {target.port}\n  User root\n  IdentityFile {cluster.identity}\n"
+        f"  ProxyCommand {sys.executable} {relay} {target.address} {target.port}\n")
+    target_line = cluster.known_hosts_lines()[0]
+    (cluster.home / ".ssh" / "known_hosts").write_text(
+        f"[192.0.2.1]:{target.port} {' '.join(target_line.split()[1:])}\n")
+    inventory = tmp_path / "hosts.yaml"
+    inventory.write_text(f"defaults: {{device: cpu, python: {NODE_PYTHON}}}\nnodes:\n  - {{host: viacmd, name: n0, addr: {target.address}}}\n")
+    env = cluster.env()
+    try:
+        dumped = run_nodectl(["-i", str(inventory), "--connect-timeout", "5", "--json", "env-dump"], env=env,
+                             timeout=120)
+        assert dumped.exit_code == 0, dumped.output[-2000:]
+        assert dumped.json()["nodes"]["n0"]["python"]["version"]
+        project = make_project(tmp_path / "project")
+        (project / "weights.bin").write_bytes(os.urandom(1 << 20))
+        env = {**env, **fake_ssh(tmp_path / "ssh", "exec /usr/bin/ssh \"$@\"")}
+        launched = run_nodectl(["-i", str(inventory), "--connect-timeout", "5", "launch", "--skip-preflight", "--",
+                                "train.py"], env=env, cwd=project, timeout=180)
+        assert launched.exit_code == 0, launched.output[-2000:]
+        calls = (tmp_path / "ssh" / "calls").read_text().splitlines()
+        assert calls and all(c.split(" -- ")[1].split()[0] == "viacmd" for c in calls), calls
+        arrived = target.workdir / "runs" / latest_run_id(project) / "code" / "weights.bin"
+        assert arrived.read_bytes() == (project / "weights.bin").read_bytes()
     finally:
         cluster.stop()
 
