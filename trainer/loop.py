@@ -203,11 +203,12 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
             (recipe.train.save_every and (step + 1) % recipe.train.save_every == 0)
         if (evaluates or saves) and window_steps and ctx.on_gpu:
             torch.cuda.synchronize(ctx.device)  # queued training work belongs to the window, not to the aside
+        # the check costs a small collective per log window: training time, counted in the next window
+        due, stopping = timed.check(term.asked) if (step + 1) % recipe.train.log_every == 0 or last else (False, False)
         reason, aside = None, time.perf_counter()  # evaluation and saving are not training time
         if evaluates:
             reason = stopper.update(step + 1, run_eval(step + 1))
         every = recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0
-        due, stopping = timed.check(term.asked) if (step + 1) % recipe.train.log_every == 0 or last else (False, False)
         if every or due or (stopping and step + 1 > saved_at):
             _checkpoint(recipe, ctx, model, optimizer, step + 1, out_dir, reporter if every else None)
             saved_at, timed = step + 1, Deadline(recipe.train.checkpoint_minutes, ctx)
