@@ -14,6 +14,7 @@ import errno
 import hashlib
 import json
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -588,9 +589,256 @@ def cmd_stop(args: list, request: dict) -> dict:
             break
         time.sleep(0.1)
     stopped = {"time": time.time(), "terminated": len(targets), "killed": len(killed)}
+    removed = remove_container(run_dir)
+    if removed:
+        stopped["container"] = removed
     if targets:
         _write(os.path.join(run_dir, "state", "stopped"), json.dumps(stopped))
     return dict(stopped, left=len(run_processes(run_dir)))
+
+
+def _quiet(argv: list, timeout: float, stdin: str | None = None) -> tuple:
+    """(exit code, stdout, stderr) of a command run without a shell; 127 when it is missing, 124 on timeout."""
+    try:
+        proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        return 127, "", f"{argv[0]}: not found"
+    except subprocess.TimeoutExpired:
+        return 124, "", f"{' '.join(argv[:3])} did not answer within {timeout:.0f} s"
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def _last_json(text: str):
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except ValueError:
+                continue
+    return None
+
+
+def cmd_container(args: list, request: dict) -> dict:
+    """The node's container runtime, checked as the ranks will use it: installed, usable by this user, its version,
+    the image present (docker and podman pull it when missing), and with a `probe` request, launchers/probe.py's
+    report from inside the image."""
+    runtime, image = request["runtime"], request["image"]
+    if not shutil.which(runtime):
+        return {"installed": False}
+    answer = {"installed": True}
+    if runtime in ("docker", "podman"):
+        code, out, err = _quiet([runtime, "version", "--format", "{{.Client.Version}}"], 30)
+        answer["version"] = out.strip() or err.strip()[-300:]
+        usable = "{{.Host.OCIRuntime.Name}}" if runtime == "podman" else "{{.ServerVersion}}"
+        code, out, err = _quiet([runtime, "info", "--format", usable], 60)
+        answer["usable"], answer["usable_output"] = code == 0, (err or out).strip()[-600:]
+        if code == 0:
+            inspect = [runtime, "image", "inspect", "--format", "{{.Id}}", image]
+            code, out, err = _quiet(inspect, 60)
+            if code != 0 and request.get("pull"):
+                pulled, pout, perr = _quiet([runtime, "pull", image], 3600)
+                answer["pulled"], answer["pull_output"] = pulled == 0, (perr or pout).strip()[-600:]
+                if pulled == 0:
+                    code, out, err = _quiet(inspect, 60)
+            answer["image_present"] = code == 0
+            answer["image_id"] = out.strip() if code == 0 else None
+    else:  # apptainer, enroot: the image is a file on the node (or, for apptainer, a URI it pulls at start)
+        code, out, err = _quiet([runtime, "--version"] if runtime == "apptainer" else [runtime, "version"], 30)
+        answer["version"], answer["usable"] = (out or err).strip()[-300:], code == 0
+        path = os.path.expanduser(image)
+        answer["image_present"] = os.path.isfile(path) if "://" not in image else None
+        if answer["image_present"]:
+            stat_of = os.stat(path)
+            answer["image_id"] = f"{stat_of.st_size}-{int(stat_of.st_mtime)}"
+    probe = request.get("probe")
+    if probe and answer.get("usable") and answer.get("image_present") is not False:
+        argv = list(probe["argv"])
+        if runtime in ("docker", "podman"):  # the limits launch.sh gives the ranks: the node's hard limits
+            argv[2:2] = [word for kind, name in ((resource.RLIMIT_MEMLOCK, "memlock"), (resource.RLIMIT_NOFILE, "nofile"))
+                         for word in ("--ulimit", "{0}={1}:{1}".format(name, _hard_limit(kind)))]
+        code, out, err = _quiet(argv, 240, stdin=probe["source"])
+        report = _last_json(out)
+        answer["probe"] = report if isinstance(report, dict) else \
+            {"error": f"the probe in the image exited {code}: {(err or out).strip()[-600:]}"}
+    return answer
+
+
+def _hard_limit(kind: int) -> int:
+    hard = resource.getrlimit(kind)[1]
+    return -1 if hard == resource.RLIM_INFINITY else hard
+
+
+def remove_container(run_dir: str) -> dict:
+    """The run's container on this node (named in node.json), removed with whatever still runs in it; what the
+    runtime said, or {} when the run has none."""
+    container = (_read_json(os.path.join(run_dir, "node.json"), {}) or {}).get("container")
+    if not container or container.get("runtime") not in ("docker", "podman", "enroot"):
+        return {}
+    runtime, name = container["runtime"], container["name"]
+    argv = [runtime, "rm", "-f", name] if runtime != "enroot" else [runtime, "remove", "-f", name]
+    code, out, err = _quiet(argv, 60)
+    gone = code == 0 or "no such container" in (err + out).lower() or "no container with" in (err + out).lower()
+    return {"container": name, "removed": gone, **({} if gone else {"error": (err or out).strip()[-300:]})}
+
+
+# Locked environments (hosts.yaml `environment:`, nodectl/environment.py): one venv per node per lock, built from
+# wheels the controller fetched and sent through the object store, under <workdir>/.nodectl/envs/<key>/, where the
+# key is the lock's hash with this interpreter's version and platform. Its manifest (every file's size and mtime,
+# bytecode caches aside) is what later launches compare against: a changed, added or removed file is drift.
+ENV_INFO, ENV_MANIFEST = "nodectl-env.json", "nodectl-manifest.json"
+
+
+def _platform() -> dict:
+    import platform
+
+    libc, version = platform.libc_ver()
+    return {"python": "{}.{}".format(*sys.version_info[:2]), "implementation": sys.implementation.name,
+            "machine": platform.machine(), "libc": libc or "", "libc_version": version or "",
+            "executable": sys.executable}
+
+
+def _env_key(lock_sha: str, facts: dict) -> str:
+    ident = "|".join([lock_sha, facts["implementation"], facts["python"], facts["machine"], facts["libc"],
+                      facts["libc_version"]])
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _env_files(env_dir: str) -> dict:
+    """relative path -> [size, mtime_ns] of every file and link of a venv, bytecode caches aside (Python writes
+    them on first import) and nodectl's own two files aside."""
+    found = {}
+    for folder, dirs, names in os.walk(env_dir):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in names:
+            if name.endswith(".pyc") or folder == env_dir and name in (ENV_INFO, ENV_MANIFEST):
+                continue
+            path = os.path.join(folder, name)
+            info = os.lstat(path)
+            found[os.path.relpath(path, env_dir)] = [info.st_size, info.st_mtime_ns]
+    return found
+
+
+def _env_state(env_dir: str) -> dict:
+    info = _read_json(os.path.join(env_dir, ENV_INFO))
+    if not isinstance(info, dict):
+        return {"present": False}
+    built = _read_json(os.path.join(env_dir, ENV_MANIFEST), {}) or {}
+    now = _env_files(env_dir)
+    changed = sorted(p for p in built if p in now and now[p] != built[p])
+    added, removed = sorted(set(now) - set(built)), sorted(set(built) - set(now))
+    return {"present": True, "intact": not (changed or added or removed), "built": info.get("built"),
+            "packages": info.get("packages"), "installer": info.get("installer"), "seconds": info.get("seconds"),
+            "changed": changed[:5], "added": added[:5], "removed": removed[:5],
+            "drift": len(changed) + len(added) + len(removed)}
+
+
+def cmd_env_status(args: list, request: dict) -> dict:
+    """This node's interpreter and platform, the key of the lock's venv here, and that venv's state."""
+    facts = _platform()
+    key = _env_key(request["lock_sha"], facts)
+    env_dir = os.path.join(os.path.expanduser(args[0]), ".nodectl", "envs", key)
+    return dict(facts, key=key, path=env_dir, python_path=os.path.join(env_dir, "bin", "python"),
+                **_env_state(env_dir))
+
+
+def _uv_binary(workdir: str, store: str, wheel: dict) -> str:
+    """uv's executable, taken once from its wheel (a zip; the controller sent it for this platform)."""
+    import zipfile
+
+    tools = os.path.join(workdir, ".nodectl", "tools")
+    target = os.path.join(tools, "uv-" + wheel["sha256"][:16])
+    if os.path.isfile(target):
+        return target
+    os.makedirs(tools, mode=0o700, exist_ok=True)
+    with zipfile.ZipFile(os.path.join(store, wheel["sha256"])) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".data/scripts/uv"))
+        tmp = f"{target}.{os.getpid()}.tmp"
+        with archive.open(name) as source, open(tmp, "wb") as sink:
+            shutil.copyfileobj(source, sink, STREAM_BUFFER)
+    os.chmod(tmp, 0o700)
+    os.replace(tmp, target)
+    return target
+
+
+def cmd_env_build(args: list, request: dict) -> dict:
+    """The lock's venv on this node: reused when present and unchanged; else (re)built from the wheels in the
+    object store with uv (sent by the controller) or the interpreter's own venv and pip, offline. `index` installs
+    from the node's own package index instead. One build at a time per key (a lock file), in place (a venv is not
+    relocatable) with its info file written last, so a build cut midway is never taken for a finished one."""
+    import fcntl
+
+    workdir = os.path.expanduser(args[0])
+    facts = _platform()
+    key = _env_key(request["lock_sha"], facts)
+    envs = os.path.join(workdir, ".nodectl", "envs")
+    env_dir = os.path.join(envs, key)
+    os.makedirs(envs, mode=0o700, exist_ok=True)
+    with open(os.path.join(envs, key + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = _env_state(env_dir)
+        if state.get("present") and state.get("intact"):
+            return dict(facts, **state, key=key, python_path=os.path.join(env_dir, "bin", "python"), reused=True)
+        replaced = None
+        if state.get("present"):   # drifted: kept aside for a look (the last one only), never used again
+            replaced = f"{env_dir}.drifted"
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(env_dir, replaced)
+        shutil.rmtree(env_dir, ignore_errors=True)   # a build cut midway (no info file)
+        started = time.time()
+        try:
+            installer, packages = _build_env(workdir, env_dir, request)
+        except Exception:
+            shutil.rmtree(env_dir, ignore_errors=True)
+            raise
+        seconds = round(time.time() - started, 2)
+        _write(os.path.join(env_dir, ENV_MANIFEST), json.dumps(_env_files(env_dir)))
+        _write(os.path.join(env_dir, ENV_INFO), json.dumps({"key": key, "lock_sha": request["lock_sha"],
+                                                            "built": time.time(), "installer": installer,
+                                                            "packages": packages, "seconds": seconds, **facts}))
+    return dict(facts, **_env_state(env_dir), key=key, python_path=os.path.join(env_dir, "bin", "python"),
+                reused=False, replaced=replaced)
+
+
+def _build_env(workdir: str, env_dir: str, request: dict) -> tuple:
+    store = os.path.join(workdir, ".nodectl", "objects")
+    python = os.path.join(env_dir, "bin", "python")
+    wheels = request.get("wheels") or []
+    folder = os.path.join(workdir, ".nodectl", "wheels")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    paths = []
+    for wheel in wheels:   # the store names objects by hash; installers need the wheel's file name
+        path = os.path.join(folder, wheel["name"])
+        if not (os.path.exists(path) and os.path.samefile(path, os.path.join(store, wheel["sha256"]))):
+            _place(os.path.join(store, wheel["sha256"]), path, 0o600)
+        paths.append(path)
+    uv = _uv_binary(workdir, store, request["uv"]) if request.get("uv") else None
+    # No installer cache: a second copy of every package on the node's disk; the wheels themselves stay
+    # (hard links to the object store), so a rebuild unpacks them again without anything sent.
+    env = dict(os.environ, UV_NO_CACHE="1", UV_NO_PROGRESS="1", PIP_DISABLE_PIP_VERSION_CHECK="1",
+               PIP_NO_CACHE_DIR="1")
+    env.pop("VIRTUAL_ENV", None)
+    if request.get("index"):
+        requirements = os.path.join(folder, "requirements-" + request["lock_sha"][:16] + ".txt")
+        _write(requirements, request["requirements"], 0o600)
+        steps = [[sys.executable, "-m", "venv", env_dir],
+                 [python, "-m", "pip", "install", "-q", *(["--index-url", request["index"]]
+                                                         if request["index"] != "default" else []),
+                  "-r", requirements]]
+        installer = "pip (node's index)"
+    elif uv:
+        steps = [[uv, "venv", "-q", "--python", sys.executable, env_dir],
+                 [uv, "pip", "install", "-q", "--python", python, "--offline", "--no-index", "--no-deps", *paths]]
+        installer = "uv"
+    else:
+        steps = [[sys.executable, "-m", "venv", env_dir],
+                 [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", *paths]]
+        installer = "pip"
+    for argv in steps:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{os.path.basename(argv[0])} {argv[1]} failed ({proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout).strip()[-800:]}")
+    return installer, len(wheels) or None
 
 
 def cmd_stacks(args: list, request: dict) -> dict:
@@ -615,8 +863,12 @@ def _stack_of(run_dir: str, rank: int, pid: int, py_spy) -> dict:
             return {"text": proc.stdout}
     ready = os.path.join(run_dir, "stacks", f"rank{rank}.ready")
     if not os.path.exists(ready):
-        return {"error": "py-spy is not installed on the node and the program registered no SIGUSR1 handler "
-                         "(the built-in trainer does; `pip install py-spy` covers any program)"}
+        text = _listener_stack(run_dir, rank)
+        if text:
+            return {"text": text}
+        return {"error": "py-spy is not installed on the node, the program registered no SIGUSR1 handler and its "
+                         "listener did not answer (a program run with -S or -I has none; `pip install py-spy` "
+                         "covers any program)"}
     path = os.path.join(run_dir, "stacks", f"rank{rank}.txt")
     before = os.path.getsize(path) if os.path.exists(path) else 0
     if not signal_run_process(pid, signal.SIGUSR1, _markers(run_dir)):
@@ -629,6 +881,26 @@ def _stack_of(run_dir: str, rank: int, pid: int, py_spy) -> dict:
     with open(path, "rb") as handle:
         handle.seek(before)
         return {"text": handle.read().decode("utf-8", errors="replace")}
+
+
+def _listener_stack(run_dir: str, rank: int, wait: float = 5.0) -> str:
+    """Every thread's stack from the rank's own listener (lib/sitecustomize.py), as text; "" without an answer."""
+    flight, request_id = os.path.join(run_dir, "flight"), f"stacks-{time.time_ns()}-{os.getpid()}"
+    deadline = time.monotonic() + wait
+    if not _ask_listener(os.path.join(flight, f"rank{rank}.request"), request_id, time.monotonic() + 1.0):
+        return ""
+    while time.monotonic() < deadline:
+        answer = _read_json(os.path.join(flight, f"rank{rank}.answer.json"))
+        if isinstance(answer, dict) and answer.get("request") == request_id and answer.get("threads"):
+            lines = [f"Process {answer.get('pid')} (rank {rank}; from its listener)"]
+            for thread in answer["threads"]:
+                lines.append(f"Thread {thread.get('native_id')} ({thread.get('name')})"
+                             f"{' [main]' if thread.get('main') else ''}")
+                for filename, lineno, function, code in reversed(thread.get("frames") or []):
+                    lines.append(f"    {function} ({filename}:{lineno})" + (f"\n        {code}" if code else ""))
+            return "\n".join(lines) + "\n"
+        time.sleep(0.05)
+    return ""
 
 
 def _cpu_ticks(pid: int) -> dict:
@@ -895,7 +1167,8 @@ def cmd_cleanup(args: list, request: dict) -> dict:
 COMMANDS = {"have": cmd_have, "prepare": cmd_prepare, "port": cmd_port, "start": cmd_start, "poll": cmd_poll,
             "tail": cmd_tail, "stop": cmd_stop, "stacks": cmd_stacks, "pack": cmd_pack, "cleanup": cmd_cleanup,
             "listen": cmd_listen, "_serve": cmd_serve, "unlisten": cmd_unlisten, "connect": cmd_connect,
-            "route": cmd_route, "identity": cmd_identity, "receive": cmd_receive, "diagnose": cmd_diagnose}
+            "route": cmd_route, "identity": cmd_identity, "receive": cmd_receive, "diagnose": cmd_diagnose,
+            "container": cmd_container, "env_status": cmd_env_status, "env_build": cmd_env_build}
 STREAMING = {"receive"}  # read their stdin themselves
 
 

@@ -82,4 +82,8 @@ def summary_row(report: Mapping) -> dict[str, str]:
         "python": str(get("python", "version")), "torch": str(get("torch", "version")),
         "cuda": str(get("torch", "cuda")), "nccl": str(get("torch", "nccl")),
         "driver": str(get("gpus", "driver")), "gpus": gpu_text,
+        # ranks in a container: python/torch above are the image's; the host's own beside them
+        "image": f"{get('container', 'runtime')}: {get('container', 'image')}" if report.get("container") else "-",
+        "host python/torch": f"{get('host', 'python', 'version')} / {get('host', 'torch', 'version')}"
+        if report.get("container") else "-",
     }

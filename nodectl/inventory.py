@@ -15,10 +15,10 @@ from typing import Any, Mapping
 
 import yaml
 
-from nodectl import hostlist
+from nodectl import container as containers, environment as environments, hostlist
 from nodectl.errors import InventoryError, UsageError
 
-NODE_KEYS = {"user", "port", "identity_file", "gpus", "device", "python", "workdir", "env", "transport"}
+NODE_KEYS = {"user", "port", "identity_file", "gpus", "device", "python", "workdir", "env", "transport", "container", "environment"}
 TOP_KEYS = {"master_port", "defaults", "nodes"}
 HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\-\[\]]+$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -53,6 +53,8 @@ class Node:
     workdir: str = DEFAULT_WORKDIR
     env: Mapping[str, str] = field(default_factory=dict)
     transport: str = "ssh"
+    container: containers.Container | None = None   # ranks run inside this image (nodectl/container.py)
+    environment: environments.Environment | None = None   # ranks run in a venv nodectl builds (nodectl/environment.py)
     line: int | None = None
 
     @property
@@ -355,6 +357,17 @@ class _Parser:
         settings = self.settings(defaults, "defaults") | self.settings(raw, where)
         env = {**self.settings(defaults, "defaults").get("env", {}), **self.settings(raw, where).get("env", {})}
         settings["env"] = env
+        raw_container = containers.merge(defaults.get("container"), raw["container"]) if "container" in raw \
+            else defaults.get("container")
+        settings["container"] = containers.parse(raw_container, f"{where}.container",
+                                                 lambda key, expected: self.fail(key, expected, raw, "container"))
+        if settings.get("environment") is not None:
+            settings["environment"] = environments.parse(settings["environment"], f"{where}.environment",
+                                                         lambda key, expected: self.fail(key, expected, raw))
+        if settings["container"] is not None and settings.get("environment") is not None:
+            self.fail(f"{where}.environment", "not beside container: (an image brings its own environment); set one "
+                      "of the two for this node (environment: null turns a default off)", raw,
+                      "environment" if "environment" in raw else "container")
         node = Node(name=name, host=host, addr=addr, index=index, line=getattr(raw, "line", None), **settings)
         if node.is_local and "workdir" not in raw and "workdir" not in defaults:
             node = replace(node, workdir=LOCAL_WORKDIR)
@@ -383,6 +396,13 @@ class _Parser:
                 out[key] = value
             elif key == "env":
                 out[key] = self.env(value, label, raw)
+            elif key == "environment":
+                environments.parse(value, label, lambda k, expected: self.fail(k, expected, raw, key))
+                out[key] = value
+            elif key == "container":
+                if isinstance(value, dict) and "image" in value or isinstance(value, str):
+                    containers.parse(value, label, lambda k, expected: self.fail(k, expected, raw, key))
+                out[key] = value
             else:  # user, identity_file, python, workdir: plain one-line strings
                 if not isinstance(value, str) or not value.strip() or any(c in value for c in "\n\r\0"):
                     self.fail(label, f"a non-empty one-line string, got {value!r}", raw, key)

@@ -89,6 +89,8 @@ class LaunchPlan:
         for entry in data["nodes"]:
             entry["env"] = redact_env(entry["env"])
             entry["node"]["env"] = redact_env(entry["node"]["env"])
+            if entry["node"].get("environment"):   # the file's text may name an index with its credentials
+                entry["node"]["environment"].pop("requirements", None)
             entry["ranks"] = list(range(entry["node_rank"] * entry["nproc"], (entry["node_rank"] + 1) * entry["nproc"]))
         return data
 

@@ -17,6 +17,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from nodectl import __version__
+from nodectl.container import container_name
 from nodectl.errors import UsageError
 from nodectl.plan import LaunchPlan, NodePlan
 from nodectl.resources import resource_dir
@@ -83,12 +84,13 @@ def _render_node(environment: jinja2.Environment, name: str, plan: LaunchPlan, n
     for key in np.env:
         if not ENV_NAME.match(key):
             raise UsageError(f"environment variable name {key!r} of node {np.node.name} is not valid")
-    context = {"plan": plan, "np": np, "version": __version__}
+    env = {**np.env, "NODECTL_ATTEMPT": str(plan.attempt)}  # 0, then 1, 2, ... for --resume and restarts
+    context = {"plan": plan, "np": np, "version": __version__, "env_names": sorted(env),
+               "container_name": container_name(plan.run_id, np.node.name)}
     try:
         launch = environment.get_template(name).render(**context)
         shown = replace(plan, command=tuple(redact_args(plan.command)))
         launch_redacted = environment.get_template(name).render(**{**context, "plan": shown})
-        env = {**np.env, "NODECTL_ATTEMPT": str(plan.attempt)}  # 0, then 1, 2, ... for --resume and restarts
         env_text = environment.get_template(ENV_TEMPLATE).render(env=env, **context)
         redacted = environment.get_template(ENV_TEMPLATE).render(env=redact_env(env), **context)
     except jinja2.exceptions.SecurityError as exc:

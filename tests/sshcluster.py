@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -374,3 +375,68 @@ def _sshd_sessions_under(root: int) -> list[int]:
                 if names.get(pid) == "sshd":
                     found.append(pid)
     return found
+
+
+def netns_available() -> bool:
+    if os.geteuid() != 0 or not shutil.which("ip"):
+        return False
+    probe = subprocess.run(["ip", "netns", "add", "nodectl-probe"], capture_output=True)
+    subprocess.run(["ip", "netns", "del", "nodectl-probe"], capture_output=True)
+    return probe.returncode == 0
+
+
+def _sh(*argv: str) -> None:
+    subprocess.run(argv, check=True, capture_output=True)
+
+
+@contextmanager
+def namespaced_cluster(root: Path, count: int, subnet: str, tag: str, offline: bool = False):
+    """Nodes in network namespaces of their own, each joined to this machine by a veth pair on
+    <subnet>.<k>.0/24 (node k at <subnet>.<k>.2); they reach each other through this machine. `offline` adds a
+    firewall inside each namespace: nothing leaves it but for <subnet>/16 (the controller and the other nodes), so
+    no package index and no internet."""
+    names = [f"nodectl-{tag}{k}" for k in range(count)]
+    for k, ns in enumerate(names):
+        # `ip netns exec` binds /etc/netns/<ns>/* over /etc: the nodes name each other without a DNS server, and
+        # any other lookup fails at once. (With the machine's resolver, unreachable from here, torch's c10d
+        # waited on reverse lookups for ~35 s before the first step.)
+        etc = Path("/etc/netns") / ns
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+        (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{subnet}.{i}.2 nodectl-node{i}\n"
+                                                                      for i in range(count)))
+    ip_forward = Path("/proc/sys/net/ipv4/ip_forward")
+    before = ip_forward.read_text().strip()
+    try:
+        for k, ns in enumerate(names):
+            host_if, node_if = f"nc{tag}h{k}", f"nc{tag}n{k}"
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # left by a killed earlier run
+            subprocess.run(["ip", "link", "del", host_if], capture_output=True)
+            _sh("ip", "netns", "add", ns)
+            _sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if)
+            _sh("ip", "link", "set", node_if, "netns", ns)
+            _sh("ip", "addr", "add", f"{subnet}.{k}.1/24", "dev", host_if)
+            _sh("ip", "link", "set", host_if, "up")
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", node_if, "name", "eth0")
+            _sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{subnet}.{k}.2/24", "dev", "eth0")
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+            _sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+            _sh("ip", "netns", "exec", ns, "ip", "route", "add", "default", "via", f"{subnet}.{k}.1")
+            if offline:
+                for rule in (["-o", "lo", "-j", "ACCEPT"], ["-d", f"{subnet}.0.0/16", "-j", "ACCEPT"],
+                             ["-j", "REJECT"]):
+                    _sh("ip", "netns", "exec", ns, "iptables", "-A", "OUTPUT", *rule)
+        ip_forward.write_text("1")  # the namespaces reach each other through here
+        cluster = SSHCluster(root, count=count, addresses=[f"{subnet}.{k}.2" for k in range(count)],
+                             namespaces=names).start()
+        cluster.trust_host_keys()
+        try:
+            yield cluster
+        finally:
+            cluster.stop()
+    finally:
+        ip_forward.write_text(before)
+        for k, ns in enumerate(names):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+            subprocess.run(["ip", "link", "del", f"nc{tag}h{k}"], capture_output=True)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)

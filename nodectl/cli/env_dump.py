@@ -9,9 +9,11 @@ import click
 from rich.table import Table
 
 from nodectl.cli.context import AppContext
+from nodectl import environment as environments
 from nodectl.cli.options import node_selection
 from nodectl.envdump import diff_reports, summary_row
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE, NodectlError, UsageError
+from nodectl.remote.envs import use_built
 from nodectl.remote.probe_nodes import probe_nodes
 
 
@@ -26,7 +28,9 @@ def command(app: AppContext, nodes: int | None, exclude: tuple[str, ...], diff: 
     if output and output.exists() and not output.is_dir():
         raise UsageError(f"-o {output}: not a folder (give a folder to write one <node>.json per node into)")
     inventory = app.inventory().select(nodes, exclude)
+    inventory = environments.bind_locks(inventory, ".")   # environment: files are read from the project here
     with app.cluster(inventory) as cluster, app.node_progress("probing nodes", len(inventory.nodes)) as advance:
+        inventory = use_built(cluster, inventory)
         results = probe_nodes(cluster, on_done=advance)
     reports = {r.node.name: r.value for r in results if r.ok and "error" not in r.value}
     failed = {r.node.name: r.error or r.value.get("error") for r in results if r.node.name not in reports}
@@ -63,6 +67,8 @@ def command(app: AppContext, nodes: int | None, exclude: tuple[str, ...], diff: 
 def _print_table(app: AppContext, reports: dict) -> None:
     table = Table(title="nodes", title_justify="left")
     columns = ["node", "os", "kernel", "cpus", "memory", "python", "torch", "cuda", "nccl", "driver", "gpus"]
+    if any(report.get("container") for report in reports.values()):
+        columns += ["image", "host python/torch"]
     for column in columns:
         table.add_column(column, overflow="fold")
     for name, report in reports.items():

@@ -12,7 +12,7 @@ import click
 from rich.markup import escape
 from rich.syntax import Syntax
 
-from nodectl import attend
+from nodectl import attend, environment as environments
 from nodectl.remote import sync
 from nodectl.cli.context import AppContext
 from nodectl.cli.diagnose import print_diagnosis
@@ -109,13 +109,16 @@ def _print_dry_run(app: AppContext, job: Job, unsettled: list[str]) -> None:
                    "debugger, or wait it out).")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override one value of the built-in trainer's recipe (repeatable), e.g. --set train.steps=200.")
+@click.option("--environment", "environment", metavar="FILE",
+              help="A requirements file or lock in the synced project: every node runs in a venv built from it "
+                   "(the inventory's environment:, for this launch).")
 @click.option("--resume", "resume_run", metavar="RUN",
               help="Relaunch RUN's plan as its next attempt (the built-in trainer continues from its checkpoint).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit, template, dry_run, skip_preflight,
             detach, follow, grace, max_restarts, exclude_failed, stall_after, force, on_stall, overrides,
-            resume_run, command) -> None:
+            environment, resume_run, command) -> None:
     """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
     previous = None
     for position, argument in enumerate(command, 1):
@@ -153,6 +156,11 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
                       "the nodes it sits on the command line, visible to every user there (ps); pass it through "
                       "the inventory's env: instead")
     config = os.path.abspath(config) if config else None
+    if environment:
+        inventory = environments.with_environment(inventory, environment)
+    inventory = environments.bind_locks(inventory, sync_dir)
+    if not dry_run:
+        inventory = _provision(app, inventory)
     facts, preflight = _preflight(app, inventory, gpus, skip_preflight, dry_run)
     spec = JobSpec(inventory, command=command, sync_dir=sync_dir,
                    files=tuple(files + sync.nodectl_files(not command, config)), gpus=gpus, config=config,
@@ -204,6 +212,31 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
             _interrupted(app, run, cluster, grace)
 
 
+def _provision(app: AppContext, inventory):
+    """The locked environments of the nodes that have one (nodectl/environment.py): built or reused, before the
+    preflight, which then judges what the ranks will run."""
+    from nodectl.remote.envs import provision
+
+    count = sum(1 for n in inventory.nodes if n.environment is not None)
+    if not count:
+        return inventory
+    started = time.time()
+    with app.cluster(inventory) as cluster, app.node_progress("environments", count) as advance:
+        done = provision(cluster, inventory, on_done=advance)
+    built = sorted(name for name, answer in done.answers.items() if not answer.reused)
+    for name, answer in sorted(done.answers.items()):
+        if answer.replaced:
+            app.err.print(f"[yellow]{escape(name)}[/]: its venv {answer.key} had changed since it was built "
+                          f"({', '.join((answer.changed or answer.added or answer.removed)[:3]) or 'files'}...); "
+                          f"set aside as {escape(answer.replaced)} and built again")
+    first = next(iter(done.answers.values()))
+    what = f"built on {', '.join(built)}" if built else "reused on every node"
+    fetched = "wheels fetched, " if done.fetched else ""
+    app.info(f"environment {environments.describe(first)}: {what} in {time.time() - started:.1f}s "
+             f"({fetched}{done.sent / 2**20:.1f} MiB sent)")
+    return done.inventory
+
+
 def _preflight(app: AppContext, inventory, gpus, skip: bool, dry_run: bool) -> tuple[dict, dict | None]:
     """(probe reports per node, the preflight document): the quick preflight, or a passing report from the last
     10 minutes. A dry run touches no node: it uses such a report when there is one, as the launch would."""
@@ -228,6 +261,8 @@ def _unsettled(job: Job, facts: dict, skip_preflight: bool) -> list[str]:
         notes.append(f"master port {job.plan.master_port} (chosen by nodectl) moves if it is taken on "
                      f"{job.plan.nodes[0].node.name}")
     notes.append("nodes whose workdirs are one storage (a network home) get a run folder each")
+    if any(np.node.environment is not None for np in job.plan.nodes):
+        notes.append("environment: each node's venv is built (or reused) at launch; its ranks then run its python")
     return notes
 
 
@@ -316,6 +351,8 @@ def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | Non
     if current.builtin:
         current = current.select(len(names))
     nodes = tuple(replace(current.node(name), index=i) for i, name in enumerate(names))
+    recorded_envs = {entry["node"]["name"]: entry["node"].get("environment") for entry in plan["nodes"]}
+    nodes = tuple(_recorded_environment(node, recorded_envs.get(node.name)) for node in nodes)
     inventory = replace(current, nodes=nodes)
     gpus = plan["nodes"][0]["nproc"]
     recorded = tuple(plan["command"])
@@ -328,6 +365,14 @@ def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | Non
     overrides = overrides or tuple(plan.get("overrides") or ())
     return (previous, inventory, gpus, recorded, config, plan["sync_dir"], max_restarts or plan.get("max_restarts", 0),
             overrides)
+
+
+def _recorded_environment(node, recorded):
+    """A run launched with --environment resumes in a venv of the same file (built again if it changed)."""
+    if node.environment is not None or node.container is not None or not isinstance(recorded, dict):
+        return node
+    return replace(node, environment=environments.Environment(
+        file=recorded["file"], install=recorded.get("install", "wheels"), index_url=recorded.get("index_url")))
 
 
 def _start(app: AppContext, job: Job, run: Run, cluster, grace: float) -> None:

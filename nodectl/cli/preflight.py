@@ -5,6 +5,8 @@ import click
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import node_selection
+from nodectl import environment as environments
+from nodectl.remote.envs import use_built
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
 from nodectl.preflight.table import print_report
@@ -29,7 +31,9 @@ def command(app: AppContext, inventory_path, nodes, exclude, gpus, quick, full, 
         raise click.UsageError("--quick and --full ask for opposite tiers; give one of them")
     depth = "quick" if quick else "full" if full else "default"
     inventory = app.inventory(inventory_path).select(nodes, exclude)
+    inventory = environments.bind_locks(inventory, ".")   # environment: files are read from the project here
     with app.cluster(inventory) as cluster, app.node_progress("probing nodes", len(inventory.nodes)) as advance:
+        inventory = use_built(cluster, inventory)
         report = run_preflight(inventory, cluster, gpus=gpus, quick=depth == "quick", full=depth == "full",
                                connect_timeout=app.transport_options.connect_timeout, on_probe=advance,
                                deadline=collective_timeout)

@@ -33,6 +33,69 @@ def check_torch(node: str, report: Mapping, device: str) -> CheckResult:
                                             f"NCCL {torch.get('nccl') or '-'})")
 
 
+def check_container(node: str, report: Mapping) -> CheckResult | list[CheckResult]:
+    """The node's container runtime, where the node's ranks run in an image (nodectl/container.py); no check at
+    all for a node without one."""
+    facts = report.get("container")
+    if not isinstance(facts, Mapping):
+        return []
+    runtime, image = facts.get("runtime"), facts.get("image")
+    if facts.get("installed") is False:
+        return CheckResult("container", node, FAIL, f"{runtime} is not installed",
+                           f"install {runtime} on the node (NODE_SETUP.md, Containers), or set container.runtime: "
+                           f"to the one it has")
+    if not facts.get("usable"):
+        return CheckResult("container", node, FAIL, f"{runtime} cannot be used by the login user: "
+                           f"{_last_line(facts.get('usable_output'))}",
+                           "for docker, add the user to the docker group (or run rootless docker); for podman, "
+                           "check `podman info` as that user")
+    if facts.get("image_present") is False:
+        why = _last_line(facts.get("pull_output")) or "not on the node"
+        return CheckResult("container", node, FAIL, f"image {image} is not on the node and could not be pulled: {why}",
+                           f"{runtime} pull {image} on the node (or load it: {runtime} load -i IMAGE.tar); check the "
+                           f"name and the registry login")
+    if facts.get("probe_error"):
+        error = _last_line(facts["probe_error"])
+        hint = (f"container.python: must name the image's interpreter; try {runtime} run --rm {image} python3 -c "
+                f"'import torch' on the node")
+        if "rlimit" in error:
+            hint = ("the runtime could not set a resource limit in the container (rlimit type 6 is processes, 7 open "
+                    "files, 8 locked memory); give one the node allows in container.options, e.g. "
+                    "[--ulimit, 'nproc=32768:32768']")
+        return CheckResult("container", node, FAIL, f"the probe did not run in image {image}: {error}", hint)
+    pulled = ", pulled now" if facts.get("pulled") else ""
+    ident = str(facts.get("image_id") or "")
+    ident = ident.split(":")[-1][:12] if ident else "?"
+    return CheckResult("container", node, PASS, f"{runtime} {facts.get('version') or '?'}, image {image} ({ident}"
+                                                f"{pulled})")
+
+
+def check_environment(node: str, report: Mapping) -> CheckResult | list[CheckResult]:
+    """The node's locked venv (hosts.yaml environment:, nodectl/environment.py); no check for a node without one."""
+    facts = report.get("environment")
+    if not isinstance(facts, Mapping):
+        return []
+    key, file = facts.get("key"), facts.get("file")
+    if not facts.get("present"):
+        return CheckResult("environment", node, WARN, f"no venv for {file} yet (key {key}); the ranks would run "
+                           f"{get(report, 'python', 'executable', default='?')}",
+                           "nodectl launch builds it before starting (or reuses it when it is there)")
+    if not facts.get("intact"):
+        files = [path for key_ in ("changed", "added", "removed") for path in facts.get(key_) or ()]
+        return CheckResult("environment", node, FAIL, f"venv {key} for {file} changed since it was built: "
+                           f"{facts.get('drift')} file(s) ({', '.join(files[:3])})",
+                           "nodectl launch sets it aside and builds it again from the lock; change the lock, "
+                           "not the venv")
+    packages = f"{facts.get('packages')} packages" if facts.get("packages") else "from the node's index"
+    return CheckResult("environment", node, PASS, f"venv {key} for {file} ({packages}, {facts.get('installer')}), "
+                                                  f"unchanged since built")
+
+
+def _last_line(text) -> str:
+    lines = [line.strip() for line in str(text or "").splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
 @skip_if_unreadable("memlock", "limits")
 def check_memlock(node: str, report: Mapping) -> CheckResult:
     soft = get(report, "limits", "memlock_soft")

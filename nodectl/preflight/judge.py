@@ -50,6 +50,8 @@ class Check:
 
 
 NODE_CHECKS = (
+    Check("container", "host", lambda f: host.check_container(f.node, f.report)),
+    Check("environment", "host", lambda f: host.check_environment(f.node, f.report)),
     Check("torch", "host", lambda f: host.check_torch(f.node, f.report, f.device)),
     Check("gpus", "gpu", lambda f: gpu.check_gpu_count(f.node, f.report, f.expect.gpus, f.gpus), cuda_only=True),
     Check("gpu idle", "gpu", lambda f: gpu.check_gpus_idle(f.node, f.report), cuda_only=True),

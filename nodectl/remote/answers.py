@@ -98,6 +98,7 @@ class StopAnswer:
     killed: int = 0
     time: float = 0.0
     removed: bool = False     # a run folder that was never started, removed (its controller died while starting)
+    container: dict | None = None   # the run's container on the node: {container, removed, error?}
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,48 @@ class RouteAnswer:
 
 
 @dataclass(frozen=True)
+class ContainerAnswer:
+    """The node's container runtime and image as `container` found them (nodectl/container.py)."""
+
+    installed: bool | None
+    version: str = ""
+    usable: bool = False
+    usable_output: str = ""
+    image_present: bool | None = None
+    image_id: str | None = None
+    pulled: bool = False
+    pull_output: str = ""
+    probe: dict | None = None      # launchers/probe.py's report from inside the image, or {"error": ...}
+
+
+@dataclass(frozen=True)
+class EnvAnswer:
+    """A node's locked environment (`env_status`, `env_build`): its interpreter and platform, the venv's key and
+    whether it is there and unchanged since it was built (nodectl/environment.py)."""
+
+    key: str
+    python_path: str
+    present: bool = False
+    intact: bool | None = None
+    python: str = "?"
+    implementation: str = "?"
+    machine: str = "?"
+    libc: str = ""
+    libc_version: str = ""
+    executable: str = ""
+    built: float | None = None
+    packages: int | None = None
+    installer: str | None = None
+    seconds: float | None = None
+    changed: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    drift: int = 0
+    reused: bool | None = None
+    replaced: str | None = None
+
+
+@dataclass(frozen=True)
 class Done:
     """An answer that carries nothing but its arrival (serve, unlisten, cleanup)."""
 
@@ -221,7 +264,8 @@ ANSWERS: dict[str, type] = {
     "poll": PollAnswer, "tail": TailAnswer, "stop": StopAnswer, "stacks": StacksAnswer, "pack": PackAnswer,
     "port": PortAnswer, "prepare": PrepareAnswer, "start": StartAnswer, "have": HaveAnswer,
     "identity": IdentityAnswer, "receive": ReceiveAnswer, "listen": ListenAnswer, "connect": ConnectAnswer,
-    "route": RouteAnswer, "diagnose": DiagnoseAnswer, "serve": Done, "unlisten": Done, "cleanup": Done,
+    "route": RouteAnswer, "diagnose": DiagnoseAnswer, "container": ContainerAnswer,
+    "env_status": EnvAnswer, "env_build": EnvAnswer, "serve": Done, "unlisten": Done, "cleanup": Done,
 }
 
 

@@ -1,18 +1,22 @@
 """Running launchers/probe.py on nodes and keeping what it reports, with the clock skew seen from here."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import time
 from typing import Iterable, Mapping
 
+from nodectl import container as containers
+from nodectl.remote import agent
 from nodectl.remote.agent import classify_failure
 from nodectl.remote.answers import AnswerError, parse_probe
 from nodectl.inventory import Node
 from nodectl.resources import resource_dir
-from nodectl.remote.transport import Cluster, NodeResult, Transport, quote_path
+from nodectl.remote.transport import Cluster, NodeError, NodeResult, Transport, quote_path
 
 PROBE_TIMEOUT = 90.0
+CONTAINER_TIMEOUT = 3600.0   # a missing image is pulled (tens of GB for an NGC image)
 
 
 class ProbeFailed(Exception):
@@ -35,7 +39,16 @@ def run_probe(transport: Transport, source: str | None = None, import_torch: boo
     node = transport.node
     flag = {True: " --import-torch", False: " --no-import-torch", None: ""}[import_torch]
     prefix = f"CUDA_VISIBLE_DEVICES={shlex.quote(visible)} " if visible is not None else ""
-    command = f"{prefix}{quote_path(node.python)} - {quote_path(node.workdir)}{flag}"
+    environment, python = None, node.python
+    if node.environment is not None and node.environment.lock_sha:
+        try:
+            environment = agent.call(transport, "env_status", node.workdir,
+                                     request={"lock_sha": node.environment.lock_sha})
+        except NodeError as exc:
+            raise ProbeFailed(f"{node.name}: asking about its environment failed: {exc}", "environment") from None
+        if environment.present and environment.intact:
+            python = environment.python_path   # judge what the ranks will run
+    command = f"{prefix}{quote_path(python)} - {quote_path(node.workdir)}{flag}"
     before = time.time()
     result = transport.run(command, stdin=source or probe_source(), timeout=PROBE_TIMEOUT)
     after = time.time()
@@ -54,6 +67,18 @@ def run_probe(transport: Transport, source: str | None = None, import_torch: boo
         # read, so the midpoint of the round trip overstates skew by at most half the probe's time.
         report["clock"]["skew_s"] = round(report["clock"]["time"] - (before + after) / 2, 3)
         report["clock"]["round_trip_s"] = round(after - before, 3)
+    if node.container is not None:
+        request = containers.check_request(node.container, gpus=node.device == "cuda",
+                                           probe_source=source or probe_source(),
+                                           probe_args=("/", *flag.split()))
+        try:
+            answer = agent.call(transport, "container", request=request, timeout=CONTAINER_TIMEOUT)
+        except NodeError as exc:
+            raise ProbeFailed(f"{node.name}: checking its container runtime failed: {exc}", "container") from None
+        report = containers.merge_report(report, node.container, answer)
+    if environment is not None:
+        report["environment"] = {"file": node.environment.file, "install": node.environment.install,
+                                 **dataclasses.asdict(environment)}
     report["node"] = {"name": node.name, "host": node.host, "addr": node.addr, "index": node.index,
                       "transport": node.transport, "device": node.device}
     return report

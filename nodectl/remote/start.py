@@ -11,6 +11,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable
 
+from nodectl.container import container_name
 from nodectl.remote import agent
 from nodectl.remote import sync
 from nodectl.errors import Cancelled, NodectlError, UnreachableError
@@ -83,9 +84,12 @@ def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None
 
 
 def _node_json(plan: LaunchPlan, node_plan: NodePlan) -> str:
+    container = node_plan.node.container
     return json.dumps({"run_id": plan.run_id, "node_rank": node_plan.node_rank, "nproc": node_plan.nproc,
                        "ranks": node_plan.ranks, "nnodes": plan.nnodes, "node": node_plan.node.name,
-                       "attempt": plan.attempt})
+                       "attempt": plan.attempt,
+                       "container": container and {"runtime": container.runtime, "image": container.image,
+                                                   "name": container_name(plan.run_id, node_plan.node.name)}})
 
 
 def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, rendered: RenderedNode,

@@ -7,13 +7,12 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from conftest import run_nodectl
 from launch_helpers import kill_leftovers, latest_run_id, run_processes, wait_for
-from sshcluster import SSHCluster, sshd_available
+from sshcluster import namespaced_cluster as namespaced, netns_available, sshd_available
 
 pytestmark = pytest.mark.slow
 SUBNET = "10.77"
@@ -23,55 +22,12 @@ def sh(*argv: str) -> None:
     subprocess.run(argv, check=True, capture_output=True)
 
 
-def netns_available() -> bool:
-    if not shutil.which("ip"):
-        return False
-    probe = subprocess.run(["ip", "netns", "add", "nodectl-probe"], capture_output=True)
-    subprocess.run(["ip", "netns", "del", "nodectl-probe"], capture_output=True)
-    return probe.returncode == 0
-
-
 @pytest.fixture
 def namespaced_cluster(tmp_path):
     if not (sshd_available() and netns_available()):
         pytest.skip("needs openssh-server and network namespaces (root, iproute2)")
-    names = ["nodectl-ns0", "nodectl-ns1"]
-    for k, ns in enumerate(names):
-        # `ip netns exec` binds /etc/netns/<ns>/* over /etc: the nodes name each other without a DNS server, and
-        # any other lookup fails at once. (With the machine's resolver, unreachable from here, torch's c10d
-        # waited on reverse lookups of 10.77.x for ~35 s before the first step.)
-        etc = Path("/etc/netns") / ns
-        etc.mkdir(parents=True, exist_ok=True)
-        (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{SUBNET}.{i}.2 nodectl-node{i}\n"
-                                                                      for i in range(len(names))))
-    forward = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
-    try:
-        for k, ns in enumerate(names):
-            host_if, node_if = f"nctl-h{k}", f"nctl-n{k}"
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)  # left by a killed earlier run
-            sh("ip", "netns", "add", ns)
-            sh("ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if)
-            sh("ip", "link", "set", node_if, "netns", ns)
-            sh("ip", "addr", "add", f"{SUBNET}.{k}.1/24", "dev", host_if)
-            sh("ip", "link", "set", host_if, "up")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", node_if, "name", "eth0")
-            sh("ip", "netns", "exec", ns, "ip", "addr", "add", f"{SUBNET}.{k}.2/24", "dev", "eth0")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
-            sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
-            sh("ip", "netns", "exec", ns, "ip", "route", "add", "default", "via", f"{SUBNET}.{k}.1")
-        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")  # the namespaces reach each other through here
-        cluster = SSHCluster(tmp_path, count=2, addresses=[f"{SUBNET}.{k}.2" for k in range(2)],
-                             namespaces=names).start()
-        cluster.trust_host_keys()
+    with namespaced(tmp_path, 2, SUBNET, "ns") as cluster:
         yield cluster
-        cluster.stop()
-    finally:
-        Path("/proc/sys/net/ipv4/ip_forward").write_text(forward)
-        for k, ns in enumerate(names):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-            subprocess.run(["ip", "link", "del", f"nctl-h{k}"], capture_output=True)
-            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
 
 
 RECIPE = """\
@@ -100,7 +56,7 @@ def test_a_killed_node_is_left_out_and_the_run_goes_on_from_its_checkpoint(names
     beat = cluster.nodes[1].workdir / "runs" / run_id / "heartbeat" / "rank1.json"
     try:
         wait_for(lambda: beat.exists() and json.loads(beat.read_text())["step"] >= 12, timeout=120, interval=0.05)
-        sh("ip", "link", "set", "nctl-h1", "down")
+        sh("ip", "link", "set", "ncnsh1", "down")
         cut = time.time()
         out, err = controller.communicate(timeout=240)
         assert controller.returncode == 0, err[-3000:]
@@ -109,7 +65,7 @@ def test_a_killed_node_is_left_out_and_the_run_goes_on_from_its_checkpoint(names
         assert manifest["attempts"][0]["ended"] - cut < 3 + 5 + 10
         # node1 comes back with attempt 0's ranks still running there (they never saw the stop): `stop` reaches
         # them through the manifest's left-out nodes, and nothing of the run is left anywhere
-        sh("ip", "link", "set", "nctl-h1", "up")
+        sh("ip", "link", "set", "ncnsh1", "up")
         assert [p for p in run_processes(run_id) if p.environ().get("NODECTL_NODE_RANK") == "1"]
         stopped = run_nodectl(["-i", inventory, "stop", "--run", run_id, "--grace", "1"], env=env, cwd=project,
                               timeout=120)
@@ -117,7 +73,7 @@ def test_a_killed_node_is_left_out_and_the_run_goes_on_from_its_checkpoint(names
         assert run_processes(run_id) == []
     finally:
         controller.kill()
-        subprocess.run(["ip", "link", "set", "nctl-h1", "up"], capture_output=True)
+        subprocess.run(["ip", "link", "set", "ncnsh1", "up"], capture_output=True)
         kill_leftovers(run_id)
     assert "node node1 was lost" in err and "leaving out node1" in err
     assert "checkpoint of 2 ranks resharded to 1" in out and "resuming at step 10" in out
@@ -193,7 +149,7 @@ def test_diagnose_names_the_node_whose_link_was_cut_while_the_others_wait(namesp
         wait_for(lambda: run_nodectl(["tail", "all"], env=env, cwd=project).output.count("hung from here") >= 2,
                  timeout=150, interval=1)
         time.sleep(2)
-        sh("ip", "link", "set", "nctl-h1", "down")
+        sh("ip", "link", "set", "ncnsh1", "down")
         time.sleep(8)
         began = time.monotonic()
         result = run_nodectl(["--connect-timeout", "3", "--json", "diagnose"], env=env, cwd=project, timeout=120)
@@ -204,6 +160,6 @@ def test_diagnose_names_the_node_whose_link_was_cut_while_the_others_wait(namesp
         assert found["summary"].startswith("node node1 was lost (")
         assert "while rank 0 waits in all_reduce #" in found["summary"]
     finally:
-        subprocess.run(["ip", "link", "set", "nctl-h1", "up"], capture_output=True)
+        subprocess.run(["ip", "link", "set", "ncnsh1", "up"], capture_output=True)
         run_nodectl(["-i", inventory, "stop", "--run", run_id, "--grace", "1"], env=env, cwd=project, timeout=120)
         kill_leftovers(run_id)

@@ -1,0 +1,115 @@
+"""`container:` rendered into launch.sh for every runtime: what only a GPU host can run (docker --gpus, podman's
+CDI devices, apptainer --nv, enroot) is checked here on the command itself; podman runs for real in
+tests/integration/test_containers.py."""
+from __future__ import annotations
+
+import shlex
+import subprocess
+from dataclasses import replace
+
+import pytest
+
+from nodectl.errors import InventoryError
+from nodectl.inventory import parse_inventory
+from nodectl.plan import build_plan
+from nodectl.render import render_plan
+
+INVENTORY = """\
+master_port: 29500
+defaults:
+  gpus: 8
+  device: {device}
+  env: {{HF_TOKEN: hf_secret_value, NCCL_SOCKET_IFNAME: ens1}}
+  container: {{image: "nvcr.io/nvidia/pytorch:25.01-py3", runtime: {runtime}, mounts: ["/data:/data:ro"],
+              options: ["--shm-size", "1g"]}}
+nodes:
+  - {{host: 10.0.0.11, name: node0}}
+  - {{host: 10.0.0.12, name: node1}}
+"""
+
+
+def rendered(runtime: str, device: str = "cuda", node: int = 1) -> str:
+    inventory = parse_inventory(INVENTORY.format(runtime=runtime, device=device))
+    plan = build_plan(inventory, gpus=None, command=("train.py", "--lr", "3e-4"), sync_dir="/src/project",
+                      run_id="20260101-000000-abcd")
+    return render_plan(replace(plan, created=0.0))[node].launch
+
+
+def command_words(script: str, first: str) -> list[str]:
+    """The words of the command that starts with `first`, as bash would split them (variables left as they are)."""
+    start = script.index("\n" + first + " ") + 1
+    text = script[start:script.index('rankexec.py"', start) + len('rankexec.py"')]
+    return shlex.split(text.replace("\\\n", " "))
+
+
+@pytest.mark.parametrize("runtime", ["docker", "podman", "apptainer", "enroot"])
+def test_every_runtime_renders_a_script_bash_accepts(runtime, tmp_path):
+    script = tmp_path / "launch.sh"
+    script.write_text(rendered(runtime))
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True).returncode == 0
+    assert "hf_secret_value" not in script.read_text()
+
+
+@pytest.mark.parametrize("runtime,gpu", [("docker", ["--gpus", "all"]),
+                                         ("podman", ["--device", "nvidia.com/gpu=all", "--security-opt",
+                                                     "label=disable"])])
+def test_docker_and_podman_get_what_distributed_training_needs(runtime, gpu):
+    words = command_words(rendered(runtime), runtime)
+    joined = " ".join(words)
+    assert words[:2] == [runtime, "run"] and "--rm" in words
+    assert words[words.index("--name") + 1] == "$CONTAINER"
+    for flag, value in (("--network", "host"), ("--ipc", "host"), ("--pid", "host"), ("--workdir", "$RUN_DIR/code"),
+                        ("--volume", "$RUN_DIR:$RUN_DIR")):
+        assert value in [words[i + 1] for i, w in enumerate(words) if w == flag], flag
+    assert joined.count(" ".join(gpu)) == 1
+    assert "memlock=$(hard_limit -l 1024)" in joined and "nofile=$(hard_limit -n 1)" in joined
+    assert "--volume /data:/data:ro" in joined and "--shm-size 1g" in joined
+    # every variable of env.sh goes in by name, so no value is ever on a command line
+    assert "--env HF_TOKEN" in joined and "--env NODECTL_RUN_ID" in joined and "--env NCCL_SOCKET_IFNAME" in joined
+    image = words.index("nvcr.io/nvidia/pytorch:25.01-py3")
+    assert words[image + 1:image + 4] == ["python3", "-m", "torch.distributed.run"]
+    assert words.index("--shm-size") < image   # the user's options are the runtime's, before the image
+    assert ("--user" in words) == (runtime == "docker")   # a root daemon's files in the run folder would be root's
+
+
+def test_cpu_nodes_get_no_gpu_flags():
+    script = rendered("docker", device="cpu", node=1)
+    assert "--gpus" not in script and "--pid host" in script
+
+
+def test_apptainer_and_enroot():
+    apptainer = command_words(rendered("apptainer"), "apptainer")
+    assert apptainer[:3] == ["apptainer", "exec", "--nv"]
+    assert "$RUN_DIR" in apptainer and "--pwd" in apptainer and "/data:/data:ro" in apptainer
+    enroot = rendered("enroot")
+    assert 'enroot create --force --name "$CONTAINER"' in enroot and 'enroot remove -f "$CONTAINER"' in enroot
+    words = command_words(enroot, "enroot start")
+    assert "--env" in words and "HF_TOKEN" in words and '"$CONTAINER"' not in words and "$CONTAINER" in words
+
+
+def test_the_trap_removes_the_container_and_names_are_per_node():
+    scripts = [rendered("podman", node=i) for i in (0, 1)]
+    names = [s.split("CONTAINER=", 1)[1].split("\n", 1)[0] for s in scripts]
+    assert names == ["nodectl-20260101-000000-abcd-node0", "nodectl-20260101-000000-abcd-node1"]
+    trap = scripts[0].split("record_exit() {", 1)[1].split("\n}", 1)[0]
+    assert 'podman rm -f "$CONTAINER"' in trap
+
+
+@pytest.mark.parametrize("document,expected", [
+    ("defaults: {container: {image: i, runtime: lxc}}\nnodes: [{host: a}]", "one of docker, podman"),
+    ("nodes: [{host: a, container: {runtime: podman}}]", "container.image"),
+    ("nodes: [{host: a, container: {image: i, mounts: [data:/data]}}]", "absolute SOURCE"),
+    ("nodes: [{host: a, container: {image: i, gpus: all}}]", "unknown key"),
+    ("nodes: [{host: a, container: {image: i, options: [1]}}]", "a list of strings"),
+])
+def test_bad_container_settings_name_the_key(document, expected):
+    with pytest.raises(InventoryError) as caught:
+        parse_inventory(document)
+    assert expected in str(caught.value)
+
+
+def test_a_node_overrides_or_turns_off_the_default_container():
+    inventory = parse_inventory("defaults: {container: {image: a:1, runtime: podman}}\n"
+                                "nodes: [{host: x}, {host: y, container: {image: b:2}}, {host: z, container: null}]")
+    x, y, z = inventory.nodes
+    assert (x.container.image, y.container.image, y.container.runtime, z.container) == ("a:1", "b:2", "podman", None)
