@@ -10,8 +10,12 @@ index). The requirements are torch 2.13.0 (CPU) and six. Every contestant instal
     (--no-index --find-links, --no-compile: its fastest settings);
   * reference, parallel: the same loop with every node's ssh in the background (`&`, then wait).
 
+A nodectl launch includes the run of the one-line script (torchrun and `import torch` on every node); the launch
+that reuses the venvs shows that share, and nodectl's own timer of the environment step is printed beside each.
 Then one package changes (six 1.16.0 -> 1.17.0): nodectl builds a new venv per node (torch's wheel is not sent
-again); the references run the same `pip install -r` into the venv they have (pip upgrades six in place).
+again, uv links its files from its cache on the node); the references run the same `pip install -r` into the venv
+they have (pip upgrades six in place). Last, the nodes are wiped and nodectl builds from nothing again with the
+controller's wheels cached, as the references' server has them.
 
     python bench/environments.py --nodes 8
 """
@@ -62,7 +66,8 @@ def reference_one(cluster, node, k: int, requirements: Path) -> None:
            f"root@{node.address}:requirements.txt"]
     subprocess.run(scp, check=True, capture_output=True, timeout=600)
     command = (f"[ -x ref/bin/python ] || {NODE_PYTHON} -m venv ref && ref/bin/pip install -q --no-compile "
-               f"--disable-pip-version-check --no-index --find-links http://{SUBNET}.{k}.1:{PORT}/ "
+               f"--disable-pip-version-check --no-index --trusted-host {SUBNET}.{k}.1 "
+               f"--find-links http://{SUBNET}.{k}.1:{PORT}/ "
                f"-r requirements.txt")
     proc = subprocess.run(ssh_argv(cluster, node, command), capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
@@ -80,9 +85,13 @@ def reference(cluster, count: int, requirements: Path, parallel: bool) -> float:
     return time.perf_counter() - started
 
 
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args) -> None:
+        pass
+
+
 def serve(folder: Path) -> http.server.ThreadingHTTPServer:
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(folder))
-    handler.log_message = lambda *args: None
+    handler = functools.partial(QuietHandler, directory=str(folder))
     server = http.server.ThreadingHTTPServer(("0.0.0.0", PORT), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
@@ -108,9 +117,21 @@ def main() -> None:
             requirements.write_text("six==1.16.0\ntorch==2.13.0\n")
             fresh, line = nodectl_launch(cluster, project, args.nodes)
             rows.append(("nodectl, from nothing", fresh, line))
+            print(f"nodectl, from nothing: {fresh:.1f} s; {line}", flush=True)
+            again, line = nodectl_launch(cluster, project, args.nodes)
+            rows.append(("nodectl, unchanged (venv reused)", again, line))
+            print(f"nodectl, unchanged: {again:.1f} s; {line}", flush=True)
             requirements.write_text("six==1.17.0\ntorch==2.13.0\n")
             changed, line = nodectl_launch(cluster, project, args.nodes)
             rows.append(("nodectl, six changed", changed, line))
+            print(f"nodectl, six changed: {changed:.1f} s; {line}", flush=True)
+            # the nodes from nothing again, the controller's cache of wheels kept: what the references get
+            wipe(cluster, args.nodes, "nodectl/.nodectl/envs nodectl/.nodectl/objects nodectl/.nodectl/wheels "
+                                      "nodectl/.nodectl/uv-cache nodectl/.nodectl/tools")
+            requirements.write_text("six==1.16.0\ntorch==2.13.0\n")
+            warm, line = nodectl_launch(cluster, project, args.nodes)
+            rows.append(("nodectl, from nothing, wheels cached", warm, line))
+            print(f"nodectl, from nothing (controller's wheels cached): {warm:.1f} s; {line}", flush=True)
             wheels = sorted((cluster.home / ".cache" / "nodectl" / "wheels").glob("*/wheels"))
             shared = root / "index"
             shared.mkdir()
@@ -127,22 +148,30 @@ def main() -> None:
                     label = "parallel" if parallel else "sequential"
                     rows.append((f"ssh loop ({label}), from nothing",
                                  reference(cluster, args.nodes, requirements, parallel), ""))
+                    print(f"{rows[-1][0]}: {rows[-1][1]:.1f} s", flush=True)
                     requirements.write_text("six==1.17.0\ntorch==2.13.0\n")
                     rows.append((f"ssh loop ({label}), six changed",
                                  reference(cluster, args.nodes, requirements, parallel), ""))
+                    print(f"{rows[-1][0]}: {rows[-1][1]:.1f} s", flush=True)
                 wipe(cluster, args.nodes, "ref")
             finally:
                 server.shutdown()
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"\n{args.nodes} isolated nodes, requirements: torch==2.13.0 (CPU) + six; seconds of wall time")
+    print("  (a nodectl launch also runs the one-line script; its environment share is the launch's wall time less "
+          "that of the launch that reused every venv)")
     best = {kind: min(t for label, t, _ in rows if label.startswith("ssh") and kind in label)
             for kind in ("from nothing", "six changed")}
+    run_share = next(t for label, t, _ in rows if "reused" in label)
     for label, seconds, line in rows:
         kind = "from nothing" if "from nothing" in label else "six changed"
-        ratio = f"  (best ssh loop / this: {best[kind] / seconds:.2f})" if label.startswith("nodectl") else ""
+        extra = ""
+        if label.startswith("nodectl") and "reused" not in label:
+            share = seconds - run_share
+            extra = f"  environment share {share:5.1f}  (best ssh loop / this: {best[kind] / share:.2f})"
         said = re.sub(r"^environment ", "", line)
-        print(f"  {label:38s} {seconds:7.1f}{ratio}" + (f"\n      nodectl said: {said}" if said else ""))
+        print(f"  {label:38s} {seconds:7.1f}{extra}" + (f"\n      nodectl said: {said}" if said else ""))
 
 
 if __name__ == "__main__":

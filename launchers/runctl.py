@@ -741,6 +741,10 @@ def cmd_env_status(args: list, request: dict) -> dict:
                 **_env_state(env_dir))
 
 
+def _uv_cache(workdir: str) -> str:
+    return os.path.join(workdir, ".nodectl", "uv-cache")
+
+
 def _uv_binary(workdir: str, store: str, wheel: dict) -> str:
     """uv's executable, taken once from its wheel (a zip; the controller sent it for this platform)."""
     import zipfile
@@ -783,6 +787,7 @@ def cmd_env_build(args: list, request: dict) -> dict:
             replaced = f"{env_dir}.drifted"
             shutil.rmtree(replaced, ignore_errors=True)
             os.replace(env_dir, replaced)
+            shutil.rmtree(_uv_cache(workdir), ignore_errors=True)   # it may hold the changed bytes (hard links)
         shutil.rmtree(env_dir, ignore_errors=True)   # a build cut midway (no info file)
         started = time.time()
         try:
@@ -812,10 +817,11 @@ def _build_env(workdir: str, env_dir: str, request: dict) -> tuple:
             _place(os.path.join(store, wheel["sha256"]), path, 0o600)
         paths.append(path)
     uv = _uv_binary(workdir, store, request["uv"]) if request.get("uv") else None
-    # No installer cache: a second copy of every package on the node's disk; the wheels themselves stay
-    # (hard links to the object store), so a rebuild unpacks them again without anything sent.
-    env = dict(os.environ, UV_NO_CACHE="1", UV_NO_PROGRESS="1", PIP_DISABLE_PIP_VERSION_CHECK="1",
-               PIP_NO_CACHE_DIR="1")
+    # uv unpacks each wheel once into its cache on the node and hard-links the venv's files from there: a venv
+    # for a changed lock costs the changed packages only, and no second copy of the disk. A file edited in place
+    # in one venv is then edited in the cache too, so a drifted venv empties the cache first (cmd_env_build).
+    env = dict(os.environ, UV_CACHE_DIR=_uv_cache(workdir), UV_LINK_MODE="hardlink", UV_NO_PROGRESS="1",
+               PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_CACHE_DIR="1")
     env.pop("VIRTUAL_ENV", None)
     if request.get("index"):
         requirements = os.path.join(folder, "requirements-" + request["lock_sha"][:16] + ".txt")

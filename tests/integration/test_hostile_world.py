@@ -124,6 +124,52 @@ def test_a_child_that_sheds_the_runs_environment_does_not_survive_stop(tmp_path)
                 pass
 
 
+LINGERER = """\
+import os, signal, time
+# a child that ignores SIGTERM, sheds the environment and keeps a grandchild of its own in another session,
+# both still alive when the rank (and so the run) ends
+if os.fork() == 0:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.fork() == 0:
+        os.setsid()
+        os.execve("/bin/sleep", ["sleep", "302"], {})
+    os.execve("/bin/sleep", ["sleep", "301"], {})
+time.sleep(1)
+print("left two behind", flush=True)
+"""
+
+
+def _sleeping(seconds: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if Path(f"/proc/{entry}/cmdline").read_bytes() == f"sleep\x00{seconds}\x00".encode() and \
+                    "Z" not in Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]:
+                found.append(int(entry))
+        except OSError:
+            continue
+    return found
+
+
+def test_what_a_finished_run_leaves_behind_is_ended_with_its_own_children(tmp_path):
+    """The run ends on its own (no `stop`): its launch script ends every process still below it, children of
+    escaped children too, and SIGKILLs what ignores SIGTERM; nothing is handed to init to outlive the run."""
+    (tmp_path / "hosts.yaml").write_text(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
+                                         f"gpus: 1, workdir: {tmp_path / 'work'}}}\n")
+    (tmp_path / "linger.py").write_text(LINGERER)
+    try:
+        launched = nodectl(tmp_path, "launch", "--skip-preflight", "--", "linger.py")
+        assert launched.returncode == 0, launched.stdout + launched.stderr
+        assert "left two behind" in launched.stdout
+        deadline = time.time() + 10
+        while (_sleeping("301") or _sleeping("302")) and time.time() < deadline:
+            time.sleep(0.2)
+        assert _sleeping("301") == [] and _sleeping("302") == []
+    finally:
+        for pid in _sleeping("301") + _sleeping("302"):
+            os.kill(pid, 9)
+
+
 def test_a_node_that_floods_before_its_answer_costs_bounded_memory(ssh_cluster, tmp_path, monkeypatch):
     """A compromised node printed 1 GB before its JSON and drove `status` to 3 GB. What is kept of a command's
     output is bounded (its newest part, where the answer is), and the answer is still read."""

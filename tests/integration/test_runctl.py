@@ -10,6 +10,7 @@ import sys
 import tarfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -185,3 +186,55 @@ def test_a_code_file_changed_in_place_by_its_run_never_reaches_the_next_run(tmp_
     receive()
     assert prepare("r2").read_bytes() == data
     assert first.read_bytes().startswith(b"LEARNING_RATE = 9e-9")  # r1 keeps what it wrote
+
+
+@pytest.fixture(scope="module")
+def six_wheel(tmp_path_factory):
+    """six's wheel from this machine's package index (its pip configuration), once."""
+    folder = tmp_path_factory.mktemp("wheels")
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                           "six==1.17.0", "-d", str(folder)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"no package index here: {proc.stderr[-300:]}")
+    return next(folder.glob("six-*.whl"))
+
+
+def _import_six(answer: dict) -> str:
+    return subprocess.run([answer["python_path"], "-c", "import six; print(six.__version__)"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def test_a_venv_from_wheels_with_pip_then_from_a_node_index_and_drift_is_caught(tmp_path, six_wheel):
+    """The two builds that do not use uv: the interpreter's venv and pip from wheels in the object store (a node
+    with no uv wheel for its platform), and `install: index` (the node's own index; here a file:// one)."""
+    workdir = tmp_path / "work"
+    store = workdir / ".nodectl" / "objects"
+    store.mkdir(parents=True)
+    sha = runctl._hash_file(str(six_wheel))
+    (store / sha).write_bytes(six_wheel.read_bytes())
+    request = {"lock_sha": "1" * 64, "wheels": [{"name": six_wheel.name, "sha256": sha}]}
+    built = runctl.cmd_env_build([str(workdir)], request)
+    assert built["installer"] == "pip" and built["intact"] and built["reused"] is False
+    assert _import_six(built) == "1.17.0"
+    assert runctl.cmd_env_build([str(workdir)], request)["reused"] is True
+
+    site = next(Path(built["python_path"]).parent.parent.glob("lib/python3*/site-packages"))
+    (site / "six.py").write_text((site / "six.py").read_text() + "\n# by hand\n")
+    (site / "extra.py").write_text("")
+    status = runctl.cmd_env_status([str(workdir)], {"lock_sha": "1" * 64})
+    assert status["present"] and not status["intact"]
+    env_path = Path(status["path"])
+    assert status["changed"] == [str((site / "six.py").relative_to(env_path))]
+    assert status["added"] == [str((site / "extra.py").relative_to(env_path))]
+    again = runctl.cmd_env_build([str(workdir)], request)
+    assert again["reused"] is False and again["replaced"].endswith(".drifted") and again["intact"]
+    assert "# by hand" not in (site / "six.py").read_text()
+
+    index = tmp_path / "simple" / "six"
+    index.mkdir(parents=True)
+    (index / six_wheel.name).write_bytes(six_wheel.read_bytes())
+    (index / "index.html").write_text(f'<a href="{six_wheel.name}">{six_wheel.name}</a>\n')
+    online = runctl.cmd_env_build([str(workdir)], {"lock_sha": "2" * 64, "index": f"file://{tmp_path}/simple",
+                                                   "requirements": "six==1.17.0\n"})
+    assert online["installer"] == "pip (node's index)" and _import_six(online) == "1.17.0"
+    assert online["key"] != built["key"]

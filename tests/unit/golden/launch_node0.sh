@@ -3,10 +3,23 @@
 # Rendered by nodectl 0.1.0. Started by runctl.py in a session of its own; every value below is quoted.
 set -uo pipefail
 RUN_DIR="$HOME"/nodectl/runs/20260101-000000-abcd
+# Every process still below this script: runctl.py made it a subreaper, so the run's orphans (a rank's child
+# that double-forked, called setsid and shed its environment) come here, and so do their own children.
+# Called as $(run_tree "$BASHPID"): the command substitution's own shell, and its ps and awk, are left out.
+run_tree() {
+  ps -e -o pid=,ppid= | awk -v root=$$ -v self="$1" '{ parent[$1] = $2 } END {
+    below[root] = 1; grew = 1
+    while (grew) { grew = 0; for (p in parent) if (!(p in below) && (parent[p] in below) && p != self) { below[p] = 1; grew = 1 } }
+    delete below[root]; for (p in below) print p }'
+}
 record_exit() {
-  local code=$?
-  # what is left reparented to this script (a subreaper: runctl.py) escaped its rank's process group: end it
-  command -v pkill >/dev/null && pkill -TERM -P $$ 2>/dev/null
+  local code=$? left
+  # what is left when the run ends escaped its rank: SIGTERM, then SIGKILL what ignores it
+  left=$(run_tree "$BASHPID")
+  if [ -n "$left" ]; then
+    kill -TERM $left 2>/dev/null; sleep 2
+    left=$(run_tree "$BASHPID"); [ -n "$left" ] && kill -KILL $left 2>/dev/null
+  fi
   printf '{"code": %d, "time": %s}\n' "$code" "$(date +%s.%N)" > "$RUN_DIR/state/launcher.exit.tmp"
   mv "$RUN_DIR/state/launcher.exit.tmp" "$RUN_DIR/state/launcher.exit"
 }
