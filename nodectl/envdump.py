@@ -86,4 +86,13 @@ def summary_row(report: Mapping) -> dict[str, str]:
         "image": f"{get('container', 'runtime')}: {get('container', 'image')}" if report.get("container") else "-",
         "host python/torch": f"{get('host', 'python', 'version')} / {get('host', 'torch', 'version')}"
         if report.get("container") else "-",
+        "environment": _environment_cell(report.get("environment")),
     }
+
+
+def _environment_cell(facts) -> str:
+    """A node's locked venv for env-dump's table: its key and whether it is there, unchanged."""
+    if not isinstance(facts, Mapping):
+        return "-"
+    state = "unchanged" if facts.get("intact") else "CHANGED" if facts.get("present") else "not built"
+    return f"{facts.get('key')} ({state})"

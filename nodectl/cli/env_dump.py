@@ -69,6 +69,8 @@ def _print_table(app: AppContext, reports: dict) -> None:
     columns = ["node", "os", "kernel", "cpus", "memory", "python", "torch", "cuda", "nccl", "driver", "gpus"]
     if any(report.get("container") for report in reports.values()):
         columns += ["image", "host python/torch"]
+    if any(report.get("environment") for report in reports.values()):
+        columns += ["environment"]
     for column in columns:
         table.add_column(column, overflow="fold")
     for name, report in reports.items():
