@@ -72,19 +72,32 @@ def _secret_option(word: str) -> bool:
     return word.startswith("-") and is_secret_name(word.lstrip("-").replace("-", "_"))
 
 
+def _short_password(arg: str, following) -> bool:
+    """`-p X` / `-pX`: a password to mysql, mysqldump, sshpass and their kind, a port or a count to others. Taken
+    as a password unless X is a number (the value shown; a port shown as *** would cost nothing, but a script's
+    command line recorded with *** cannot be replayed by --resume)."""
+    if arg == "-p":
+        return following is not None and not following.isdigit()
+    return arg.startswith("-p") and len(arg) > 2 and not arg[2:].isdigit() and not arg.startswith("-p=")
+
+
 def redact_args(args) -> list:
     """A command line as it may be shown or stored: the value of a secret-named option (`--hf-token X`,
-    `--api-key=X`) and any token-shaped argument become '***'."""
+    `--api-key=X`), of `-p` unless a number (`-p X`, `-pX`), and any token-shaped argument become '***'."""
+    args = list(args)
     out, hide_next = [], False
-    for arg in args:
+    for i, arg in enumerate(args):
+        following = args[i + 1] if i + 1 < len(args) else None
         if hide_next:
             out.append(REDACTED)
             hide_next = False
         elif arg.startswith("-") and "=" in arg and _secret_option(arg.split("=", 1)[0]):
             out.append(arg.split("=", 1)[0] + "=" + REDACTED)
-        elif _secret_option(arg):
+        elif _secret_option(arg) or arg == "-p" and _short_password(arg, following):
             out.append(arg)
             hide_next = True
+        elif _short_password(arg, following):
+            out.append("-p" + REDACTED)
         else:
             out.append(redact_text(arg))
     return out

@@ -96,6 +96,7 @@ class Manifest:
                   if key in document and (document[key] is not None or f.default_factory is MISSING)}
         values.setdefault("run_id", document["plan"].get("run_id"))
         values["state"] = RunState.parse(document.get("state"))
+        _check_shape(values, known)
         return cls(**values, extra={k: v for k, v in document.items() if k not in known})
 
     def to_json(self) -> dict:
@@ -106,6 +107,26 @@ class Manifest:
     @property
     def node_names(self) -> list[str]:
         return [entry["node"]["name"] for entry in self.plan.get("nodes", [])]
+
+
+def _check_shape(values: dict, known: dict) -> None:
+    """A manifest that parses as JSON but not as a run record (hand-edited, cut short, written by something else)
+    is refused here with what is wrong, never later as a TypeError deep in a command."""
+    if not isinstance(values.get("run_id"), str):
+        raise ValueError("run_id is not a string")
+    kinds = {list: list, dict: dict}
+    for key, value in values.items():
+        expected = known[key].default_factory if known[key].default_factory is not MISSING else None
+        if expected in kinds and not isinstance(value, kinds[expected]):
+            raise ValueError(f"{key} is not a {expected.__name__}")
+    nodes = values["plan"].get("nodes", [])
+    if not isinstance(nodes, list) or not all(
+            isinstance(entry, dict) and isinstance(entry.get("node"), dict) and isinstance(entry["node"].get("name"), str)
+            and isinstance(entry.get("nproc"), int) and isinstance(entry.get("node_rank"), int)
+            and isinstance(entry.get("run_dir"), str) for entry in nodes):
+        raise ValueError("plan.nodes is not a list of node plans")
+    if not isinstance(values["plan"].get("command", []), list):
+        raise ValueError("plan.command is not a list")
 
 
 def runs_root() -> Path:

@@ -11,7 +11,8 @@ from rich.table import Table
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import refresh_state
-from nodectl.runs import Run, list_runs
+from nodectl.errors import UsageError
+from nodectl.runs import Manifest, Run, list_runs
 from nodectl.remote.transport import Cluster, TransportOptions
 from nodectl.watch import poll
 
@@ -21,11 +22,19 @@ def _settle(app: AppContext, runs: list[Run]) -> None:
                                fanout=app.transport_options.fanout,
                                accept_new_host_keys=app.transport_options.accept_new_host_keys)
     for run in runs:
-        if run.read().state.final:
+        manifest = _readable(run)
+        if manifest is None or manifest.state.final:
             continue
         run_nodes = run.nodes()
         with Cluster([rn.node for rn in run_nodes], options) as cluster:
             refresh_state(run, poll(cluster, run_nodes))
+
+
+def _readable(run: Run) -> Manifest | None:
+    try:
+        return run.read()
+    except UsageError:
+        return None
 
 
 @click.command("runs")
@@ -37,7 +46,12 @@ def command(app: AppContext, show_all: bool) -> None:
     _settle(app, runs)
     rows = []
     for run in runs:
-        manifest = run.read()
+        manifest = _readable(run)
+        if manifest is None:   # one damaged record is a row saying so, never the end of the listing
+            rows.append({"run_id": run.run_id, "kind": "?", "state": "unreadable", "nodes": [], "world_size": 0,
+                         "started": None, "folder": str(run.folder.resolve()),
+                         "command": f"manifest.json cannot be read: {run.manifest_path}"})
+            continue
         plan = manifest.plan
         rows.append({"run_id": run.run_id, "kind": manifest.kind, "state": manifest.state.value,
                      "nodes": manifest.node_names, "world_size": sum(n["nproc"] for n in plan.get("nodes", [])),

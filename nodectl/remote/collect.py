@@ -112,7 +112,18 @@ def _folder(target: Path, parts: tuple[str, ...]) -> Path:
 def _write(tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path) -> None:
     if path.is_symlink() or (path.exists() and not path.is_file()):
         raise _Refused(path)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "wb") as out, tar.extractfile(member) as source:
-        shutil.copyfileobj(source, out, 1 << 20)
-    os.utime(path, (member.mtime, member.mtime))
+    # under a temporary name, renamed when whole: a full disk or a cut stream leaves no truncated file that reads
+    # as the node's (a weights file cut short)
+    partial = path.with_name(f".{path.name}.nodectl-partial")
+    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as out, tar.extractfile(member) as source:
+            shutil.copyfileobj(source, out, 1 << 20)
+        os.utime(partial, (member.mtime, member.mtime))
+        os.replace(partial, path)
+    except BaseException:
+        try:
+            os.unlink(partial)
+        except OSError:
+            pass
+        raise

@@ -129,9 +129,12 @@ def project_files(root: str | Path, limit: int = DEFAULT_SYNC_LIMIT) -> list[Syn
     if names is None:
         names = _walk_files(root)
     files, total, own, now = [], 0, _own_output(), time.time()
+    inside = os.path.realpath(root) + os.sep
     for name in sorted(set(names)):
         source = root / name
         if _always_excluded(name) or not source.is_file() or source.is_symlink():
+            continue
+        if not os.path.realpath(source).startswith(inside):   # reached through a linked folder: not the project's
             continue
         info = source.stat()
         if (info.st_dev, info.st_ino) in own:

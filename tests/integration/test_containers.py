@@ -219,3 +219,20 @@ def test_the_built_in_trainer_runs_inside_the_image(cluster, image, project):
         assert containers_of(run_id) == []
     finally:
         kill_leftovers(run_id)
+
+
+def test_the_default_preflight_runs_its_all_reduce_inside_the_image(cluster, image, project):
+    """preflight's collective job goes through the launch path, so with container: it runs in the image too, and
+    leaves no container behind."""
+    env = cluster.env()
+    inv = str(cluster.inventory(path=project / "same.yaml", count=2, gpus=2,
+                                container={"image": image, "runtime": "podman", "options": OPTIONS}))
+    result = run_nodectl(["--json", "-i", inv, "preflight"], env=env, cwd=project, timeout=300)
+    assert result.exit_code == 0, result.output
+    report = result.json()
+    rows = {(r["check"], r["node"]): r for r in report["results"]}
+    assert rows[("collective", "cluster")]["verdict"] == "pass", rows[("collective", "cluster")]
+    assert rows[("same torch", "cluster")]["detail"] == "2.13.0+cpu"
+    script = (project / "runs" / report["collective_run"] / "scripts" / "node1.sh").read_text()
+    assert 'podman run --rm --name "$CONTAINER"' in script and image in script   # the job ran in the image
+    assert containers_of(report["collective_run"]) == []

@@ -1,6 +1,7 @@
 """Issue 29 on real processes: a local node with the real runctl, nodectl run as a user runs it."""
 from __future__ import annotations
 
+import json
 import os
 import stat
 import subprocess
@@ -13,6 +14,7 @@ from nodectl.remote import agent
 from nodectl.remote.transport import Cluster, TransportOptions
 
 SCRIPT = """\
+import json
 import os
 out = os.path.join(os.environ["NODECTL_RUN_DIR"], "output")
 os.makedirs(out, exist_ok=True)
@@ -226,3 +228,33 @@ def test_a_controller_killed_while_starting_leaves_a_settled_run_and_nothing_on_
     assert stopped.exit_code == 0, stopped.output
     for node in ssh_cluster.nodes[:2]:
         assert not (node.workdir / "runs" / run_id).exists()
+
+
+CORRUPT_MANIFESTS = ['garbage{', '[1, 2]', '{"run_id": 5, "state": []}', '{"state": "running", "plan": 7}', '\x00\xff\xfe',
+                     '{"run_id": "x", "state": "nonsense", "plan": {"nodes": "n"}}', '']
+
+
+def test_damaged_run_records_are_named_and_never_hide_the_others(tmp_path):
+    """The audit broke 26 of 35 manifests into tracebacks, and one bad manifest broke `nodectl runs` for every
+    run. Each damaged record is now one row saying so; asking for it is exit 2 naming the file."""
+    (tmp_path / "hosts.yaml").write_text(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
+                                         f"gpus: 1, workdir: {tmp_path / 'work'}}}\n")
+    (tmp_path / "ok.py").write_text("print('fine', flush=True)\n")
+    launched = nodectl(tmp_path, "launch", "--skip-preflight", "--", "ok.py")
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    good = json.loads(nodectl(tmp_path, "--json", "runs").stdout)["runs"][0]["run_id"]
+    damaged = []
+    for i, text in enumerate(CORRUPT_MANIFESTS):
+        folder = tmp_path / "runs" / f"20200101-00000{i}-dead"
+        folder.mkdir(parents=True)
+        (folder / "manifest.json").write_bytes(text.encode("latin-1"))
+        damaged.append(folder.name)
+    listed = nodectl(tmp_path, "--json", "runs")
+    assert listed.returncode == 0, listed.stderr
+    states = {row["run_id"]: row["state"] for row in json.loads(listed.stdout)["runs"]}
+    assert states[good] == "succeeded" and all(states[name] == "unreadable" for name in damaged)
+    for name in damaged:
+        for command in (["status", "--run", name], ["tail", "rank0", "--run", name], ["stop", "--run", name]):
+            result = nodectl(tmp_path, *command)
+            assert result.returncode == 2, (command, text, result.stderr)
+            assert "manifest unreadable" in result.stderr and "Traceback" not in result.stderr, result.stderr

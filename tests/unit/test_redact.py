@@ -89,3 +89,13 @@ def test_redaction_is_linear_on_hostile_values(text):
     redact_text(text)
     redact_args([text])
     assert time.perf_counter() - started < 10
+
+
+def test_short_p_is_a_password_unless_it_is_a_number():
+    """`-p X` / `-pX` (mysql, mysqldump, sshpass): the audit's last leaking argument. A number stays (a port, a
+    count): a script's command line with *** in it could not be replayed by --resume."""
+    assert redact_args(["mysql", "-u", "root", "-p", "hunter2"]) == ["mysql", "-u", "root", "-p", "***"]
+    assert redact_args(["mysqldump", "-phunter2", "db"]) == ["mysqldump", "-p***", "db"]
+    assert redact_args(["serve.py", "-p", "8080", "--workers", "4"]) == ["serve.py", "-p", "8080", "--workers", "4"]
+    assert redact_args(["serve.py", "-p8080"]) == ["serve.py", "-p8080"]
+    assert redact_args(["train.py", "-p"]) == ["train.py", "-p"]   # nothing follows: nothing to hide

@@ -125,3 +125,62 @@ def test_terminal_escapes_from_a_node_are_shown_not_obeyed():
 def test_inventory_values_that_would_confuse_nodectl_are_refused(text, words):
     with pytest.raises(InventoryError, match=words.replace(".", r"\.")):
         parse_inventory(text)
+
+
+def test_a_tracked_folder_replaced_by_a_link_out_of_the_project_sends_nothing_from_outside(tmp_path):
+    """The audit's git project whose tracked `conf/` became a symlink to another folder: the file git still lists
+    (conf/x.txt) was read through the link and a fake key from outside reached the nodes. Only files whose real
+    path is inside the project travel; a link to a folder inside it still works."""
+    import subprocess
+
+    from nodectl.remote.sync import project_files
+
+    project, outside = tmp_path / "project", tmp_path / "outside"
+    (project / "conf").mkdir(parents=True)
+    (project / "conf" / "x.txt").write_text("mine\n")
+    (project / "data").mkdir()
+    (project / "data" / "y.txt").write_text("also mine\n")
+    (project / "train.py").write_text("print(1)\n")
+    git = ["git", "-C", str(project), "-c", "user.email=t@t", "-c", "user.name=t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "init"], check=True)
+    outside.mkdir()
+    (outside / "x.txt").write_text("FAKE PRIVATE KEY\n")
+    for name in ("conf", "data"):
+        for item in (project / name).iterdir():
+            item.unlink()
+        (project / name).rmdir()
+    (project / "conf").symlink_to(outside)
+    (project / "data").symlink_to(project / "inner")
+    (project / "inner").mkdir()
+    (project / "inner" / "y.txt").write_text("inside, through a link\n")
+    sent = {f.path: f.source.read_text() for f in project_files(project)}
+    assert "code/conf/x.txt" not in sent and "FAKE PRIVATE KEY\n" not in sent.values()
+    assert sent["code/data/y.txt"] == "inside, through a link\n" and "code/train.py" in sent
+
+
+def test_a_full_disk_while_collecting_leaves_no_truncated_file(tmp_path):
+    """The audit's full controller disk during `collect`: a truncated weights.bin was left, unmarked, looking like
+    the node's. Each file is now written under a temporary name and renamed only when whole."""
+    import errno
+    import subprocess
+
+    target = tmp_path / "small"
+    target.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "small", str(target)]).returncode:
+        pytest.skip("needs root to mount a small tmpfs")
+    try:
+        archive = tmp_path / "pack.tar"
+        with tarfile.open(archive, "w") as tar:
+            for name, size in (("logs/rank0.log", 1000), ("output/weights.bin", 1 << 20)):
+                info = tarfile.TarInfo(name)
+                info.size = size
+                tar.addfile(info, io.BytesIO(b"w" * size))
+        with pytest.raises(OSError) as caught:
+            unpack(archive, target / "run")
+        assert caught.value.errno == errno.ENOSPC
+        assert (target / "run" / "logs" / "rank0.log").stat().st_size == 1000
+        assert sorted(p.name for p in (target / "run" / "output").iterdir()) == []   # nothing half-written
+    finally:
+        subprocess.run(["umount", str(target)])
