@@ -88,12 +88,16 @@ def bind_locks(inventory, project: str | os.PathLike):
 
 def with_environment(inventory, file: str):
     """`launch --environment FILE`: every node gets it (a container: setting is refused beside it)."""
-    env = parse(file, "--environment", lambda key, expected: (_ for _ in ()).throw(UsageError(f"{key}: {expected}")))
+    env = parse(file, "--environment", _refuse_option)
     clash = [n.name for n in inventory.nodes if n.container is not None]
     if clash:
         raise UsageError(f"--environment: {', '.join(clash)} run in a container (container: in the inventory); an "
                          f"image brings its own environment")
     return replace(inventory, nodes=tuple(replace(n, environment=env) for n in inventory.nodes))
+
+
+def _refuse_option(key: str, expected: str) -> None:
+    raise UsageError(f"{key}: {expected}")
 
 
 def _read(path: Path, name: str) -> tuple[str, str]:
