@@ -301,13 +301,127 @@ def cmd_start(args: list, request: dict) -> dict:
     if os.path.exists(os.path.join(run_dir, "state", "pgid")):
         return {"error": f"{run_dir} was already started"}
     env = dict(os.environ, NODECTL_RUN_ID=node["run_id"], NODECTL_NODE_RANK=str(node["node_rank"]))
+    group = _new_run_group(f"{node['run_id']}-{node['node_rank']}")
+
+    def enter() -> None:
+        _become_subreaper()
+        if group:
+            _join_group(group)
+
     with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as log:
         proc = subprocess.Popen(["/bin/bash", os.path.join(run_dir, "launch.sh")], cwd=run_dir, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_become_subreaper)
+                                start_new_session=True, preexec_fn=enter)
+    if group and _in_group(proc.pid, group):
+        _write(os.path.join(run_dir, "state", "cgroup"), json.dumps(group), 0o600)
+    elif group:
+        _remove_group(group)
     _write(os.path.join(run_dir, "state", "pgid"), str(proc.pid))
     _write(os.path.join(run_dir, "state", "started"), str(time.time()))
-    return {"pgid": proc.pid}
+    return {"pgid": proc.pid, "tracked_by": "cgroup" if group and _in_group(proc.pid, group) else "subreaper"}
+
+
+# A cgroup per run and node, where the login may make one (root, or a delegated hierarchy): membership is
+# inherited by every process the run starts and cannot be shed by setsid, a double fork, a cleared environment
+# or the death of launch.sh, so `stop` finds what escaped the process tree too. Only to track: no controller is
+# enabled, no limit set. cgroup v2 where mounted, else v1's controller-less name=systemd hierarchy, else pids.
+GROUPS_FOLDER = "nodectl"
+GROUP_SWEEP_AGE = 60   # seconds: an empty group older than this is a finished run's, removed at the next start
+
+
+def _hierarchies() -> list:
+    """[(mount point, key)] of the cgroup hierarchies to try, best first; key is what /proc/PID/cgroup names the
+    hierarchy by ("" for v2)."""
+    found = []
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as handle:
+            mounts = [line.split() for line in handle]
+    except OSError:
+        return []
+    for fields in mounts:
+        if len(fields) >= 4 and fields[2] == "cgroup2":
+            found.append((0, fields[1], ""))
+        elif len(fields) >= 4 and fields[2] == "cgroup":
+            options = fields[3].split(",")
+            if "name=systemd" in options:
+                found.append((1, fields[1], "name=systemd"))
+            elif "pids" in options:
+                found.append((2, fields[1], "pids"))
+    return [(mount, key) for _, mount, key in sorted(found)]
+
+
+def _new_run_group(name: str):
+    """{"dir", "key", "path"} of a new cgroup for this run on this node, or None where none can be made."""
+    for mount, key in _hierarchies():
+        base = os.path.join(mount, GROUPS_FOLDER)
+        try:
+            os.makedirs(base, exist_ok=True)
+            _sweep_groups(base)
+            folder = os.path.join(base, name)
+            os.mkdir(folder)
+        except OSError:
+            continue
+        return {"dir": folder, "key": key, "path": "/" + GROUPS_FOLDER + "/" + name}
+    return None
+
+
+def _sweep_groups(base: str) -> None:
+    """Remove the empty groups of runs that ended (rmdir refuses a group with a process in it)."""
+    for entry in os.listdir(base):
+        folder = os.path.join(base, entry)
+        try:
+            if time.time() - os.stat(folder).st_mtime > GROUP_SWEEP_AGE:
+                os.rmdir(folder)
+        except OSError:
+            continue
+
+
+def _join_group(group: dict) -> None:
+    """In launch.sh's process before it runs: enter the run's group (a failure leaves the subreaper alone)."""
+    try:
+        with open(os.path.join(group["dir"], "cgroup.procs"), "w", encoding="utf-8") as handle:
+            handle.write("0")
+    except OSError:
+        pass
+
+
+def _in_group(pid: int, group: dict) -> bool:
+    """Whether a process is in the run's group (or below it), by its own /proc/PID/cgroup."""
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="utf-8") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return False
+    for line in lines:
+        _, keys, path = (line.split(":", 2) + ["", ""])[:3]
+        if (keys == group["key"] or (group["key"] and group["key"] in keys.split(","))) and \
+                (path == group["path"] or path.startswith(group["path"] + "/")):
+            return True
+    return False
+
+
+def _group_of(run_dir: str):
+    group = _read_json(os.path.join(run_dir, "state", "cgroup"))
+    ok = isinstance(group, dict) and all(isinstance(group.get(k), str) for k in ("dir", "key", "path"))
+    return group if ok and os.path.basename(os.path.dirname(group["dir"])) == GROUPS_FOLDER else None
+
+
+def _group_members(group) -> set:
+    if not group:
+        return set()
+    try:
+        with open(os.path.join(group["dir"], "cgroup.procs"), encoding="utf-8") as handle:
+            return {int(line) for line in handle if line.strip().isdigit()}
+    except OSError:
+        return set()
+
+
+def _remove_group(group) -> None:
+    if group:
+        try:
+            os.rmdir(group["dir"])
+        except OSError:
+            pass
 
 
 def _become_subreaper() -> None:
@@ -381,17 +495,22 @@ def belongs(pid: int, markers: tuple) -> bool:
 
 def run_processes(run_dir: str) -> list:
     """Live pids of this node's share of the run (never this helper itself): those whose environment carries
-    the run's markers, and every descendant of its launch.sh (a subreaper: see _become_subreaper)."""
+    the run's markers, every descendant of its launch.sh (a subreaper: see _become_subreaper), and every member
+    of the run's cgroup where it has one (_new_run_group)."""
     markers = _markers(run_dir)
     parents = _parents()
     launcher = _launcher(run_dir, markers)
     tree = _descendants(launcher, parents) | {launcher} if launcher else set()
+    tree |= _group_members(_group_of(run_dir))
     pids = [pid for pid in parents if pid != os.getpid()]
     return [pid for pid in pids if (pid in tree or belongs(pid, markers)) and not _is_zombie(pid)]
 
 
 def _ours(pid: int, markers: tuple, run_dir) -> bool:
     if belongs(pid, markers):
+        return True
+    group = _group_of(run_dir) if run_dir else None
+    if group and _in_group(pid, group):
         return True
     launcher = _launcher(run_dir, markers) if run_dir else None
     return bool(launcher) and pid in _descendants(launcher, _parents())
@@ -589,6 +708,8 @@ def cmd_stop(args: list, request: dict) -> dict:
             break
         time.sleep(0.1)
     stopped = {"time": time.time(), "terminated": len(targets), "killed": len(killed)}
+    if not run_processes(run_dir):
+        _remove_group(_group_of(run_dir))
     removed = remove_container(run_dir)
     if removed:
         stopped["container"] = removed

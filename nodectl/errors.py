@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import signal
 import threading
+from contextlib import contextmanager
+from typing import Iterator
 
 import click
 
@@ -74,6 +76,32 @@ def install_signal_handlers() -> None:
     """SIGTERM behaves as Ctrl-C does: every command stops what it started, then exits 130."""
     signal.signal(signal.SIGINT, _on_signal)
     signal.signal(signal.SIGTERM, _on_signal)
+
+
+@contextmanager
+def _signals_handled_by(handler) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():   # only the main thread can set handlers
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous[0])
+        signal.signal(signal.SIGTERM, previous[1])
+
+
+def interruptible():
+    """Ctrl-C and SIGTERM raise KeyboardInterrupt inside the block, also where the caller ignores them while it
+    cleans up (a second Ctrl-C can then hurry the clean-up); the caller's handlers are restored after it."""
+    return _signals_handled_by(_on_signal)
+
+
+def uninterruptible():
+    """Ctrl-C and SIGTERM are ignored inside the block (a clean-up with its own timeouts); restored after it."""
+    return _signals_handled_by(signal.SIG_IGN)
 
 
 def ignore_signals_while_cleaning() -> None:

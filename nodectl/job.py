@@ -167,20 +167,23 @@ def start_job(job: Job, run: Run, cluster: Cluster, *, grace: float, cancel: thr
         run.set_node_states(started, state=RunState.RUNNING)
         return [r.value for r in results]
     run.set_node_states(started)
-    stop_run(run, cluster, grace, RunState.FAILED_TO_START, progress=progress,
+    stop_run(run, cluster, grace, RunState.FAILED_TO_START, progress=progress, remove_unstarted=True,
              failure={"kind": "start", "description": "; ".join(f"{r.node.name}: {r.error}" for r in problems)})
     raise StartFailed(job.run_id, problems)
 
 
 def stop_run(run: Run, cluster: Cluster, grace: float, state: RunState, *, progress: Progress = no_progress,
-             failure: dict | None = None) -> dict[str, NodeResult]:
-    """Stop the run's current attempt on every node (SIGTERM, SIGKILL after `grace`) and record `state`."""
+             failure: dict | None = None, remove_unstarted: bool = False) -> dict[str, NodeResult]:
+    """Stop the run's current attempt on every node (SIGTERM, SIGKILL after `grace`) and record `state`, also
+    when a Ctrl-C hurried the stop (StopHurried is raised after the record). `remove_unstarted`: the run is
+    being given up before it ran everywhere: a node's folder prepared for it but never started is removed."""
     run_nodes = run.nodes()
-    with progress("stopping", len(run_nodes)) as advance:
-        stopped = stop_nodes(cluster, run_nodes, grace, on_done=advance)
     changes = {"failure": failure} if failure else {}
-    run.update(state=state, ended=time.time(), **changes)
-    return stopped
+    try:
+        with progress("stopping", len(run_nodes)) as advance:
+            return stop_nodes(cluster, run_nodes, grace, on_done=advance, unstarted=remove_unstarted)
+    finally:
+        run.update(state=state, ended=time.time(), **changes)
 
 
 def processes_left(stopped: Mapping[str, NodeResult]) -> int:

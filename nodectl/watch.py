@@ -8,6 +8,7 @@ from typing import Callable
 
 from rich.markup import escape
 
+from nodectl.errors import interruptible, uninterruptible
 from nodectl.remote import agent
 from nodectl.remote.answers import NO_LOG, LogChunk
 from nodectl.remote.poller import Poller
@@ -67,19 +68,49 @@ def poll(cluster: Cluster, run_nodes: list[RunNode], offsets: dict[int, int] | N
 STOP_SLACK = 10.0   # seconds beyond the grace a node gets to confirm a stop (runctl needs at most grace + ~6)
 
 
+class StopHurried(KeyboardInterrupt):
+    """Ctrl-C (or SIGTERM) while a stop waited out its grace period: what was left got SIGKILL at once instead.
+    `results` holds every node's answer, as stop_nodes returns them."""
+
+    def __init__(self, results: dict[str, NodeResult]):
+        super().__init__()
+        self.results = results
+
+
 def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
                on_done=None, unstarted: bool = False) -> dict[str, NodeResult]:
     """Stop the run on every node, waiting at most grace + STOP_SLACK on each: a hung node must not hold up the
     report; its result then says it did not answer. `unstarted`: the run never started (its controller died
-    while starting it): a node's prepared or half-prepared folder is removed."""
+    while starting it): a node's prepared or half-prepared folder is removed.
+
+    A Ctrl-C while the nodes wait out the grace period (also one the caller would otherwise ignore) does not wait
+    for them: every node not yet done is asked again with no grace, so what is left gets SIGKILL now, and
+    StopHurried carries the answers."""
     by_name = {rn.node.name: rn for rn in run_nodes}
+    answered: dict[str, NodeResult] = {}
 
-    def work(transport):
-        rn = by_name[transport.node.name]
-        return agent.call(transport, "stop", rn.run_dir, request={"grace": grace, "unstarted": unstarted},
-                          timeout=grace + STOP_SLACK)
+    def stop_all(nodes: list, seconds: float, done) -> dict[str, NodeResult]:
+        def work(transport):
+            rn = by_name[transport.node.name]
+            return agent.call(transport, "stop", rn.run_dir, request={"grace": seconds, "unstarted": unstarted},
+                              timeout=seconds + STOP_SLACK)
 
-    return {r.node.name: r for r in cluster.fan_out(work, [rn.node for rn in run_nodes], on_done=on_done)}
+        return {r.node.name: r for r in cluster.fan_out(work, nodes, on_done=done, abandon_on_interrupt=True)}
+
+    def done(result: NodeResult) -> None:
+        answered[result.node.name] = result
+        if on_done:
+            on_done(result)
+
+    try:
+        with interruptible():
+            return stop_all([rn.node for rn in run_nodes], grace, done)
+    except KeyboardInterrupt:
+        first = dict(answered)
+        with uninterruptible():
+            rest = stop_all([rn.node for rn in run_nodes if rn.node.name not in first], 0.0, on_done)
+        merged = {**first, **rest}
+        raise StopHurried({rn.node.name: merged[rn.node.name] for rn in run_nodes}) from None
 
 
 def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int | str], lines: int,

@@ -33,6 +33,8 @@ NODE_PYTHON = "/opt/venv/bin/python"
 REPO = Path(__file__).resolve().parent.parent
 HIDDEN = ("/tmp", "/var/tmp", "/work", "/home", "/opt")
 SHELLS = {"sh": "/bin/sh", "bash": "/bin/bash", "zsh": "/usr/bin/zsh", "fish": "/usr/bin/fish"}
+# what a user's shell start-up files export on a noisy node: a secret of the node's, never of nodectl's to keep
+LOGIN_SECRET = "node-login-secret-0c0ffee"
 BANNER = "*** Welcome to {node}: authorised use only ***"
 
 
@@ -206,7 +208,8 @@ class SSHCluster:
         if spec.noisy:
             banner = BANNER.format(node=name)
             for rc in (".bashrc", ".profile", ".zshenv"):
-                (node.home_dir / rc).write_text(f"echo '{banner}'\necho 'rc on stderr' >&2\n")
+                (node.home_dir / rc).write_text(f"echo '{banner}'\necho 'rc on stderr' >&2\n"
+                                                f"export DB_PASS={LOGIN_SECRET}\n")
             fish = node.home_dir / ".config" / "fish"
             fish.mkdir(parents=True)
             (fish / "config.fish").write_text(f"echo '{banner}'\n")

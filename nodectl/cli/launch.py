@@ -25,7 +25,7 @@ from nodectl.resources import resource_dir
 from nodectl.runs import Run, RunState, open_run
 from nodectl.secrets import REDACTED, redact_args
 from nodectl.visible import visible
-from nodectl.watch import LogStream, poll
+from nodectl.watch import LogStream, StopHurried, poll
 
 
 def _check_command(args: tuple[str, ...], files: list[sync.SyncFile], sync_dir: str) -> tuple[str, ...]:
@@ -389,7 +389,7 @@ def _start(app: AppContext, job: Job, run: Run, cluster, grace: float) -> None:
 def _not_started(app: AppContext, failed: StartFailed) -> None:
     for r in failed.problems:
         app.err.print(f"[red]{escape(r.node.name)}[/]: {escape(r.error)}")
-    app.err.print("the nodes that had started were stopped")
+    app.err.print("no node runs it: the nodes it had started were stopped, the folders prepared for it removed")
     if app.json:
         app.emit_json({"run_id": failed.run_id, "state": "failed-to-start",
                        "nodes": {r.node.name: r.error for r in failed.problems}})
@@ -412,7 +412,13 @@ def _interrupted(app: AppContext, run: Run, cluster, grace: float) -> None:
     """Ctrl-C or SIGTERM at any phase after the run was recorded: stop whatever may have started, say so, 130."""
     ignore_signals_while_cleaning()
     app.err.print(f"interrupted: stopping run {run.run_id} on every node")
-    left = processes_left(stop_run(run, cluster, grace, RunState.INTERRUPTED, progress=app.node_progress))
+    try:
+        stopped = stop_run(run, cluster, grace, RunState.INTERRUPTED, progress=app.node_progress,
+                           remove_unstarted=True)
+    except StopHurried as hurried:
+        app.err.print("interrupted again: what was left got SIGKILL without waiting out the grace period")
+        stopped = hurried.results
+    left = processes_left(stopped)
     if app.json:
         app.emit_json({"run_id": run.run_id, "state": "interrupted", "processes_left": left})
     raise SystemExit(EXIT_INTERRUPTED)

@@ -10,15 +10,15 @@ from rich.markup import escape
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
 from nodectl.cli.runs_cmds import opened, run_option
-from nodectl.errors import exit_code_for
+from nodectl.errors import EXIT_INTERRUPTED, exit_code_for
 from nodectl.runs import RunState, controller_gone
-from nodectl.watch import stop_nodes
+from nodectl.watch import StopHurried, stop_nodes
 
 
 @click.command("stop")
 @run_option
 @click.option("--grace", type=Seconds(min=0), default=10.0, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL.")
+              help="Seconds between SIGTERM and SIGKILL (Ctrl-C ends the wait: SIGKILL at once).")
 @click.pass_obj
 def command(app: AppContext, run_id: str | None, grace: float) -> None:
     """Stop a run on every node. Safe to repeat."""
@@ -28,8 +28,14 @@ def command(app: AppContext, run_id: str | None, grace: float) -> None:
     unstarted = (manifest.failure or {}).get("kind") == "controller" or \
         (manifest.state == RunState.STARTING and controller_gone(manifest))
     app.info(f"stopping run {run.run_id} ({run.folder}) on {len(run_nodes)} node(s)")
+    hurried = False
     with app.cluster_for(run_nodes) as cluster, app.node_progress("stopping", len(run_nodes)) as advance:
-        results = stop_nodes(cluster, run_nodes, grace, on_done=advance, unstarted=unstarted)
+        try:
+            results = stop_nodes(cluster, run_nodes, grace, on_done=advance, unstarted=unstarted)
+        except StopHurried as stopped:
+            results, hurried = stopped.results, True
+    if hurried:
+        app.err.print("interrupted: what was left got SIGKILL without waiting out the grace period")
     summary = {}
     for name, result in list(results.items()):
         answer = result.value if result.ok else None
@@ -53,5 +59,5 @@ def command(app: AppContext, run_id: str | None, grace: float) -> None:
         run.update(state=RunState.STOPPED, ended=time.time())
     if app.json:
         app.emit_json({"run_id": run.run_id, "nodes": summary})
-    if code:
-        raise SystemExit(code)
+    if code or hurried:
+        raise SystemExit(code or EXIT_INTERRUPTED)

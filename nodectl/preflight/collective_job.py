@@ -71,7 +71,7 @@ def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, 
         return None, {}, str(failed.message), job.run_id
     except KeyboardInterrupt:  # the user stopped preflight: its job must not outlive it
         ignore_signals_while_cleaning()
-        stop_run(run, cluster, grace, RunState.INTERRUPTED)
+        stop_run(run, cluster, grace, RunState.INTERRUPTED, remove_unstarted=True)
         raise
     if outcome != RunState.SUCCEEDED:
         stop_nodes(cluster, run_nodes, grace)

@@ -495,6 +495,9 @@ def _finish(channel, limit: float) -> tuple[int, str, str]:
         while channel.recv_stderr_ready():
             err += channel.recv_stderr(1 << 16)
             _keep_tail(err)
+        if channel.closed and not channel.eof_received and not channel.recv_ready() \
+                and not channel.recv_stderr_ready():   # the connection went (or was closed) under the command
+            raise EOFError("the connection closed before the command ended")
         if time.monotonic() > deadline:
             raise CommandTimeout(f"no answer within {limit:g}s")
         select.select([channel], [], [], 0.05)
@@ -603,8 +606,13 @@ class Cluster:
         return self.transports[node.name]
 
     def fan_out(self, work: Callable[[Transport], T], nodes: Iterable[Node] | None = None,
-                on_done: Callable[[NodeResult[T]], None] | None = None) -> list[NodeResult[T]]:
-        """Run `work` for every node in parallel (at most `fanout` at once); results in node order."""
+                on_done: Callable[[NodeResult[T]], None] | None = None,
+                abandon_on_interrupt: bool = False) -> list[NodeResult[T]]:
+        """Run `work` for every node in parallel (at most `fanout` at once); results in node order.
+
+        On Ctrl-C, work not yet begun is cancelled and the calls in flight are waited for, so that no node is
+        touched after the caller goes on to clean up; with `abandon_on_interrupt` (work that is itself a clean-up,
+        such as a stop) they are left to finish in their threads and the interrupt is raised at once."""
         targets = tuple(nodes) if nodes is not None else self.nodes
 
         def one(node: Node) -> NodeResult[T]:
@@ -618,8 +626,14 @@ class Cluster:
 
         if not targets:
             return []
-        with ThreadPoolExecutor(max_workers=max(1, min(self.options.fanout, len(targets)))) as pool:
-            return list(pool.map(one, targets))
+        pool = ThreadPoolExecutor(max_workers=max(1, min(self.options.fanout, len(targets))))
+        try:
+            results = list(pool.map(one, targets))
+        except KeyboardInterrupt:
+            pool.shutdown(wait=not abandon_on_interrupt, cancel_futures=True)
+            raise
+        pool.shutdown()
+        return results
 
     def close(self) -> None:
         """Close every connection at once: paramiko joins each transport's thread, which waits out its 0.1 s

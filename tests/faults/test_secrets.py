@@ -11,6 +11,7 @@ import pytest
 
 from conftest import run_nodectl
 from launch_helpers import kill_leftovers, latest_run_id, wait_for
+from sshcluster import LOGIN_SECRET
 
 pytestmark = pytest.mark.slow
 CANARY = "hf_canary_5e1f0c0ffee"
@@ -36,6 +37,11 @@ def test_canary_secret_is_nowhere_but_the_ranks(ssh_cluster, tmp_path):
     outputs = []
     outputs.append(run_nodectl(["-i", inventory, "launch", "--dry-run", "--", "show.py"], env=env, cwd=project))
     outputs.append(run_nodectl(["-i", inventory, "--json", "env-dump"], env=env, cwd=project))
+    dumped = run_nodectl(["-i", inventory, "env-dump", "-o", str(tmp_path / "dumps")], env=env, cwd=project)
+    assert dumped.exit_code == 0 and len(files_under(tmp_path / "dumps")) == 2, dumped.output
+    dump = (tmp_path / "dumps" / "node0.json").read_text()
+    assert '"DB_PASS": "***"' in dump and LOGIN_SECRET not in dump   # node0's shell exports it
+    outputs.append(dumped)
     launched = run_nodectl(["-i", inventory, "launch", "--detach", "--", "show.py"], env=env, cwd=project)
     assert launched.exit_code == 0, launched.output
     outputs.append(launched)
@@ -49,7 +55,7 @@ def test_canary_secret_is_nowhere_but_the_ranks(ssh_cluster, tmp_path):
                     run_nodectl(["tail", "all"], env=env, cwd=project)]
         assert CANARY not in ps
         for result in outputs:
-            assert CANARY not in result.output
+            assert CANARY not in result.output and LOGIN_SECRET not in result.output
         for path in files_under(project / "runs"):
             assert CANARY not in path.read_text(errors="replace"), path
         for node in ssh_cluster.nodes[:2]:

@@ -126,6 +126,74 @@ def test_a_child_that_sheds_the_runs_environment_does_not_survive_stop(tmp_path)
                 pass
 
 
+ORPHAN_MAKER = """\
+import os, time
+# a grandchild in a session of its own with an empty environment; then the launch script itself is killed
+# (an OOM kill, a user's kill -9), so the orphan goes to init: out of the run's tree and without its markers
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        os.execve("/bin/sleep", ["sleep", "303"], {})
+    os._exit(0)
+print("made one", flush=True)
+time.sleep(600)
+"""
+
+
+def _root_can_make_a_cgroup() -> bool:
+    """Asked independently of runctl: some cgroup hierarchy of this machine takes a new group from root."""
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if os.geteuid() == 0 and fields[2] in ("cgroup", "cgroup2") and \
+                (fields[2] == "cgroup2" or {"name=systemd", "pids"} & set(fields[3].split(","))):
+            probe = Path(fields[1]) / f"nodectl-probe-{os.getpid()}"
+            try:
+                probe.mkdir()
+                probe.rmdir()
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def test_what_escaped_the_tree_and_its_markers_is_still_stopped_through_the_runs_cgroup(ssh_cluster, tmp_path):
+    """On a node where nodectl may make a cgroup (node0 logs in as root), the run's processes are in one of
+    their own: an orphan that shed the environment and was handed to init when launch.sh was killed is found by
+    `stop` all the same, and the group is removed afterwards. Before, nothing could find it: it held on."""
+    import pytest
+
+    from conftest import run_nodectl
+    from launch_helpers import latest_run_id, wait_for
+
+    if not _root_can_make_a_cgroup():
+        pytest.skip("no cgroup hierarchy on this machine lets root make a group (a container without them)")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "orphan.py").write_text(ORPHAN_MAKER)
+    env = ssh_cluster.env()
+    inventory = str(ssh_cluster.inventory(tmp_path / "hosts.yaml", count=1))
+    launched = run_nodectl(["-i", inventory, "launch", "--skip-preflight", "--detach", "--", "orphan.py"],
+                           env=env, cwd=project)
+    assert launched.exit_code == 0, launched.output
+    run_id = latest_run_id(project)
+    state = ssh_cluster.nodes[0].workdir / "runs" / run_id / "state"
+    try:
+        wait_for(lambda: _sleeping("303"))
+        group = json.loads((state / "cgroup").read_text())
+        assert Path(group["dir"]).is_dir(), group
+        os.kill(int((state / "pgid").read_text()), 9)   # launch.sh: its orphans now go to init
+        [orphan] = _sleeping("303")
+        assert not Path(f"/proc/{orphan}/environ").read_bytes()
+        stopped = run_nodectl(["stop", "--grace", "2"], env=env, cwd=project)
+        assert stopped.exit_code == 0, stopped.output
+        assert "0 left" in stopped.stderr, stopped.output
+        assert _sleeping("303") == []
+        assert not Path(group["dir"]).exists()
+    finally:
+        for pid in _sleeping("303"):
+            os.kill(pid, 9)
+
+
 LINGERER = """\
 import os, signal, time
 # a child that ignores SIGTERM, sheds the environment and keeps a grandchild of its own in another session,
@@ -188,6 +256,39 @@ def test_a_node_that_floods_before_its_answer_costs_bounded_memory(ssh_cluster, 
     assert len(result.stdout) <= 33 << 20
 
 
+def test_a_command_whose_connection_closes_under_it_ends_at_once(ssh_cluster, tmp_path, monkeypatch):
+    """A connection closed under a running command (the controller closing its connections while a stop still
+    waits on a node, or paramiko finding the link dead) ends that command's wait at once, as a lost connection,
+    instead of keeping the caller (and the process's exit) waiting out the command's whole timeout."""
+    import threading
+
+    from nodectl.inventory import load_inventory
+    from nodectl.remote.transport import Unreachable
+
+    for key, value in ssh_cluster.env().items():
+        monkeypatch.setenv(key, value)
+    inventory = load_inventory(ssh_cluster.inventory(tmp_path / "one.yaml", count=1))
+    outcome = {}
+
+    with Cluster(inventory.nodes, TransportOptions()) as cluster:
+        transport = cluster.transport(inventory.nodes[0])
+
+        def wait_on_node():
+            try:
+                outcome["result"] = transport.run("sleep 60", timeout=120)
+            except Exception as exc:
+                outcome["error"] = exc
+
+        waiting = threading.Thread(target=wait_on_node)
+        waiting.start()
+        time.sleep(1.5)
+        closed = time.monotonic()
+        transport.close()
+        waiting.join(timeout=20)
+        assert not waiting.is_alive() and time.monotonic() - closed < 10
+    assert isinstance(outcome.get("error"), Unreachable), outcome
+
+
 def test_a_controller_killed_while_starting_leaves_a_settled_run_and_nothing_on_the_nodes(ssh_cluster, tmp_path):
     """kill -9 of `nodectl launch` during the sync: `status` settles the run from the nodes' truth (failed: nodectl
     ended while starting it; no node started it; exit 1, not "lost" with exit 3), and `stop` removes what the
@@ -228,6 +329,28 @@ def test_a_controller_killed_while_starting_leaves_a_settled_run_and_nothing_on_
     assert stopped.exit_code == 0, stopped.output
     for node in ssh_cluster.nodes[:2]:
         assert not (node.workdir / "runs" / run_id).exists()
+
+
+def test_a_launch_that_cannot_start_everywhere_leaves_no_prepared_folder_behind(ssh_cluster, tmp_path):
+    """node1 cannot be prepared (a file sits where its runs folder goes): the run fails to start, and node0,
+    prepared in time, keeps nothing of it (its env.sh holds the run's secrets); before, its folder stayed there,
+    never run."""
+    from conftest import run_nodectl
+    from launch_helpers import latest_run_id
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text("print('never')\n")
+    inventory = str(ssh_cluster.inventory(tmp_path / "hosts.yaml", count=2, env={"API_TOKEN": "tok-0c0ffee"},
+                                          node_overrides={1: {"workdir": "~/nodectl-blocked"}}))
+    ssh_cluster.node_file(1, "nodectl-blocked/runs", "a file where the runs folder goes\n")
+    launched = run_nodectl(["-i", inventory, "launch", "--skip-preflight", "--", "train.py"],
+                           env=ssh_cluster.env(), cwd=project)
+    assert launched.exit_code != 0 and "node1" in launched.stderr, launched.output
+    assert "the folders prepared for it removed" in launched.stderr
+    run_id = latest_run_id(project)
+    assert json.loads((project / "runs" / run_id / "manifest.json").read_text())["state"] == "failed-to-start"
+    assert not (ssh_cluster.nodes[0].workdir / "runs" / run_id).exists()
 
 
 CORRUPT_MANIFESTS = ['garbage{', '[1, 2]', '{"run_id": 5, "state": []}', '{"state": "running", "plan": 7}', '\x00\xff\xfe',

@@ -130,6 +130,76 @@ def test_sigint_stops_attached_launch_and_detach_status_stop(ssh_cluster, projec
         kill_leftovers(run_id)
 
 
+STUBBORN = """\
+import signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+print("holding on", flush=True)
+time.sleep(600)
+"""
+
+
+def test_ctrl_c_during_stop_kills_at_once_instead_of_waiting_out_the_grace(ssh_cluster, project):
+    """Ranks that ignore SIGTERM, `stop --grace 120`, then Ctrl-C: the stop does not wait the two minutes (the
+    node calls in flight used to be waited for); what is left gets SIGKILL now, the run is stopped, exit 130."""
+    env = ssh_cluster.env()
+    (project / "stubborn.py").write_text(STUBBORN)
+    launched = run_nodectl(nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "1", "--detach", "--",
+                                        "stubborn.py"), env=env, cwd=project)
+    assert launched.exit_code == 0, launched.output
+    run_id = latest_run_id(project)
+    try:
+        wait_for(lambda: "holding on" in run_nodectl(["tail", "all"], env=env, cwd=project).stdout)
+        wait_for(lambda: "holding on" in run_nodectl(["tail", "rank1"], env=env, cwd=project).stdout)
+        stopping = subprocess.Popen([sys.executable, "-m", "nodectl", "stop", "--grace", "120"], env=env,
+                                    cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(4)   # connected, SIGTERM sent, the nodes now wait out the grace
+        assert stopping.poll() is None and len(run_processes(run_id)) >= 2
+        pressed = time.time()
+        stopping.send_signal(signal.SIGINT)
+        out, err = stopping.communicate(timeout=60)
+        assert time.time() - pressed < 30, err
+        assert stopping.returncode == 130, out + err
+        assert "SIGKILL without waiting out the grace period" in err
+        assert run_processes(run_id) == []
+        assert json.loads((project / "runs" / run_id / "manifest.json").read_text())["state"] == "stopped"
+    finally:
+        kill_leftovers(run_id)
+
+
+SLOW_TO_SAVE = """\
+import os, signal, sys, time
+def save(signum, frame):
+    time.sleep(5)   # a checkpoint that takes longer than the launch script's own 2 s for what escaped
+    open(os.path.join(os.environ["NODECTL_RUN_DIR"], "output", f"saved{os.environ['RANK']}"), "w").write("ok")
+    sys.exit(143)
+os.makedirs(os.path.join(os.environ["NODECTL_RUN_DIR"], "output"), exist_ok=True)
+signal.signal(signal.SIGTERM, save)
+print("holding on", flush=True)
+time.sleep(600)
+"""
+
+
+def test_stop_gives_the_ranks_the_whole_grace_period(ssh_cluster, project):
+    """A rank that needs 5 s to save after SIGTERM finishes saving under `stop --grace 30`: the launch script
+    waits for torchrun on SIGTERM instead of ending, and its exit trap's SIGKILL never cuts the save short."""
+    env = ssh_cluster.env()
+    (project / "slow.py").write_text(SLOW_TO_SAVE)
+    launched = run_nodectl(nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "1", "--detach", "--",
+                                        "slow.py"), env=env, cwd=project)
+    assert launched.exit_code == 0, launched.output
+    run_id = latest_run_id(project)
+    try:
+        for rank in (0, 1):
+            wait_for(lambda: "holding on" in run_nodectl(["tail", f"rank{rank}"], env=env, cwd=project).stdout)
+        stopped = run_nodectl(["stop", "--grace", "30"], env=env, cwd=project)
+        assert stopped.exit_code == 0, stopped.output
+        assert stopped.stderr.count("0 needed SIGKILL") == 2, stopped.output
+        for rank, node in enumerate(ssh_cluster.nodes[:2]):
+            assert (node.workdir / "runs" / run_id / "output" / f"saved{rank}").read_text() == "ok"
+    finally:
+        kill_leftovers(run_id)
+
+
 def test_two_runs_at_once_stop_one_leaves_the_other(ssh_cluster, project):
     env = ssh_cluster.env()
     base = nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "1", "--detach", "--", "train.py",

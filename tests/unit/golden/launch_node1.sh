@@ -24,6 +24,9 @@ record_exit() {
   mv "$RUN_DIR/state/launcher.exit.tmp" "$RUN_DIR/state/launcher.exit"
 }
 trap record_exit EXIT
+# `nodectl stop` signals every process of the run itself and SIGKILLs after its grace period: a SIGTERM must not end
+# this script (whose exit trap would SIGKILL the ranks 2 s later, cutting a checkpoint short); it waits for torchrun.
+trap : TERM
 cd "$RUN_DIR" || exit 97
 set -a
 # shellcheck disable=SC1091
