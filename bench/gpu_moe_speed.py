@@ -13,7 +13,9 @@ the GPU for the reference), the demo tokenizer and --examples random texts of --
         non-reentrant activation checkpointing; --ref-noac for none), --ref-steps steps;
   each --run NAME:KEY=VALUE,...  the trainer (`python -m trainer` under torchrun) with those recipe overrides on
         top of: LoRA r 16 / alpha 32 on attention and the routed experts (expert_r 16: gate_up 32), lr 2e-4,
-        --steps steps, a record every step.
+        --steps steps, a record every step;
+  each --launch NAME:NxG:KEY=VALUE,...  the same through `nodectl launch --nodes N --gpus G` on this machine's
+        local "nodes" (each its own CUDA_VISIBLE_DEVICES), e.g. 2x1 against 1x2 for the cost of the node boundary.
 and prints for each: tokens/s per GPU by wall clock (real tokens over the time between consecutive records,
 median after --skip steps) beside the program's own figure, the ratio to the reference, MFU over the active
 parameters (the trainer's formula; the reference's from the same FLOPs per token), peak memory; then, for
@@ -49,6 +51,32 @@ def trainer_run(name: str, sets: list[str], args, model: Path, work: Path, env: 
     return {"exit": code, "steps": steps, "summary": summary, "world": args.gpus, "sets": sets}
 
 
+def launch_run(name: str, layout: str, sets: list[str], args, model: Path, work: Path, env: dict) -> dict:
+    """The trainer through `nodectl launch --nodes N --gpus G` on this machine's local "nodes" (NxG in `layout`),
+    with the same defaults as trainer_run; the records are read from node 0's output."""
+    nodes, gpus = (int(x) for x in layout.lower().split("x"))
+    project = work / f"project-{name}"
+    project.mkdir(parents=True, exist_ok=True)
+    out = work / name
+    out.mkdir(exist_ok=True)
+    defaults = [f"model.path={model}", "model.init=random", f"data.path={model / 'train.jsonl'}",
+                f"data.max_length={args.seq}", "lora.r=16", "lora.alpha=32", "lora.dropout=0.0", "train.lr=2e-4",
+                "train.warmup_steps=5", "train.weight_decay=0.0", f"train.steps={args.steps}", "train.log_every=1",
+                "train.checkpoint_every=0", "train.checkpoint_minutes=0"]
+    argv = [sys.executable, "-m", "nodectl", "launch", "--nodes", str(nodes), "--gpus", str(gpus), "--skip-preflight"]
+    for assignment in defaults + sets:
+        argv += ["--set", assignment]
+    code = run(argv, project, env, work / f"{name}.log", args.timeout)
+    runs = sorted(p.name for p in (project / "runs").iterdir() if p.name[0].isdigit()) if (project / "runs").is_dir() else []
+    if not runs:
+        return {"exit": code, "steps": [], "world": nodes * gpus, "sets": sets}
+    run_dir = Path(env.get("HOME", "~")).expanduser() / ".nodectl" / "local" / "runs" / runs[-1]
+    node0 = run_dir / "local0" / "output" if (run_dir / "local0").is_dir() else run_dir / "output"
+    steps = [r for r in jsonl(node0 / "metrics.jsonl") if "loss" in r and "tokens_per_s_per_gpu" in r]
+    summary = json.loads((node0 / "summary.json").read_text()) if (node0 / "summary.json").exists() else {}
+    return {"exit": code, "steps": steps, "summary": summary, "world": nodes * gpus, "sets": [layout] + sets}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", type=Path, required=True)
@@ -65,6 +93,8 @@ def main() -> None:
     parser.add_argument("--ref-noac", action="store_true")
     parser.add_argument("--no-ref", action="store_true")
     parser.add_argument("--run", action="append", default=[], help="NAME:section.key=value,...")
+    parser.add_argument("--launch", action="append", default=[],
+                        help="NAME:NxG:section.key=value,...: the trainer through `nodectl launch --nodes N --gpus G`")
     parser.add_argument("--compare", action="append", default=[], help="A,B: step-by-step loss of two runs (repeatable)")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, default=None, help="the figures' JSON (default: WORK/gpu_moe_speed.json)")
@@ -100,6 +130,10 @@ def main() -> None:
         name, _, sets = spec.partition(":")
         results[name] = trainer_run(name, [s for s in sets.split(",") if s], args, model, work, env)
         figures.write_text(json.dumps(results, indent=1))  # what finished survives a cut-off
+    for spec in args.launch:
+        name, layout, sets = (spec.split(":", 2) + [""])[:3]
+        results[name] = launch_run(name, layout, [s for s in sets.split(",") if s], args, model, work, env)
+        figures.write_text(json.dumps(results, indent=1))
     report(results, args)
     figures.write_text(json.dumps(results, indent=1))
     print(f"figures: {figures}")

@@ -59,7 +59,8 @@ def nodectl_part(name: str, nodes: int, gpus: int, steps: int, args, work: Path,
     micro = overrides.get("micro", args.micro)
     recipe.write_text(json.dumps({
         "model": {"path": str(model), "activation_checkpointing": overrides.get("ac", args.ac),
-                  "compile": args.compile, "dtype": args.dtype, "init": overrides.get("init", "checkpoint"),
+                  "compile": args.compile, "dtype": args.dtype,
+                  "init": overrides.get("init", "random" if args.random_weights else "checkpoint"),
                   "reshard_after_forward": args.reshard},
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
         "data": {"path": str(model / "train.jsonl"), "max_length": args.seq},
@@ -137,6 +138,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--reshard", default="true", help="model.reshard_after_forward of the nodectl runs")
     parser.add_argument("--steps-70b", type=int, default=8)
+    parser.add_argument("--random-weights", action="store_true",
+                        help="write no 16 GB checkpoint: the reference builds the model with transformers' own "
+                             "initialisation on the GPU (--random-init), the nodectl runs with model.init: random")
     parser.add_argument("--micro-70b", type=int, default=2)
     parser.add_argument("--accum-70b", type=int, default=1)
     args = parser.parse_args()
@@ -156,6 +160,7 @@ def main() -> None:
         shape = SHAPE_TINY if args.tiny else SHAPE_8B
         started = time.perf_counter()
         code = run([sys.executable, str(REPO / "bench" / "make_llama.py"), str(model), *shape,
+                    *(["--no-weights"] if args.random_weights else []),
                     "--examples", str(args.examples), "--chars", str(args.seq + 4)], work, env, work / "make.log",
                    args.timeout)
         if code:
@@ -168,7 +173,8 @@ def main() -> None:
                     str(REPO / "bench" / "ref_plain_lora.py"), "--model", str(model), "--data",
                     str(model / "train.jsonl"), "--seq", str(args.seq), "--batch", str(batch),
                     "--steps", str(args.steps), "--lr", str(args.lr), "--warmup", str(args.warmup),
-                    "--out", str(work / f"{name}.jsonl"), *flags], work, {**env, "CUDA_VISIBLE_DEVICES": "0,1"},
+                    "--out", str(work / f"{name}.jsonl"), *flags,
+                    *(["--random-init"] if args.random_weights else [])], work, {**env, "CUDA_VISIBLE_DEVICES": "0,1"},
                    work / f"{name}.log", args.timeout)
         results[name] = {"exit": code, "steps": jsonl(work / f"{name}.jsonl"), "world": 2}
 
