@@ -312,13 +312,14 @@ def cmd_start(args: list, request: dict) -> dict:
         proc = subprocess.Popen(["/bin/bash", os.path.join(run_dir, "launch.sh")], cwd=run_dir, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=enter)
-    if group and _in_group(proc.pid, group):
+    tracked = bool(group) and _in_group(proc.pid, group)
+    if tracked:
         _write(os.path.join(run_dir, "state", "cgroup"), json.dumps(group), 0o600)
-    elif group:
+    else:
         _remove_group(group)
     _write(os.path.join(run_dir, "state", "pgid"), str(proc.pid))
     _write(os.path.join(run_dir, "state", "started"), str(time.time()))
-    return {"pgid": proc.pid, "tracked_by": "cgroup" if group and _in_group(proc.pid, group) else "subreaper"}
+    return {"pgid": proc.pid, "tracked_by": "cgroup" if tracked else "subreaper"}
 
 
 # A cgroup per run and node, where the login may make one (root, or a delegated hierarchy): membership is
