@@ -138,18 +138,29 @@ time.sleep(600)
 """
 
 
+def launched_and_holding_on(cluster, project, name: str, script: str) -> str:
+    """`launch --detach` of a script on 2 nodes x 1 rank; returns the run id once both ranks said "holding on"."""
+    env = cluster.env()
+    (project / name).write_text(script)
+    launched = run_nodectl(nodectl_args(cluster, "launch", "--skip-preflight", "--gpus", "1", "--detach", "--", name),
+                           env=env, cwd=project)
+    assert launched.exit_code == 0, launched.output
+    run_id = latest_run_id(project)
+    try:
+        for rank in (0, 1):
+            wait_for(lambda: "holding on" in run_nodectl(["tail", f"rank{rank}"], env=env, cwd=project).stdout)
+    except AssertionError:
+        kill_leftovers(run_id)
+        raise
+    return run_id
+
+
 def test_ctrl_c_during_stop_kills_at_once_instead_of_waiting_out_the_grace(ssh_cluster, project):
     """Ranks that ignore SIGTERM, `stop --grace 120`, then Ctrl-C: the stop does not wait the two minutes (the
     node calls in flight used to be waited for); what is left gets SIGKILL now, the run is stopped, exit 130."""
     env = ssh_cluster.env()
-    (project / "stubborn.py").write_text(STUBBORN)
-    launched = run_nodectl(nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "1", "--detach", "--",
-                                        "stubborn.py"), env=env, cwd=project)
-    assert launched.exit_code == 0, launched.output
-    run_id = latest_run_id(project)
+    run_id = launched_and_holding_on(ssh_cluster, project, "stubborn.py", STUBBORN)
     try:
-        wait_for(lambda: "holding on" in run_nodectl(["tail", "all"], env=env, cwd=project).stdout)
-        wait_for(lambda: "holding on" in run_nodectl(["tail", "rank1"], env=env, cwd=project).stdout)
         stopping = subprocess.Popen([sys.executable, "-m", "nodectl", "stop", "--grace", "120"], env=env,
                                     cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         time.sleep(4)   # connected, SIGTERM sent, the nodes now wait out the grace
@@ -183,14 +194,8 @@ def test_stop_gives_the_ranks_the_whole_grace_period(ssh_cluster, project):
     """A rank that needs 5 s to save after SIGTERM finishes saving under `stop --grace 30`: the launch script
     waits for torchrun on SIGTERM instead of ending, and its exit trap's SIGKILL never cuts the save short."""
     env = ssh_cluster.env()
-    (project / "slow.py").write_text(SLOW_TO_SAVE)
-    launched = run_nodectl(nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "1", "--detach", "--",
-                                        "slow.py"), env=env, cwd=project)
-    assert launched.exit_code == 0, launched.output
-    run_id = latest_run_id(project)
+    run_id = launched_and_holding_on(ssh_cluster, project, "slow.py", SLOW_TO_SAVE)
     try:
-        for rank in (0, 1):
-            wait_for(lambda: "holding on" in run_nodectl(["tail", f"rank{rank}"], env=env, cwd=project).stdout)
         stopped = run_nodectl(["stop", "--grace", "30"], env=env, cwd=project)
         assert stopped.exit_code == 0, stopped.output
         assert stopped.stderr.count("0 needed SIGKILL") == 2, stopped.output
