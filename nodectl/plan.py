@@ -14,8 +14,7 @@ from typing import Mapping
 
 from nodectl.errors import UsageError
 from nodectl.inventory import Inventory, Node
-
-BUILTIN_TRAINER_MODULE = "trainer"
+from nodectl.resources import NODE_TRAINER
 
 # Good distributed defaults (docs/REFERENCE.md §4); the inventory's env: overrides any of them.
 DEFAULT_ENV = {
@@ -173,7 +172,7 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
     if builtin:
         # The recipe travels with the run (config/<name> in the run folder; ranks start in code/): the
         # controller's path means nothing on a node.
-        command = ("-m", BUILTIN_TRAINER_MODULE, *(("--config", f"../config/{Path(config).name}") if config else ()),
+        command = ("-m", NODE_TRAINER, *(("--config", f"../config/{Path(config).name}") if config else ()),
                    *(word for assignment in overrides for word in ("--set", assignment)))
     per_node = [(n, gpus or n.gpus or _probed_gpus(n, facts.get(n.name)) or 1) for n in nodes]
     homes = [(n.host, n.port, n.user, n.workdir) for n in nodes]

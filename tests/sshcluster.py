@@ -64,6 +64,18 @@ def wait_port(address: str, port: int, timeout: float = 10.0) -> None:
     raise RuntimeError(f"sshd on {address}:{port} did not come up")
 
 
+def host_keys(address: str, port: int, timeout: float = 10.0) -> list[str]:
+    """The base64 host keys the SSH server at address:port shows (ssh-keyscan), [] when none answered."""
+    argv = ["ssh-keyscan", "-T", "5", "-p", str(port), "-t", "ed25519", address]
+    deadline = time.time() + timeout
+    while True:
+        scanned = subprocess.run(argv, capture_output=True, text=True)
+        keys = [line.split()[2] for line in scanned.stdout.splitlines() if len(line.split()) >= 3]
+        if keys or time.time() > deadline:
+            return keys
+        time.sleep(0.1)
+
+
 def ensure_user(name: str, shell: str) -> pwd.struct_passwd:
     """A login user with this shell; '*' as password hash, so sshd (without PAM) does not call it locked.
     Serialised across pytest-xdist workers: useradd/usermod refuse to run while another holds /etc/passwd."""
@@ -184,11 +196,19 @@ class SSHCluster:
         return self
 
     def _wait_up(self, node: SSHNode) -> None:
-        """The port answers and it is this node's sshd that answers (not one a crashed test left behind)."""
+        """The port answers, and the server answering is this node's own: it shows this node's host key (another
+        program's sshd, or one a crashed test left behind, on the same address would otherwise be talked to, and
+        the test would fail later with a misleading "HOST KEY CHANGED")."""
         wait_port(node.address, node.port)
-        time.sleep(0.05)
         if node.process.poll() is not None:
             raise RuntimeError(f"sshd of {node.name} exited: {(node.root / 'sshd.log').read_text()[-500:]}")
+        mine = Path(f"{node.host_key}.pub").read_text().split()[1]
+        shown = host_keys(node.address, node.port)
+        if mine not in shown:
+            raise RuntimeError(f"{node.address}:{node.port} is taken by another server (its host key is not "
+                               f"{node.name}'s; {node.name}'s sshd said: "
+                               f"{(node.root / 'sshd.log').read_text()[-300:].strip() or 'nothing'}): stop that "
+                               f"program, or free the address, and run the tests again")
 
     def _make_node(self, i: int) -> SSHNode:
         spec = self.specs.get(i, NodeSpec())

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from nodectl.remote import agent
 from nodectl.errors import Cancelled, UsageError
-from nodectl.resources import resource_dir
+from nodectl.resources import NODE_TRAINER, resource_dir
 from nodectl.remote.transport import StreamSink, Transport
 
 DEFAULT_SYNC_LIMIT = 512 * 2**20
@@ -167,7 +167,7 @@ def nodectl_files(builtin_trainer: bool, config: str | None, launchers_needed: t
     files = [SyncFile(f"lib/{name}", launchers / name, _hash(launchers / name), 0o644, (launchers / name).stat().st_size)
              for name in ("rankexec.py", "nodectl_metrics.py", "sitecustomize.py", *launchers_needed)]
     if builtin_trainer:
-        files += _tree(resource_dir("trainer"), "lib/trainer")
+        files += _tree(resource_dir("trainer"), f"lib/{NODE_TRAINER}")
     if config:
         path = Path(config)
         files.append(SyncFile(f"config/{path.name}", path, _hash(path), 0o644, path.stat().st_size))

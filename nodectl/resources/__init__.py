@@ -8,6 +8,10 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
+# The built-in trainer's package name on a node (lib/nodectl_trainer, from trainer/ here): names starting with
+# nodectl are nodectl's, so a user's own `trainer/` folder in the synced project cannot shadow it.
+NODE_TRAINER = "nodectl_trainer"
+
 
 def resource_dir(name: str) -> Path:
     """The folder of a shipped resource package ("launchers", "templates" or "trainer")."""

@@ -1,0 +1,131 @@
+"""The tool as users install it: the wheel holds the tree, and the `nodectl` of a non-editable install (a venv of
+its own, tests/wheelenv.py) starts, runs the local demo and launches on two isolated SSH nodes that have no
+nodectl at all."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, make_cluster
+import wheelenv
+
+pytestmark = pytest.mark.slow
+
+# Where each folder of the tree lands in the wheel, and which of its files are shipped (Python, plus the data
+# files the tool reads at run time).
+SHIPPED = {"nodectl": ("nodectl", {".py"}), "launchers": ("nodectl/resources/launchers", {".py"}),
+           "templates": ("nodectl/resources/templates", {".py", ".j2"}),
+           "trainer": ("nodectl/resources/trainer", {".py", ".yaml", ".jsonl", ".txt"})}
+
+
+@pytest.fixture(scope="module")
+def wheel():
+    with tempfile.TemporaryDirectory(prefix="nodectl-wheel-test-") as dest:
+        yield wheelenv.build_wheel(Path(dest))
+
+
+@pytest.fixture(scope="module")
+def installed() -> Path:
+    """bin/ of the venv holding this tree's wheel (not editable)."""
+    return wheelenv.ensure()
+
+
+def expected_files() -> set[str]:
+    expected = set()
+    for name in wheelenv.tracked_files():
+        top, _, rest = name.partition("/")
+        if top in SHIPPED and rest and Path(name).suffix in SHIPPED[top][1]:
+            expected.add(f"{SHIPPED[top][0]}/{rest}")
+    return expected
+
+
+def test_wheel_holds_every_module_and_resource_of_the_tree(wheel):
+    names = wheelenv.wheel_names(wheel)
+    files = {n for n in names if ".dist-info/" not in n}
+    expected = expected_files()
+    assert "nodectl/diagnose/judge.py" in expected and "nodectl/resources/trainer/requirements.txt" in expected
+    assert sorted(expected - files) == [], "the wheel lacks these files of the tree"
+    assert sorted(files - expected) == [], "the wheel holds files the tree does not (a stale build?)"
+    assert {n.split("/")[0] for n in files} == {"nodectl"}, "a wheel must claim no top-level name but nodectl"
+
+
+def test_train_extra_is_torch_plus_the_nodes_requirements_file():
+    """What `pip install nodectl[train]` gives the controller is what a node installs from the shipped file."""
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["train"]
+    lines = [line.split("#")[0].strip() for line in (REPO / "trainer" / "requirements.txt").read_text().splitlines()]
+    requirements = [line for line in lines if line]
+    assert not any(re.match(r"torch\b", line) for line in requirements), "torch is left to the node's CUDA"
+    assert sorted(extra) == sorted(["torch>=2.6", *requirements])
+
+
+def _user_env(home: Path, **extra) -> dict:
+    """A user's shell: the wheel's venv on PATH, no checkout on PYTHONPATH, no nodectl variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NODECTL_", "PYTHON", "VIRTUAL_ENV"))}
+    env.update(HOME=str(home), PATH=f"{wheelenv.VENV / 'bin'}:/usr/bin:/bin", COLUMNS="120", **extra)
+    return env
+
+
+def _nodectl(installed: Path, args: list[str], cwd: Path, env: dict, timeout: float = 300):
+    return subprocess.run([str(installed / "nodectl"), *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_installed_cli_starts_and_every_command_has_help(installed, tmp_path):
+    env = _user_env(tmp_path)
+    where = subprocess.run([str(installed / "python"), "-c", "import nodectl, sys; print(nodectl.__file__)"],
+                           cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert where.stdout.startswith(str(wheelenv.VENV)), "the venv must run the installed copy, not the checkout"
+    version = _nodectl(installed, ["--version"], tmp_path, env)
+    assert version.returncode == 0 and "nodectl, version" in version.stdout, version.stderr
+    top = _nodectl(installed, ["--help"], tmp_path, env)
+    assert top.returncode == 0, top.stderr
+    commands = re.findall(r"^  ([a-z][a-z-]+)\s", top.stdout.split("Commands:")[1], re.M)
+    assert {"preflight", "launch", "diagnose", "collect", "report", "top"} <= set(commands)
+    for name in commands:
+        shown = _nodectl(installed, [name, "--help"], tmp_path, env)
+        assert shown.returncode == 0 and "Usage:" in shown.stdout, f"{name}: {shown.stderr[-1000:]}"
+
+
+def test_installed_local_demo_launch(installed, tmp_path, demo_cache):
+    """The README's main job, from the wheel: the built-in trainer on two local "nodes"."""
+    env = _user_env(tmp_path / "home", NODECTL_DEMO_CACHE=str(demo_cache), NODECTL_FORCE_CPU="1")
+    project = tmp_path / "project"
+    project.mkdir()
+    done = _nodectl(installed, ["launch", "--nodes", "2", "--gpus", "1", "--set", "train.steps=10"], project, env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert re.search(r"run \S+ succeeded", done.stdout + done.stderr)
+    adapters = list((tmp_path / "home").rglob("adapter/adapter_model.safetensors"))
+    assert adapters, "the demo wrote no adapter"
+
+
+def test_installed_ssh_launch_on_nodes_without_nodectl(installed, tmp_path_factory, tmp_path, demo_cache):
+    """Two isolated SSH nodes whose Python has torch but no nodectl: the built-in trainer travels with the run,
+    under a name that the project's own `trainer/` folder does not shadow."""
+    cluster = make_cluster(tmp_path_factory, 2, first_octet=60)
+    try:
+        cluster.trust_host_keys()
+        inventory = cluster.inventory(env={"NODECTL_DEMO_CACHE": "/tmp/demo-cache"})
+        env = {**_user_env(cluster.home), "NODECTL_INVENTORY": str(inventory)}
+        project = tmp_path / "project"
+        (project / "trainer").mkdir(parents=True)
+        (project / "trainer" / "__init__.py").write_text("raise SystemExit('the project trainer/ shadowed it')\n")
+        probe = _nodectl(installed, ["exec", "--", "/opt/venv/bin/python", "-c", "import nodectl"], project, env)
+        assert probe.returncode == 1 and "No module named 'nodectl'" in probe.stdout + probe.stderr, probe.stdout
+        done = _nodectl(installed, ["launch", "--set", "train.steps=10"], project, env)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "completed 10 steps" in done.stdout
+        for node in cluster.nodes:
+            assert list(node.workdir.rglob("lib/nodectl_trainer/__main__.py")), f"{node.name} got no trainer"
+    finally:
+        cluster.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

@@ -1,0 +1,34 @@
+"""The test nodes prove they are themselves: a node whose address another SSH server answers on fails at once,
+saying the address is taken, instead of talking to that server (and failing later with "HOST KEY CHANGED")."""
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from conftest import make_cluster
+from sshcluster import NodeSpec, SSHCluster, SSHNode, _keygen, host_keys
+
+
+def test_a_node_whose_address_another_sshd_answers_is_refused(tmp_path_factory, tmp_path):
+    squatter = make_cluster(tmp_path_factory, 1, first_octet=70)
+    try:
+        held = squatter.nodes[0]
+        theirs = open(f"{held.host_key}.pub").read().split()[1]
+        assert host_keys(held.address, held.port) == [theirs]
+        # our node's sshd is up (a process that lives) but the address answers with the squatter's key: the
+        # moment before a server that could not bind exits, or a program that holds the port for good
+        mine = SSHNode("node0", held.address, held.port, tmp_path / "node0", NodeSpec())
+        mine.root.mkdir()
+        _keygen(mine.host_key, "host-node0")
+        (mine.root / "sshd.log").write_text("")
+        mine.process = subprocess.Popen(["sleep", "30"])
+        try:
+            with pytest.raises(RuntimeError, match="is taken by another server") as raised:
+                SSHCluster(tmp_path, count=1)._wait_up(mine)
+            assert f"{held.address}:{held.port}" in str(raised.value)
+        finally:
+            mine.process.kill()
+        assert host_keys(held.address, held.port) == [theirs], "the squatter is untouched"
+    finally:
+        squatter.stop()
