@@ -252,7 +252,12 @@ def cmd_prepare(args: list, request: dict) -> dict:
         _place(os.path.join(store, entry["sha256"]), target, mode)
     for name, spec in request["rendered"].items():
         _write(os.path.join(run_dir, name), spec["text"], spec["mode"])
+    synced = sorted(e["path"][len("code/"):] for e in request["files"] if e["path"].startswith("code/"))
+    _write(os.path.join(run_dir, SYNCED_CODE), json.dumps(synced), 0o600)
     return {"run_dir": run_dir, "files": len(request["files"])}
+
+
+SYNCED_CODE = "lib/synced-code.json"   # what `prepare` put in code/: what `pack` leaves there (the user's project)
 
 
 ATTEMPT_DIRS = ("logs", "state", "heartbeat", "stacks", "flight", "timing")
@@ -1135,19 +1140,30 @@ def cmd_pack(args: list, request: dict) -> dict:
     checkpoint rotating out) are counted, not an error; what is neither a file, a folder nor a link to a sibling
     (a fifo, a socket, a device, a link out of the run) is left out and counted."""
     run_dir = os.path.expanduser(args[0])
-    target = os.path.join(run_dir, ".collect.tar.gz")
-    packed = {"count": 0, "vanished": 0, "skipped": [], "missing": []}
-    with tarfile.open(target, "w:gz") as tar:
+    only = request.get("only")   # top-level folders alone (output/ for `fill`), packed without compression
+    target = os.path.join(run_dir, ".collect.tar" if only else ".collect.tar.gz")
+    synced = set(_read_json(os.path.join(run_dir, SYNCED_CODE), []) or [])
+    # "code": what the program wrote in code/ (its relative --output_dir), brought back and named
+    packed = {"count": 0, "vanished": 0, "skipped": [], "missing": [], "names": set(), "code": []}
+    with tarfile.open(target, "w" if only else "w:gz") as tar:
         for folder, dirs, names in os.walk(run_dir):
             relative = os.path.relpath(folder, run_dir)
             if relative == ".":
-                dirs[:] = [d for d in dirs if d not in ("code", "lib")]
-                names = [n for n in names if n not in SECRET_FILES and not n.startswith(".collect")]
+                dirs[:] = [d for d in dirs if d != "lib" and (not only or d in only) and (d != "code" or synced)]
+                names = [] if only else [n for n in names if n not in SECRET_FILES and not n.startswith(".collect")]
+            elif relative == "flight":
+                names = [n for n in names if not n.endswith(".request")]   # the listeners' FIFOs are nodectl's
+            elif relative == "code" or relative.startswith("code/"):
+                dirs[:] = [d for d in dirs if d != "__pycache__"]
+                inside = relative[len("code/"):] if relative != "code" else ""
+                names = [n for n in names if os.path.join(inside, n) not in synced]
+                packed["code"] += [os.path.join(inside, n) for n in names]
             _pack_entries(tar, folder, relative, names, dirs, packed)
         for also in request.get("also") or []:
             _pack_also(tar, run_dir, also, packed)
     return {"archive": target, "entries": packed["count"], "vanished": packed["vanished"],
-            "skipped": packed["skipped"][:50], "missing": packed["missing"], "bytes": os.path.getsize(target)}
+            "skipped": packed["skipped"][:50], "missing": packed["missing"], "bytes": os.path.getsize(target),
+            "code_written": len(packed["code"]), "code_examples": packed["code"][:5], "code_left": len(synced)}
 
 
 SECRET_FILES = ("env.sh", "launch.sh")
@@ -1176,6 +1192,9 @@ def _pack_entries(tar, folder: str, relative: str, names: list, dirs: list, pack
     for name in sorted(names + links):
         path = os.path.join(folder, name)
         arcname = os.path.normpath(os.path.join(relative, name))
+        if arcname in packed["names"]:   # a --path entry that the walk packed already
+            continue
+        packed["names"].add(arcname)
         try:
             mode = os.lstat(path).st_mode
             if stat.S_ISLNK(mode) and not _sibling_link(os.readlink(path)):
@@ -1188,6 +1207,70 @@ def _pack_entries(tar, folder: str, relative: str, names: list, dirs: list, pack
             packed["count"] += 1
         except FileNotFoundError:
             packed["vanished"] += 1
+
+
+def cmd_fill(args: list, request: dict) -> dict:
+    """Add to the run's output/ what a tar stream on stdin (another node's output/, from `pack` with `only`) holds
+    and this node lacks, before a resumed attempt starts: a third-party trainer's checkpoint that global rank 0
+    alone wrote (transformers writes the weights on rank 0 only) becomes whole on every node, while each node
+    keeps what it wrote itself (its ranks' rng states). Nothing here is replaced; only regular files, folders and
+    links to a sibling name are taken; every name stays inside output/ and nothing is written through a link; a
+    file lands under a temporary name and is renamed once whole, so a cut stream leaves no partial file."""
+    output = os.path.join(os.path.expanduser(args[0]), "output")
+    done = {"added": 0, "bytes": 0, "kept": 0, "refused": []}
+    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|", bufsize=STREAM_BUFFER) as tar:
+        for member in tar:
+            parts = [p for p in member.name.split("/") if p not in ("", ".")]
+            if member.name.startswith("/") or ".." in parts or parts[:1] != ["output"]:
+                done["refused"].append(member.name[:200])
+                continue
+            if len(parts) == 1:
+                continue
+            try:
+                target = os.path.join(_folder_inside(output, parts[1:-1]), parts[-1])
+            except ValueError:
+                done["refused"].append(member.name[:200])
+                continue
+            if os.path.lexists(target):
+                done["kept"] += not member.isdir()
+            elif member.isdir():
+                os.mkdir(target, 0o700)
+            elif member.issym() and _sibling_link(member.linkname):
+                os.symlink(member.linkname, target)
+            elif member.isfile():
+                _fill_file(tar.extractfile(member), target)
+                done["added"], done["bytes"] = done["added"] + 1, done["bytes"] + member.size
+            else:
+                done["refused"].append(member.name[:200])
+    done["refused"] = done["refused"][:50]
+    return done
+
+
+def _folder_inside(base: str, parts: list) -> str:
+    """base/parts..., each folder created (0700) where missing; ValueError where one is a link or not a folder."""
+    path = base
+    for part in parts:
+        path = os.path.join(path, part)
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            os.mkdir(path, 0o700)
+            continue
+        if not stat.S_ISDIR(mode):
+            raise ValueError(f"{path} is not a folder")
+    return path
+
+
+def _fill_file(source, target: str) -> None:
+    tmp = f"{target}.fill{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            shutil.copyfileobj(source, handle, STREAM_BUFFER)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def _sibling_link(target: str) -> bool:
@@ -1296,8 +1379,9 @@ COMMANDS = {"have": cmd_have, "prepare": cmd_prepare, "port": cmd_port, "start":
             "tail": cmd_tail, "stop": cmd_stop, "stacks": cmd_stacks, "pack": cmd_pack, "cleanup": cmd_cleanup,
             "listen": cmd_listen, "_serve": cmd_serve, "unlisten": cmd_unlisten, "connect": cmd_connect,
             "route": cmd_route, "identity": cmd_identity, "receive": cmd_receive, "diagnose": cmd_diagnose,
-            "container": cmd_container, "env_status": cmd_env_status, "env_build": cmd_env_build}
-STREAMING = {"receive"}  # read their stdin themselves
+            "container": cmd_container, "env_status": cmd_env_status, "env_build": cmd_env_build,
+            "fill": cmd_fill}
+STREAMING = {"receive", "fill"}  # read their stdin themselves
 
 
 def _read_exactly(fd: int, count: int) -> bytes:

@@ -29,7 +29,7 @@ MAX_NODES = 10_000
 MAX_RANKS_PER_NODE = 1024
 # What nodectl sets for every launched process; an inventory's env: may not (other NODECTL_* knobs, such as
 # NODECTL_DEMO_CACHE or NODECTL_PEAK_TFLOPS, are the user's to set).
-OWN_ENV = frozenset({"NODECTL_RUN_ID", "NODECTL_RUN_DIR", "NODECTL_NODE_RANK", "NODECTL_NNODES", "NODECTL_ATTEMPT",
+OWN_ENV = frozenset({"NODECTL_RUN_ID", "NODECTL_RUN_DIR", "NODECTL_OUTPUT_DIR", "NODECTL_NODE_RANK", "NODECTL_NNODES", "NODECTL_ATTEMPT",
                      "NODECTL_STACK_FILE", "NODECTL_METRICS"})
 NAME_MAX = 128          # a node's name names files and folders on both sides (scripts/<name>.env, ...)
 DEFAULT_WORKDIR = "~/nodectl"

@@ -184,6 +184,7 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
         run_dir = _run_dir(node, run_id, shared)
         report = facts.get(node.name) or {}
         env = {**DEFAULT_ENV, "NODECTL_RUN_ID": run_id, "NODECTL_RUN_DIR": run_dir,
+               "NODECTL_OUTPUT_DIR": f"{run_dir}/output",
                "NODECTL_NODE_RANK": str(node_rank), "NODECTL_NNODES": str(len(nodes)),
                **flight_recorder_env(run_dir, (report.get("torch") or {}).get("version"))}
         cpus = (report.get("cpu") or {}).get("available")

@@ -16,11 +16,12 @@ from nodectl.visible import visible
 @click.command("collect")
 @run_option
 @click.option("--path", "paths", multiple=True, metavar="PATH",
-              help="Also bring back this path of the node's run folder (repeatable), e.g. code/out for a script "
-                   "run with --output_dir out (scripts run in <run folder>/code).")
+              help="Also bring back this path of the node's run folder (repeatable), e.g. a synced file under "
+                   "code/ (what the program itself wrote under code/ comes back without it).")
 @click.pass_obj
 def command(app: AppContext, run_id: str | None, paths: tuple[str, ...]) -> None:
-    """Bring a run's logs, heartbeats, metrics and outputs (not the code) back here."""
+    """Bring a run's logs, heartbeats, metrics and outputs back here: the run folder, and what the program wrote
+    under code/ (not the synced project itself)."""
     for path in paths:
         parts = path.split("/")
         if not path or path.startswith(("/", "~")) or ".." in parts:
@@ -37,6 +38,10 @@ def command(app: AppContext, run_id: str | None, paths: tuple[str, ...]) -> None
             collected = result.value
             app.info(f"{result.node.name}: {collected.bytes / 1024:.0f} KiB -> "
                      f"{run.folder / 'nodes' / result.node.name}/")
+            if collected.code_written:
+                app.info(f"  code/: {collected.code_written} file(s) the program wrote there, brought back ("
+                         f"{', '.join(collected.code_examples[:3])}{', ...' if collected.code_written > 3 else ''}); "
+                         f"the {collected.code_left} synced project file(s) left on the node")
             for what, names in (("asked for with --path and not found", collected.missing),
                                 ("refused (not a plain file or folder inside the run)", collected.refused),
                                 ("left out on the node (fifo, socket, device or a link out of the run)",

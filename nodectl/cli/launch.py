@@ -186,9 +186,9 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
             app.info(f"run {plan.run_id}: {plan.nnodes} node(s) x {plan.nodes[0].nproc} rank(s), backend "
                      f"{plan.backend}, master {plan.master_addr}:{plan.master_port}")
             if job.spec.command:   # a script of the user's: say where outputs that `collect` brings back go
-                app.info("outputs: write them under $NODECTL_RUN_DIR/output on each node (the script runs in "
-                         "$NODECTL_RUN_DIR/code); nodectl collect brings back the run folder but code/ "
-                         "(collect --path code/DIR for more)")
+                app.info("outputs: write them under $NODECTL_OUTPUT_DIR (checkpoints there are on every node "
+                         "when the run is resumed); nodectl collect brings them back, and what the script wrote in "
+                         "its folder ($NODECTL_RUN_DIR/code)")
         try:
             if preflight:
                 save_preflight(run, plan.attempt, preflight, facts)

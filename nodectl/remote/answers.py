@@ -152,6 +152,18 @@ class PackAnswer:
     vanished: int = 0
     skipped: tuple[str, ...] = ()    # fifos, sockets, devices, links out of the run: left out by the node
     missing: tuple[str, ...] = ()    # asked-for paths (collect --path) that are not there, or not inside the run
+    code_written: int = 0            # files the program wrote under code/ (its relative outputs), brought back
+    code_examples: tuple[str, ...] = ()
+    code_left: int = 0               # the synced project's files, left on the node (the user has them)
+
+
+@dataclass(frozen=True)
+class FillAnswer:
+    """What a node took of another node's output/ (runctl fill): files it lacked, and what it kept of its own."""
+    added: int
+    bytes: int
+    kept: int = 0
+    refused: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -266,6 +278,7 @@ ANSWERS: dict[str, type] = {
     "identity": IdentityAnswer, "receive": ReceiveAnswer, "listen": ListenAnswer, "connect": ConnectAnswer,
     "route": RouteAnswer, "diagnose": DiagnoseAnswer, "container": ContainerAnswer,
     "env_status": EnvAnswer, "env_build": EnvAnswer, "serve": Done, "unlisten": Done, "cleanup": Done,
+    "fill": FillAnswer,
 }
 
 

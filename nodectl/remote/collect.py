@@ -16,8 +16,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from nodectl.plan import NodePlan
 from nodectl.remote import agent
-from nodectl.remote.transport import Transport
+from nodectl.remote.transport import NodeResult, Transport
 
 NAME_LIMIT = 1024
 
@@ -29,6 +30,9 @@ class Collected:
     refused: tuple[str, ...] = ()     # names in the archive that were not unpacked (hostile or unsupported)
     skipped: tuple[str, ...] = ()     # what the node left out: fifos, sockets, devices, links out of the run
     missing: tuple[str, ...] = ()     # --path entries the node did not have
+    code_written: int = 0             # files the program wrote under code/, brought back
+    code_examples: tuple[str, ...] = ()
+    code_left: int = 0                # the synced project's files, left on the node
 
 
 def collect_node(transport: Transport, run_dir: str, target: Path, also: tuple[str, ...] = ()) -> Collected:
@@ -38,7 +42,40 @@ def collect_node(transport: Transport, run_dir: str, target: Path, also: tuple[s
         transport.get(packed.archive, local)
         agent.call(transport, "cleanup", packed.archive)
         refused = unpack(local, target)
-    return Collected(packed.bytes, packed.entries, tuple(refused), packed.skipped, packed.missing)
+    return Collected(packed.bytes, packed.entries, tuple(refused), packed.skipped, packed.missing,
+                     packed.code_written, packed.code_examples, packed.code_left)
+
+
+def share_output(cluster, source: NodePlan, others: list[NodePlan]) -> dict[str, NodeResult]:
+    """$NODECTL_OUTPUT_DIR, seen by every rank without a shared file system: what `source` (node 0) holds in its
+    run's output/ and another node lacks is added there (runctl fill), before a resumed attempt's ranks start.
+    The archive passes through this machine, as collect's does; each node keeps every file it wrote itself."""
+    packed = cluster.fan_out(lambda t: agent.call(t, "pack", source.run_dir, timeout=600,
+                                                  request={"only": ["output"]}), [source.node])[0]
+    if not packed.ok:
+        return {np.node.name: NodeResult(np.node, error=f"{source.node.name}'s output could not be read: "
+                                                        f"{packed.error}") for np in others}
+    run_dirs = {np.node.name: np.run_dir for np in others}
+    with tempfile.TemporaryDirectory() as tmp:
+        local = Path(tmp) / "output.tar"
+        fetched = cluster.fan_out(lambda t: _fetch(t, packed.value.archive, local), [source.node])[0]
+        if not fetched.ok:
+            return {np.node.name: NodeResult(np.node, error=fetched.error) for np in others}
+        size = local.stat().st_size
+
+        def fill(transport: Transport):
+            def produce(sink) -> None:
+                with open(local, "rb") as handle:
+                    sink.send_file(handle, size)
+            return agent.call_stream(transport, "fill", run_dirs[transport.node.name], produce=produce,
+                                     timeout=600)
+
+        return {r.node.name: r for r in cluster.fan_out(fill, [np.node for np in others])}
+
+
+def _fetch(transport: Transport, archive: str, local: Path) -> None:
+    transport.get(archive, local)
+    agent.call(transport, "cleanup", archive)
 
 
 def unpack(archive: Path, target: Path) -> list[str]:

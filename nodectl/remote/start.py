@@ -14,6 +14,7 @@ from typing import Callable
 from nodectl.container import container_name
 from nodectl.remote import agent
 from nodectl.remote import sync
+from nodectl.remote.collect import share_output
 from nodectl.errors import Cancelled, NodectlError, UnreachableError
 from nodectl.runs import live_runs_on
 from nodectl.plan import LaunchPlan, NodePlan, with_port
@@ -134,6 +135,14 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, 
     if failed or cancel.is_set():
         why = "interrupted" if cancel.is_set() else f"{failed[0].node.name} could not be prepared"
         return [r if not r.ok else NodeResult(r.node, error=f"not started: {why}") for r in prepared]
+    if plan.attempt and not plan.builtin_trainer and plan.nnodes > 1:
+        # a resumed (or restarted) script: its $NODECTL_OUTPUT_DIR on every node holds node 0's outputs too
+        shared = share_output(cluster, plan.nodes[0], list(plan.nodes[1:]))
+        unshared = [r for r in shared.values() if not r.ok]
+        if unshared or cancel.is_set():
+            why = "interrupted" if cancel.is_set() else \
+                f"node 0's output/ could not be shared with {unshared[0].node.name}: {unshared[0].error}"
+            return [NodeResult(r.node, error=f"not started: {why}") for r in prepared]
     counts = {r.node.name: r.value for r in prepared}
     if on_ready is not None:
         on_ready(prepared)
