@@ -126,6 +126,10 @@ def watch(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_
     if outcome == RunState.SUCCEEDED:
         run.update(state=RunState.SUCCEEDED, ended=time.time())
         return None
+    if failure.kind == "stalled":
+        failure = _culprit(failure, verdicts[-1] if verdicts else {}, run_nodes)
+        # the stalled rank's lines now: once stopped, its log ends in what the stop did to it, not in the cause
+        failure.last_lines = failure_lines(cluster, run_nodes, failure)
     notify(Stopping(failure))
     record = {"kind": failure.kind, "node": failure.node, "rank": failure.rank, "code": failure.code,
               "detail": failure.detail, "description": failure.describe()}
@@ -135,9 +139,21 @@ def watch(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_
     for name, result in stopped.items():
         if not result.ok:
             notify(NotAnswering(name, run.run_id))
-    failure.last_lines = failure_lines(cluster, run_nodes, failure)
+    if failure.kind != "stalled":
+        failure.last_lines = failure_lines(cluster, run_nodes, failure)
     failure.processes_left = {name: r.value.left for name, r in stopped.items() if r.ok}
     return failure
+
+
+def _culprit(stall: Failure, verdict: dict, run_nodes: list[RunNode]) -> Failure:
+    """The stall as its diagnosis tells it: the rank that holds the others up (the first stalled rank is
+    usually one of those waiting for it), with the diagnosis's words."""
+    culprits = verdict.get("culprits") or []
+    if not verdict.get("summary") or verdict.get("kind") in ("healthy", "ended", "unknown"):
+        return stall
+    rank = culprits[0] if culprits else stall.rank
+    node = next((rn.node.name for rn in run_nodes if rank in rn.ranks), stall.node)
+    return replace(stall, node=node, rank=rank, diagnosed=verdict["summary"])
 
 
 def _diagnose_stall(run: Run, cluster: Cluster, failure: Failure, kept: bool, notify) -> dict:

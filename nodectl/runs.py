@@ -108,6 +108,17 @@ class Manifest:
     def node_names(self) -> list[str]:
         return [entry["node"]["name"] for entry in self.plan.get("nodes", [])]
 
+    @property
+    def cause(self) -> str | None:
+        """How this attempt ended when it did not succeed, in the words launch, status and runs all use: the
+        first cause nodectl saw (a rank that failed, a stall as its diagnosis names it, a lost node, Ctrl-C),
+        never what its own stop then did to the other ranks. None where nothing was recorded."""
+        failure = self.failure if isinstance(self.failure, dict) else {}
+        description = failure.get("description")
+        if isinstance(description, str) and description:
+            return description
+        return f"{failure['kind']} (no description recorded)" if isinstance(failure.get("kind"), str) else None
+
 
 def _check_shape(values: dict, known: dict) -> None:
     """A manifest that parses as JSON but not as a run record (hand-edited, cut short, written by something else)

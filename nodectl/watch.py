@@ -29,8 +29,11 @@ class Failure:
     detail: str = ""
     last_lines: str = ""
     processes_left: dict = field(default_factory=dict)
+    diagnosed: str = ""      # a stall's diagnosis, naming the rank that holds the others up
 
     def describe(self) -> str:
+        if self.kind == "stalled" and self.diagnosed:
+            return f"stalled: {self.diagnosed}"
         if self.kind == "rank":
             how = f"exit code {self.code}" if self.code is not None and self.code >= 0 else \
                 f"killed by {_signal_name(-self.code)}" if self.code is not None else "failed"
@@ -136,7 +139,8 @@ def failure_lines(cluster: Cluster, run_nodes: list[RunNode], failure: Failure, 
         return ""
     if run_node is None:
         return ""
-    return tail_lines(cluster, run_node, [key], lines, timeout=STOP_SLACK).get(key, NO_LOG).text
+    text = tail_lines(cluster, run_node, [key], lines, timeout=STOP_SLACK).get(key, NO_LOG).text
+    return "\n".join(latest_state(line) for line in text.split("\n"))   # a progress bar: its last state
 
 
 def rank_failures(states: dict[str, NodeResult]) -> list[Failure]:

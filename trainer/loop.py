@@ -188,7 +188,6 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
             _finish_profile(profiler, ctx, out_dir)
             profiler = None
         window_steps += 1
-        reporter.heartbeat(step + 1)
         if (step + 1) % recipe.train.log_every == 0 or last:
             record = _reduce_window(ctx, step, window, window_start, window_steps, optimizer, flops, peak)
             window_start = record.pop("_clock")  # the next window starts where this one was measured to end
@@ -198,6 +197,7 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
                            tokens_per_s_per_gpu=record["tokens_per_s_per_gpu"], mfu=record["mfu"])
             window.zero_()
             window_steps = 0
+        reporter.heartbeat(step + 1)   # after the record: a logging step's heartbeat carries its own loss
         evaluates = recipe.train.eval_every and (step + 1) % recipe.train.eval_every == 0
         saves = (recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0) or \
             (recipe.train.save_every and (step + 1) % recipe.train.save_every == 0)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import click
-from rich.table import Table
+from rich.markup import escape
 
 from nodectl.cli.context import AppContext
 from nodectl import environment as environments
@@ -15,6 +15,7 @@ from nodectl.envdump import diff_reports, summary_row
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE, NodectlError, UsageError
 from nodectl.remote.envs import use_built
 from nodectl.remote.probe_nodes import probe_nodes
+from nodectl.tables import Column, make_table
 
 
 @click.command("env-dump")
@@ -64,19 +65,26 @@ def command(app: AppContext, nodes: int | None, exclude: tuple[str, ...], diff: 
         raise SystemExit(EXIT_FAILED)
 
 
+SUMMARY = ("os", "kernel", "cpus", "memory", "python", "torch", "cuda", "nccl", "driver", "gpus", "image",
+           "host python/torch", "environment")
+
+
+def nodes_table(reports: dict):
+    """One row per node; a column that no node has (cuda, driver on CPU nodes; image without containers) is
+    left out."""
+    rows = [[escape(name), *(escape(summary_row(report)[c]) for c in SUMMARY)] for name, report in reports.items()]
+    columns = [Column("node", key=True), *(Column(c) for c in SUMMARY)]
+    return make_table(columns, rows, title="nodes", keep=("node",))
+
+
+def diff_table(differences: dict, nodes: list[str]):
+    rows = [[escape(key), *(escape(str(values.get(node, ""))) for node in nodes)] for key, values in differences.items()]
+    return make_table([Column("key"), *(Column(node) for node in nodes)], rows,
+                      title=f"{len(differences)} key(s) differ", keep=("key", *nodes))
+
+
 def _print_table(app: AppContext, reports: dict) -> None:
-    table = Table(title="nodes", title_justify="left")
-    columns = ["node", "os", "kernel", "cpus", "memory", "python", "torch", "cuda", "nccl", "driver", "gpus"]
-    if any(report.get("container") for report in reports.values()):
-        columns += ["image", "host python/torch"]
-    if any(report.get("environment") for report in reports.values()):
-        columns += ["environment"]
-    for column in columns:
-        table.add_column(column, overflow="fold")
-    for name, report in reports.items():
-        row = summary_row(report)
-        table.add_row(name, *(row[c] for c in columns[1:]))
-    app.out.print(table)
+    app.out.print(nodes_table(reports))
 
 
 def _print_diff(app: AppContext, differences: dict, nodes: list[str]) -> None:
@@ -86,10 +94,4 @@ def _print_diff(app: AppContext, differences: dict, nodes: list[str]) -> None:
     if not differences:
         app.out.print(f"no differences between {len(nodes)} nodes")
         return
-    table = Table(title=f"{len(differences)} key(s) differ", title_justify="left")
-    table.add_column("key", overflow="fold")
-    for node in nodes:
-        table.add_column(node, overflow="fold")
-    for key, values in differences.items():
-        table.add_row(key, *(str(values.get(node, "")) for node in nodes))
-    app.out.print(table)
+    app.out.print(diff_table(differences, nodes))

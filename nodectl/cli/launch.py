@@ -16,6 +16,7 @@ from nodectl import attend, environment as environments
 from nodectl.remote import sync
 from nodectl.cli.context import AppContext
 from nodectl.cli.diagnose import print_diagnosis
+from nodectl.cli.stop import report_stopped
 from nodectl.cli.options import Seconds, node_selection
 from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, ignore_signals_while_cleaning
 from nodectl.inventory import MAX_RANKS_PER_NODE
@@ -412,13 +413,18 @@ def _interrupted(app: AppContext, run: Run, cluster, grace: float) -> None:
     """Ctrl-C or SIGTERM at any phase after the run was recorded: stop whatever may have started, say so, 130."""
     ignore_signals_while_cleaning()
     app.err.print(f"interrupted: stopping run {run.run_id} on every node")
+    cause = {"kind": "interrupted", "description": "interrupted by the user (Ctrl-C or SIGTERM to nodectl): the run "
+                                                   "was stopped on every node"}
     try:
         stopped = stop_run(run, cluster, grace, RunState.INTERRUPTED, progress=app.node_progress,
-                           remove_unstarted=True)
+                           remove_unstarted=True, failure=cause)
     except StopHurried as hurried:
         app.err.print("interrupted again: what was left got SIGKILL without waiting out the grace period")
         stopped = hurried.results
     left = processes_left(stopped)
+    report_stopped(app, dict(stopped), unstarted=True)
+    app.err.print(f"run {run.run_id} interrupted: {sum(1 for r in stopped.values() if r.ok)} of {len(stopped)} "
+                  f"node(s) stopped, {left} process(es) left")
     if app.json:
         app.emit_json({"run_id": run.run_id, "state": "interrupted", "processes_left": left})
     raise SystemExit(EXIT_INTERRUPTED)

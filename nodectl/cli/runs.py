@@ -4,15 +4,18 @@ A run recorded as starting or running is asked of its nodes (briefly) so the sta
 """
 from __future__ import annotations
 
+import re
 import time
 
 import click
-from rich.table import Table
+from rich.markup import escape
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import refresh_state
 from nodectl.errors import UsageError
-from nodectl.runs import Manifest, Run, list_runs
+from nodectl.hostlist import fold
+from nodectl.runs import Manifest, Run, RunState, list_runs
+from nodectl.tables import Column, make_table
 from nodectl.remote.transport import Cluster, TransportOptions
 from nodectl.watch import poll
 
@@ -56,16 +59,29 @@ def command(app: AppContext, show_all: bool) -> None:
         rows.append({"run_id": run.run_id, "kind": manifest.kind, "state": manifest.state.value,
                      "nodes": manifest.node_names, "world_size": sum(n["nproc"] for n in plan.get("nodes", [])),
                      "started": manifest.started, "folder": str(run.folder.resolve()),
-                     "command": " ".join(plan.get("command", []))})
+                     "command": " ".join(plan.get("command", [])),
+                     "cause": manifest.cause if manifest.state != RunState.SUCCEEDED else None})
     if app.json:
         app.emit_json({"runs": rows})
         return
-    table = Table(title_justify="left")
-    for column in ("run", "state", "nodes", "world", "started", "command"):
-        table.add_column(column, overflow="fold")
+    app.out.print(render(rows) if rows else "no runs yet")
+
+
+COLUMNS = (Column("run", key=True), Column("state", whole=True), Column("started", whole=True),
+           Column("nodes: command / cause"))
+
+
+def render(rows: list[dict]):
+    """One row per run; the run id (what users copy) is never split; a run that did not succeed says why under
+    its command."""
+    cells = []
     for row in rows:
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row["started"])) if row["started"] else "-"
-        label = row["run_id"] + (" (preflight)" if row["kind"] == "preflight" else "")
-        table.add_row(label, row["state"] or "-", ",".join(row["nodes"]), str(row["world_size"]), started,
-                      row["command"])
-    app.out.print(table if rows else "no runs yet")
+        started = time.strftime("%m-%d %H:%M", time.localtime(row["started"])) if row["started"] else "-"
+        label = escape(row["run_id"])
+        nodes = re.sub(r",(?![^\[]*\])", ", ", fold(row["nodes"]))
+        what = escape(f"{nodes} x {row['world_size']}: " + ("(preflight) " if row["kind"] == "preflight" else "")
+                      + row["command"])
+        if row.get("cause"):
+            what += f"\n[red]{escape(row['cause'])}[/]"
+        cells.append([label, escape(row["state"] or "-"), started, what])
+    return make_table(COLUMNS, cells, keep=("run", "state"))

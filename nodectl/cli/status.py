@@ -5,7 +5,6 @@ import time
 
 import click
 from rich.markup import escape
-from rich.table import Table
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
@@ -14,7 +13,8 @@ from nodectl.errors import exit_code_for
 from nodectl.runs import RunState
 from nodectl.remote.answers import PollAnswer, RankState
 from nodectl.visible import visible
-from nodectl.watch import failure_lines, poll, rank_failures
+from nodectl.tables import Column, make_table
+from nodectl.watch import Failure, failure_lines, poll, rank_failures
 
 
 def rank_rows(states: dict, run_nodes, stall_after: float) -> list[dict]:
@@ -39,7 +39,8 @@ def _number(value):
 
 def _rank_state(rank: RankState, answer: PollAnswer, stall_after: float) -> dict:
     heartbeat = rank.heartbeat or {}
-    age = rank.heartbeat_age
+    # a heartbeat written a moment after the node read its clock (or on a node whose clock runs ahead) is new
+    age = None if rank.heartbeat_age is None else max(0.0, rank.heartbeat_age)
     step = heartbeat.get("step")
     row = {"heartbeat_age": age, "step": step if isinstance(step, (int, float, str)) else None,
            "loss": _number(heartbeat.get("loss")), "tokens_per_s": _number(heartbeat.get("tokens_per_s")),
@@ -57,6 +58,38 @@ def _rank_state(rank: RankState, answer: PollAnswer, stall_after: float) -> dict
     return row
 
 
+def _first_failure(manifest, states: dict, run_state: RunState) -> Failure | None:
+    """The rank whose last lines explain the run's end: the one the recorded cause names, or, where nodectl
+    recorded none (a detached run), the first rank that exited non-zero. None for a run the user stopped or
+    interrupted: its ranks died of that stop, which is no failure."""
+    failure = manifest.failure if isinstance(manifest.failure, dict) else {}
+    if failure.get("kind") in ("interrupted", "controller", "start"):
+        return None
+    if failure.get("kind") in ("rank", "launcher", "stalled", "lost"):
+        rank, node = failure.get("rank"), failure.get("node")
+        return Failure(failure["kind"], node if isinstance(node, str) else "",
+                       rank if isinstance(rank, int) and not isinstance(rank, bool) else None)
+    if run_state == RunState.STOPPED:
+        return None
+    failures = rank_failures(states)
+    return failures[0] if failures else None
+
+
+def render(run_id: str, run_state, rows: list[dict]):
+    colour = {"running": "green", "stalled": "yellow", "lost": "red", "starting": "cyan"}
+    cells = []
+    for row in rows:
+        state = row["state"]
+        shade = colour.get(state, "green" if state == "exited(0)" else "red")
+        age = row.get("heartbeat_age")
+        cells.append([escape(row["node"]), str(row["rank"]), f"[{shade}]{escape(state)}[/]",
+                      "-" if age is None else f"{max(age, 0):.0f}s ago", escape(str(row.get("step") or "-")),
+                      "-" if row.get("loss") is None else f"{row['loss']:.4f}", str(row.get("pid") or "-")])
+    columns = [Column("node", key=True), Column("rank", "right", key=True), Column("state", whole=True),
+               *(Column(name, "right", whole=True) for name in ("heartbeat", "step", "loss", "pid"))]
+    return make_table(columns, cells, title=f"run {run_id} ({run_state})", keep=("node", "rank", "state"))
+
+
 @click.command("status")
 @run_option
 @click.option("--stall-after", type=Seconds(min=0), default=300.0, show_default=True,
@@ -70,36 +103,28 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
         states = poll(cluster, run_nodes)
         rows = rank_rows(states, run_nodes, stall_after)
         run_state = refresh_state(run, states)
-        # a run the user stopped: its ranks died of stop's SIGTERM, which is no failure to report
-        failures = rank_failures(states) if run_state != RunState.STOPPED else []
-        first = failures[0] if failures else None
+        manifest = run.read()
+        first = _first_failure(manifest, states, run_state)
         if first:
             first.last_lines = failure_lines(cluster, run_nodes, first)
+    cause = manifest.cause or (first.describe() if first else None)
     if app.json:
-        app.emit_json({"run_id": run.run_id, "state": run_state, "ranks": rows,
+        app.emit_json({"run_id": run.run_id, "state": run_state, "ranks": rows, "cause": cause,
+                       "diagnosis": (manifest.failure or {}).get("diagnosis"),
                        "first_failure": first.__dict__ if first else None})
     else:
-        table = Table(title=f"run {run.run_id} ({run_state})", title_justify="left")
-        for column in ("node", "rank", "state", "heartbeat", "step", "loss", "pid"):
-            table.add_column(column)
-        colour = {"running": "green", "stalled": "yellow", "lost": "red", "starting": "cyan"}
-        for row in rows:
-            state = row["state"]
-            shade = colour.get(state, "green" if state == "exited(0)" else "red")
-            age = row.get("heartbeat_age")
-            table.add_row(row["node"], str(row["rank"]), f"[{shade}]{state}[/]",
-                          "-" if age is None else f"{age:.0f}s ago", str(row.get("step") or "-"),
-                          "-" if row.get("loss") is None else f"{row['loss']:.4f}", str(row.get("pid") or "-"))
-        app.out.print(table)
-        if (run.read().failure or {}).get("kind") == "controller":
-            app.out.print(run.read().failure["description"])
-        if run_state == RunState.STOPPED:
-            ended = run.read().ended
-            app.out.print("stopped by the user" + (f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(ended))}"
-                                                   if ended else ""))
-        if first:
-            app.out.print(f"[red]first failure:[/] {escape(first.describe())}")
-            if first.last_lines:
-                app.out.print(visible(first.last_lines.rstrip()), markup=False, highlight=False)
+        app.out.print(render(run.run_id, run_state, rows))
+        ended = f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.ended))}" if manifest.ended else ""
+        if run_state == RunState.STOPPED and not manifest.cause:
+            app.out.print(f"stopped by the user{ended}")
+        elif cause:
+            app.out.print(f"[red]cause:[/] {escape(cause)}{escape(ended) if manifest.cause else ''}")
+        diagnosis = (manifest.failure or {}).get("diagnosis") or {}
+        if diagnosis.get("folder"):
+            app.out.print(f"diagnosis: {escape(str(diagnosis['folder']))}/ (nodectl diagnose shows it again on a "
+                          f"live run)")
+        if first and first.last_lines:
+            app.out.print(f"last lines of rank {first.rank}:" if first.rank is not None else "last lines of torchrun:")
+            app.out.print(visible(first.last_lines.rstrip()), markup=False, highlight=False)
     if exit_code_for(states.values()):
         raise SystemExit(exit_code_for(states.values()))

@@ -15,6 +15,30 @@ from nodectl.runs import RunState, controller_gone
 from nodectl.watch import StopHurried, stop_nodes
 
 
+def report_stopped(app: AppContext, results: dict, unstarted: bool = False) -> dict:
+    """One line per node: what the stop ended there and what is left (`stop`, and a launch's Ctrl-C, say the
+    same). Nodes the run never reached are taken out of `results`. Returns the per-node summary for --json."""
+    summary = {}
+    for name, result in list(results.items()):
+        answer = result.value if result.ok else None
+        if not answer and unstarted and "no run at" in (result.error or ""):
+            summary[name] = {"left": 0, "absent": True}
+            app.info(f"{name}: nothing there (the run never reached it)")
+            results.pop(name)
+            continue
+        if not answer:
+            summary[name] = {"error": result.error}
+            app.err.print(f"[red]{escape(name)}[/]: {escape(summary[name]['error'])}")
+            continue
+        summary[name] = asdict(answer)
+        if answer.removed:
+            app.info(f"{name}: the run folder it had prepared, never started, is removed")
+            continue
+        app.info(f"{name}: {answer.terminated} process(es) stopped, {answer.killed} needed SIGKILL, "
+                 f"{answer.left} left")
+    return summary
+
+
 @click.command("stop")
 @run_option
 @click.option("--grace", type=Seconds(min=0), default=10.0, show_default=True,
@@ -36,24 +60,7 @@ def command(app: AppContext, run_id: str | None, grace: float) -> None:
             results, hurried = stopped.results, True
     if hurried:
         app.err.print("interrupted: what was left got SIGKILL without waiting out the grace period")
-    summary = {}
-    for name, result in list(results.items()):
-        answer = result.value if result.ok else None
-        if not answer and unstarted and "no run at" in (result.error or ""):
-            summary[name] = {"left": 0, "absent": True}
-            app.info(f"{name}: nothing there (the run never reached it)")
-            results.pop(name)
-            continue
-        if not answer:
-            summary[name] = {"error": result.error}
-            app.err.print(f"[red]{escape(name)}[/]: {escape(summary[name]['error'])}")
-            continue
-        summary[name] = asdict(answer)
-        if answer.removed:
-            app.info(f"{name}: the run folder it had prepared, never started, is removed")
-            continue
-        app.info(f"{name}: {answer.terminated} process(es) stopped, {answer.killed} needed SIGKILL, "
-                 f"{answer.left} left")
+    summary = report_stopped(app, results, unstarted)
     code = exit_code_for(results.values())
     if not run.read().state.final and not code:
         run.update(state=RunState.STOPPED, ended=time.time())

@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 import click
 from rich.live import Live
+from rich.markup import escape
 from rich.table import Table
 
 from nodectl.cli.context import AppContext
@@ -14,6 +15,7 @@ from nodectl.cli.options import Seconds
 from nodectl.cli.runs_cmds import opened, refresh_state, run_option
 from nodectl.cli.status import rank_rows
 from nodectl.runs import FINAL_STATES, Run
+from nodectl.tables import Column, make_table
 from nodectl.watch import poll
 
 
@@ -52,27 +54,32 @@ def _cell(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+COLUMNS = (Column("node", key=True), Column("rank", "right", key=True), Column("state", whole=True),
+           *(Column(name, "right", whole=True) for name in ("step", "loss", "tok/s", "beat", "gpu", "util", "mem GiB",
+                                                            "temp", "power")))
+
+
 def render(snap: dict) -> Table:
+    """One row per rank; the GPU columns only where a node reported a GPU (not on CPU nodes)."""
     title = f"run {snap['run_id']} ({snap['state']}, attempt {snap['attempt']}"
     title += f", {snap['elapsed_s']:.0f}s)" if snap.get("elapsed_s") is not None else ")"
-    table = Table(title=title, title_justify="left")
-    for column in ("node", "rank", "state", "step", "loss", "tok/s", "beat", "gpu", "util", "mem GiB", "temp",
-                   "power"):
-        table.add_column(column, justify="left" if column in ("node", "state") else "right", no_wrap=True)
     colour = {"running": "green", "stalled": "yellow", "lost": "red", "starting": "cyan"}
+    rows = []
     for row in snap["ranks"]:
         gpu = row.get("gpu") or {}
         shade = colour.get(row["state"], "green" if row["state"] == "exited(0)" else "red")
         memory = (f"{gpu['mem_used_mib'] / 1024:.1f}/{gpu['mem_total_mib'] / 1024:.0f}"
                   if gpu.get("mem_used_mib") is not None and gpu.get("mem_total_mib") else "-")
-        table.add_row(row["node"], str(row["rank"]), f"[{shade}]{row['state']}[/]", _cell(row.get("step"), ""),
-                      _cell(row.get("loss"), ".4f"), _cell(row.get("tokens_per_s"), ",.0f"),
-                      _cell(row.get("heartbeat_age"), ".0f") + ("s" if row.get("heartbeat_age") is not None else ""),
-                      _cell(gpu.get("index"), ""), _cell(gpu.get("util"), ".0f") + ("%" if gpu.get("util") is not None
-                                                                                    else ""),
-                      memory, _cell(gpu.get("temp_c"), ".0f") + ("C" if gpu.get("temp_c") is not None else ""),
-                      _cell(gpu.get("power_w"), ".0f") + ("W" if gpu.get("power_w") is not None else ""))
-    return table
+        rows.append([escape(row["node"]), str(row["rank"]), f"[{shade}]{escape(row['state'])}[/]",
+                     escape(_cell(row.get("step"), "")), _cell(row.get("loss"), ".4f"),
+                     _cell(row.get("tokens_per_s"), ",.0f"), _unit(row.get("heartbeat_age"), ".0f", "s"),
+                     _cell(gpu.get("index"), ""), _unit(gpu.get("util"), ".0f", "%"), memory,
+                     _unit(gpu.get("temp_c"), ".0f", "C"), _unit(gpu.get("power_w"), ".0f", "W")])
+    return make_table(COLUMNS, rows, title=title, keep=("node", "rank", "state"))
+
+
+def _unit(value, fmt: str, unit: str) -> str:
+    return "-" if value is None else format(value, fmt) + unit
 
 
 @click.command("top")

@@ -1,12 +1,15 @@
 """Preflight output for people: a nodes x checks table, each failure with its hint, and an env: block."""
 from __future__ import annotations
 
+import textwrap
+
 import yaml
 from rich.markup import escape
 from rich.table import Table
 
 from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN
 from nodectl.preflight.run import PreflightReport
+from nodectl.tables import Column, make_table
 
 STYLE = {PASS: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
 
@@ -18,18 +21,17 @@ def print_report(console, report: PreflightReport, full: bool = False) -> None:
     if full:
         _print_matrix(console, report, per_node)
     else:
-        table = Table(title="preflight", title_justify="left")
-        for column, justify in (("node", "left"), ("pass", "right"), ("warn", "right"), ("fail", "right"),
-                                ("skip", "right"), ("problems", "left")):
-            table.add_column(column, justify=justify, overflow="fold")
+        rows = []
         for node in report.nodes:
             mine = [r for r in per_node if r.node == node]
             counts = {v: sum(1 for r in mine if r.verdict == v) for v in (PASS, WARN, FAIL, SKIP)}
             problems = [f"[{STYLE[r.verdict]}]{escape(r.check)}[/]" for r in mine if r.verdict in (FAIL, WARN)]
-            table.add_row(escape(node), *(f"[{STYLE[v]}]{counts[v]}[/]" if counts[v] else "0"
-                                          for v in (PASS, WARN, FAIL, SKIP)),
-                          ", ".join(problems) or ("[red]unreachable[/]" if node in report.unreachable else "-"))
-        console.print(table)
+            rows.append([escape(node), *(f"[{STYLE[v]}]{counts[v]}[/]" if counts[v] else "0"
+                                         for v in (PASS, WARN, FAIL, SKIP)),
+                         ", ".join(problems) or ("[red]unreachable[/]" if node in report.unreachable else "-")])
+        columns = [Column("node", key=True), *(Column(v, "right", whole=True) for v in ("pass", "warn", "fail", "skip")),
+                   Column("problems")]
+        console.print(make_table(columns, rows, title="preflight", keep=[c.header for c in columns]))
     cluster = [r for r in report.results if r.node == "cluster"]
     if cluster and not full:
         bad = [r for r in cluster if r.verdict in (FAIL, WARN)]
@@ -54,9 +56,10 @@ def print_report(console, report: PreflightReport, full: bool = False) -> None:
     for r in report.results:
         if r.verdict in (FAIL, WARN):
             colour = STYLE[r.verdict]
-            console.print(f"[{colour}]{r.verdict.upper()}[/] {escape(r.node)} {escape(r.check)}: {escape(r.detail)}")
+            console.print(f"[{colour}]{r.verdict.upper()}[/] " + escape(_hanging(
+                f"{r.node} {r.check}: {r.detail}", console.width, len(r.verdict) + 1, "  ")))
             if r.hint:
-                console.print(f"      fix: {escape(r.hint)}")
+                console.print(escape(_hanging(f"fix: {r.hint}", console.width, 0, "       ", first="  ")))
     env = report.recommended_env()
     if env:
         console.print("recommended env: for hosts.yaml (per node):")
@@ -66,6 +69,13 @@ def print_report(console, report: PreflightReport, full: bool = False) -> None:
     console.print(f"preflight {verdict}: {len(report.failed)} failure(s), {len(report.warned)} warning(s)")
     if not full:
         console.print("every check of every node: nodectl preflight --all (or --json)")
+
+
+def _hanging(text: str, width: int, taken: int, indent: str, first: str = "") -> str:
+    """`text` wrapped at word boundaries to `width` (its first line after `taken` columns already printed),
+    every line after the first indented, so a long fix reads as one block instead of being cut mid-word."""
+    return "\n".join(textwrap.wrap(text, width=max(20, width - taken), initial_indent=first,
+                                   subsequent_indent=indent, break_on_hyphens=False))
 
 
 def _print_matrix(console, report: PreflightReport, per_node: list) -> None:

@@ -140,6 +140,19 @@ def test_the_seed_case_is_diagnosed_when_the_attached_launch_declares_the_stall(
         failure = json.loads((project / "runs" / run_id / "manifest.json").read_text())["failure"]
         assert failure["kind"] == "stalled" and failure["diagnosis"]["kind"] == "compute"
         assert run_processes(run_id) == []
+        # one failure story: the culprit the diagnosis named, in the launch's last words, status, runs and the
+        # manifest alike; what nodectl's own stop did to the waiting ranks is no cause
+        assert failure["rank"] == 1 and failure["node"] == "node0"
+        assert failure["description"].startswith("stalled: rank 1 on node0 is stuck in compute at compute.py:13")
+        verdict = result.stderr[result.stderr.index(f"run {run_id} failed:"):]
+        assert " ".join(verdict.split()).startswith(f"run {run_id} failed: {failure['description']}"[:90])
+        assert "last lines of rank 1:" in verdict and "last lines of rank 0" not in verdict
+        status = run_nodectl(["--json", "status"], env=env, cwd=project).json()
+        assert status["cause"] == failure["description"] and status["first_failure"]["rank"] == 1
+        shown = run_nodectl(["status"], env=env, cwd=project).stdout
+        assert "cause: stalled: rank 1 on node0" in " ".join(shown.split()) and "SIGTERM" not in shown
+        listed = run_nodectl(["--json", "runs"], env=env, cwd=project).json()["runs"]
+        assert [r["cause"] for r in listed if r["run_id"] == run_id] == [failure["description"]]
     finally:
         kill_leftovers(run_id)
 

@@ -111,6 +111,12 @@ def test_sigint_stops_attached_launch_and_detach_status_stop(ssh_cluster, projec
         out, err = proc.communicate(timeout=60)
         assert proc.returncode == 130, err
         assert run_processes(run_id) == []
+        # what the stop did, as `stop` says it; the run's story is the interrupt, not its ranks' SIGTERM
+        assert "node0: 2 process(es) stopped" in err and f"run {run_id} interrupted: 2 of 2 node(s) stopped, 0 " \
+            f"process(es) left" in err, err
+        status = run_nodectl(["status", "--run", run_id], env=env, cwd=project)
+        assert "interrupted by the user" in status.stdout and "SIGTERM to nodectl" in status.stdout
+        assert "killed by" not in status.stdout and "last lines" not in status.stdout, status.stdout
     finally:
         proc.kill()
         kill_leftovers(run_id)
