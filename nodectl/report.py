@@ -5,7 +5,7 @@ import json
 import statistics
 from pathlib import Path
 
-from nodectl.errors import UsageError
+from nodectl.errors import RunFailed, UsageError
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -40,7 +40,7 @@ def load_collected(run_folder: Path) -> dict:
     if not data["metrics"]:
         data["metrics"], data["custom"] = _reported(nodes), True
     if not data["metrics"]:
-        raise UsageError(f"run {run_folder.name}: no metrics were collected: the built-in trainer writes them, and "
+        raise RunFailed(f"run {run_folder.name}: no metrics were collected: the built-in trainer writes them, and "
                          f"your own script can with nodectl_metrics.report(step=..., loss=...) (see the README)")
     return data
 

@@ -57,5 +57,6 @@ def print_diagnosis(app: AppContext, diagnosis: Diagnosis, lines: int = 5, conso
         out.print("[bold]what to do[/]")
         for line in verdict.advice:
             out.print(f"  - {escape(visible(line))}")
-    out.print(f"[dim]stacks, flight recorder and node answers: {escape(str(diagnosis.folder))}/ "
-              f"({diagnosis.seconds:.1f} s)[/]")
+    if diagnosis.folder is not None:
+        out.print(f"[dim]stacks, flight recorder and node answers: {escape(str(diagnosis.folder))}/ "
+                  f"({diagnosis.seconds:.1f} s)[/]")

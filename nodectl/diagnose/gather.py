@@ -30,13 +30,13 @@ class Diagnosis:
     run_id: str
     verdict: Verdict
     views: tuple[RankView, ...]
-    folder: Path
+    folder: Path | None          # None for a run that had ended: nothing was kept
     seconds: float
     unreachable: tuple[str, ...] = ()
     gpus: dict = field(default_factory=dict)    # node -> [{"index", "util", ...}] where the node has GPUs
 
     def to_json(self) -> dict:
-        return {"run_id": self.run_id, **self.verdict.to_json(), "folder": str(self.folder),
+        return {"run_id": self.run_id, **self.verdict.to_json(), "folder": str(self.folder) if self.folder else None,
                 "seconds": round(self.seconds, 2), "unreachable": list(self.unreachable),
                 "ranks": [_rank_json(v) for v in self.views], "gpus": self.gpus}
 
@@ -54,20 +54,20 @@ def diagnose(run: Run, cluster: Cluster, *, lines: int = 20, on_done=None) -> Di
     results = cluster.fan_out(lambda t: agent.call(t, "diagnose", by_name[t.node.name].run_dir, request=request,
                                                    timeout=NODE_TIMEOUT),
                               [rn.node for rn in run_nodes], on_done=on_done)
-    folder = _folder(run)
-    views = []
-    for result in results:
-        rn = by_name[result.node.name]
-        _save_node(folder, result)
-        views += rank_views(rn, result, run.run_id)
+    views = [view for result in results for view in rank_views(by_name[result.node.name], result, run.run_id)]
     shorten = code_path(run.run_id)
     verdict = judge(views, shorten)
     gpus = {r.node.name: [dataclasses.asdict(g) for g in r.value.gpu_sample.gpus]
             for r in results if r.ok and r.value.gpu_sample and r.value.gpu_sample.gpus}
+    # a run that ended has nothing of a hang to keep: no diagnosis folder for it
+    folder = None if verdict.kind == "ended" else _folder(run)
     diagnosis = Diagnosis(run.run_id, verdict, tuple(sorted(views, key=lambda v: v.rank)), folder,
                           time.monotonic() - started, tuple(r.node.name for r in results if not r.ok), gpus)
-    _save_stacks(folder, diagnosis.views, shorten)
-    (folder / "diagnosis.json").write_text(json.dumps(diagnosis.to_json(), indent=1))
+    if folder is not None:
+        for result in results:
+            _save_node(folder, result)
+        _save_stacks(folder, diagnosis.views, shorten)
+        (folder / "diagnosis.json").write_text(json.dumps(diagnosis.to_json(), indent=1))
     return diagnosis
 
 

@@ -16,9 +16,18 @@ def _version(report: Mapping, what: str) -> str:
 
 
 def check_versions(reports: Mapping[str, Mapping]) -> list[CheckResult]:
-    """torch, CUDA, NCCL, driver and Python minor must agree (fail); other packages should (warn)."""
+    """torch and Python minor must agree (fail); other packages should (warn)."""
+    return _same(reports, ("version", "python")) + [check_packages(reports)]
+
+
+def check_gpu_stack(reports: Mapping[str, Mapping]) -> list[CheckResult]:
+    """CUDA, NCCL and the driver must agree across GPU nodes (CPU nodes and gloo use none of them)."""
+    return _same(reports, ("cuda", "nccl", "driver"))
+
+
+def _same(reports: Mapping[str, Mapping], which: tuple[str, ...]) -> list[CheckResult]:
     results = []
-    for what in ("version", "cuda", "nccl", "driver", "python"):
+    for what in which:
         label = {"version": "torch"}.get(what, what)
         versions = {node: _version(report, what) for node, report in reports.items()}
         if len(set(versions.values())) > 1:
@@ -27,7 +36,6 @@ def check_versions(reports: Mapping[str, Mapping]) -> list[CheckResult]:
                                        f"drift)"))
         else:
             results.append(CheckResult(f"same {label}", "cluster", PASS, next(iter(versions.values()), "-")))
-    results.append(check_packages(reports))
     return results
 
 

@@ -92,7 +92,8 @@ NODE_CHECKS = (
 # Across nodes; the all-reduce job (default and full) and the node-pair tests (full, more than 2 nodes) are judged
 # by network.judge_collective and network.judge_pairs once those jobs have run.
 CLUSTER_CHECKS = (
-    Check("same torch/cuda/nccl/driver/python/packages", "cluster", lambda r: cluster.check_versions(r)),
+    Check("same torch/python/packages", "cluster", lambda r: cluster.check_versions(r)),
+    Check("same cuda/nccl/driver", "cluster", lambda r: cluster.check_gpu_stack(r), cuda_only=True),
     Check("same kernel/vbios/hca firmware/ofed/swap, cpu governor", "cluster", lambda r: cluster.check_uniformity(r)),
     Check("same NCCL/torch env", "cluster", lambda r: cluster.check_distributed_env(r)),
     Check("one GPU model", "cluster", lambda r: cluster.check_gpu_models(r), cuda_only=True),

@@ -226,7 +226,7 @@ def test_everyday_honesty_a_users_script_its_outputs_stop_and_status(project):
     first = run_nodectl(["launch", "-i", "local.yaml", "--skip-preflight", "--detach", "--", "train.py"], env=env,
                         cwd=project)
     assert first.exit_code == 0, first.stderr
-    assert "$NODECTL_RUN_DIR/output" in first.stderr
+    assert "$NODECTL_OUTPUT_DIR" in first.stderr
     run_id = run_nodectl(["runs", "--json"], env=env, cwd=project).json()["runs"][-1]["run_id"]
     deadline = time.time() + 60
     while "offline=" not in (tail := run_nodectl(["tail", "rank0"], env=env, cwd=project)).stdout:
@@ -236,7 +236,7 @@ def test_everyday_honesty_a_users_script_its_outputs_stop_and_status(project):
     stopped = run_nodectl(["stop"], env=env, cwd=project)
     assert stopped.exit_code == 0 and f"stopping run {run_id}" in stopped.stderr, stopped.stderr
     status = run_nodectl(["status"], env=env, cwd=project)
-    assert "stopped by the user" in status.stdout and "first failure" not in status.stdout, status.stdout
+    assert "stopped by the user" in status.stdout and "cause" not in status.stdout, status.stdout
     empty = run_nodectl(["launch", "--dry-run", "-i", ""], env=env, cwd=project)
     assert empty.exit_code == 2 and "empty path" in empty.stderr
     (project / "hosts.yaml").unlink()
@@ -272,25 +272,33 @@ def test_chat_records_for_a_model_without_a_template_are_refused_on_the_controll
     assert with_demo.exit_code == 0, with_demo.stderr
 
 
-def test_a_scripts_relative_output_dir_comes_home_with_collect_path(project):
-    """A third-party script's `--output_dir out` lands in <run>/code/out on the node: plain `collect` leaves code/
-    on the node, `collect --path code/out` brings that folder back; a path outside the run is refused."""
+def test_a_scripts_relative_output_dir_comes_home_with_collect(project):
+    """A third-party script's `--output_dir out` lands in <run>/code/out on the node: plain `collect` brings it
+    back and says so (the synced project stays on the node); `--path` adds a synced file, a path outside the run is
+    refused. On the ended run, `diagnose` keeps no folder, and `report` without metrics is a failed run's 1."""
     (project / "train.py").write_text("import os, sys\nos.makedirs(sys.argv[2], exist_ok=True)\n"
                                       "open(os.path.join(sys.argv[2], 'result.txt'), 'w').write('42')\n")
     env = env_for(project)
     ran = run_nodectl(["launch", "-i", "local.yaml", "--skip-preflight", "--", "train.py", "--output_dir", "out"],
                       env=env, cwd=project)
     assert ran.exit_code == 0, ran.stdout + ran.stderr
-    assert "collect --path code/DIR" in ran.stderr
+    assert "$NODECTL_OUTPUT_DIR" in ran.stderr
     run_id = run_nodectl(["runs", "--json"], env=env, cwd=project).json()["runs"][-1]["run_id"]
     nodes = project / "runs" / run_id / "nodes"
-    assert run_nodectl(["collect"], env=env, cwd=project).exit_code == 0
-    assert not list(nodes.glob("*/code/out/result.txt"))
-    brought = run_nodectl(["collect", "--path", "code/out", "--path", "code/nothing"], env=env, cwd=project)
-    assert brought.exit_code == 0, brought.stderr
+    collected = run_nodectl(["collect"], env=env, cwd=project)
+    assert collected.exit_code == 0, collected.stderr
+    assert "code/: 1 file(s) the program wrote there, brought back (out/result.txt)" in collected.stderr
     [result] = nodes.glob("*/code/out/result.txt")
-    assert result.read_text() == "42"
+    assert result.read_text() == "42" and not list(nodes.glob("*/code/train.py"))
+    brought = run_nodectl(["collect", "--path", "code/train.py", "--path", "code/nothing"], env=env, cwd=project)
+    assert brought.exit_code == 0, brought.stderr
+    assert len(list(nodes.glob("*/code/train.py"))) == 1
     assert "asked for with --path and not found: code/nothing" in brought.stderr
+    diagnosed = run_nodectl(["diagnose"], env=env, cwd=project)
+    assert diagnosed.exit_code == 1 and "it is not hung, it ended" in diagnosed.stdout, diagnosed.output
+    assert not (project / "runs" / run_id / "diagnosis").exists()
+    report = run_nodectl(["report"], env=env, cwd=project)
+    assert report.exit_code == 1 and "no metrics were collected" in report.stderr and "Traceback" not in report.stderr
     for bad in ("../../etc", "/etc", "code/../../x"):
         refused = run_nodectl(["collect", "--path", bad], env=env, cwd=project)
         assert refused.exit_code == 2 and "inside the run folder" in refused.stderr, refused.stderr
