@@ -38,7 +38,8 @@ def save_adapter(model: nn.Module, out_dir: Path, step: int, keep_last: int) -> 
     info = {"step": step, "gathered_bytes": gathered, "tensors": len(state),
             "gather_seconds": round(time.perf_counter() - started, 3)}
     if dist.get_rank() == 0:
-        peft_state = get_peft_model_state_dict(model, state_dict=state)
+        # the LoRA tensors alone (an adapter on the embeddings included); no base embedding weights to add
+        peft_state = get_peft_model_state_dict(model, state_dict=state, save_embedding_layers=False)
         final = out_dir / f"adapter-{step:07d}"
         tmp = out_dir / f".adapter-{step:07d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)

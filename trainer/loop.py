@@ -8,7 +8,7 @@ import math
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -281,7 +281,8 @@ class Deadline:
 
 def _checkpoint(recipe: Recipe, ctx: Context, model, optimizer, step: int, out_dir: Path, reporter) -> None:
     started = time.perf_counter()
-    saved_to = resume.save(model, optimizer, step, out_dir / "checkpoints", ctx.device, recipe.train.keep_checkpoints)
+    saved_to = resume.save(model, optimizer, step, out_dir / "checkpoints", ctx.device, recipe.train.keep_checkpoints,
+                           extra={"schedule_steps": recipe.train.steps})
     size = sum(f.stat().st_size for f in saved_to.glob("rank*.pt"))
     seconds = round(time.perf_counter() - started, 3)
     if reporter is not None:   # checkpoint_every's: an event in metrics.jsonl, as always
@@ -306,9 +307,17 @@ def _resume(recipe: Recipe, ctx: Context, model, optimizer, out_dir: Path) -> in
     if not (found / resume.COMPLETE).exists():
         raise ConfigError(f"train.resume: {found} is not a complete checkpoint")
     try:
-        return resume.load(model, optimizer, found, ctx.device)
+        step = resume.load(model, optimizer, found, ctx.device)
     except resume.ResumeError as exc:
         raise ConfigError(f"train.resume: {exc}") from None
+    before = json.loads((found / resume.COMPLETE).read_text()).get("schedule_steps")
+    if ctx.rank == 0 and isinstance(before, int) and before != recipe.train.steps:
+        # the cosine schedule runs over train.steps: a longer run's learning rate at this step is higher than where
+        # the shorter schedule had brought it (README, "Resuming")
+        print(f"train.steps is {recipe.train.steps} (was {before}): the learning rate follows the schedule of "
+              f"{recipe.train.steps} steps from step {step}, {lr_at(step, recipe):.1e} now (the old one ended at "
+              f"{lr_at(before - 1, replace(recipe, train=replace(recipe.train, steps=before))):.1e})", flush=True)
+    return step
 
 
 def _evaluator(recipe, ctx, model, eval_set, tokenizer, reporter, summary):

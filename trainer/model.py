@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -26,7 +27,14 @@ def build_skeleton(recipe: Recipe, model_path: Path, dtype: torch.dtype) -> nn.M
     model.to(dtype)
     lora = lora_config(model, recipe)
     try:
-        model = peft.get_peft_model(model, lora)
+        with warnings.catch_warnings():
+            # peft checks rank_pattern/alpha_pattern keys against the targeted modules alone; ours name fused
+            # expert weights (target_parameters), which it does give those ranks: a false alarm on every rank
+            warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match",
+                                    RuntimeWarning)
+            # peft asks transformers 5 for the deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning)
+            model = peft.get_peft_model(model, lora)
     except ValueError as exc:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
         raise ConfigError(f"lora.target_modules: {list(recipe.lora.target_modules)} matches no module of the "

@@ -101,6 +101,7 @@ def test_installed_local_demo_launch(installed, tmp_path, demo_cache):
     done = _nodectl(installed, ["launch", "--nodes", "2", "--gpus", "1", "--set", "train.steps=10"], project, env)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"run \S+ succeeded", done.stdout + done.stderr)
+    assert "Warning" not in done.stdout + done.stderr, "the demo prints no library's warning"
     adapters = list((tmp_path / "home").rglob("adapter/adapter_model.safetensors"))
     assert adapters, "the demo wrote no adapter"
 

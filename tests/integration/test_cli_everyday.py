@@ -337,6 +337,9 @@ def test_stop_lets_the_trainer_checkpoint_and_resume_continues_from_there(projec
                           timeout=300)
     assert resumed.exit_code == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     assert f"resuming at step {at}" in resumed.stdout
+    # a new train.steps recomputes the learning-rate schedule: said, with the rate it gives now
+    assert f"train.steps is {at + 2} (was 100000): the learning rate follows the schedule of {at + 2} steps" \
+        in resumed.stdout, resumed.stdout[-2000:]
 
 
 @pytest.mark.parametrize("node, message", [

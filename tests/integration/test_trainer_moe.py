@@ -307,6 +307,7 @@ def test_two_ranks_train_alike_on_either_expert_kernel(tmp_path, demo_cache, moe
                         "train.steps=8", "train.log_every=1", "data.max_length=48", "train.lr=1e-2")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert ("grouped LoRA path in 2 layer(s)" in proc.stdout) == (kernel == "grouped")
+        assert "pattern keys did not match" not in proc.stderr   # peft's false alarm about the experts' ranks
         losses[kernel] = [m["loss"] for m in metrics(out)]
     assert len(losses["grouped"]) == 8 and losses["grouped"][-1] < losses["grouped"][0]
     assert max(abs(a - b) for a, b in zip(losses["grouped"], losses["peft"])) < 1e-4, losses

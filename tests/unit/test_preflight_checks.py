@@ -397,3 +397,20 @@ def test_distributed_env_that_differs_between_login_environments_warns():
     del reports["n1"]["env"]["NCCL_SOCKET_IFNAME"]
     same = cluster_checks.check_distributed_env(reports)
     assert same.verdict == PASS and "1 such variable(s), the same everywhere" == same.detail
+
+
+def test_cpu_nodes_are_not_failed_for_cuda_nccl_or_driver_they_do_not_use():
+    """gloo on CPU nodes uses no CUDA, NCCL or driver: a node whose torch is a CUDA build beside one with the CPU
+    build is no failure there; on GPU nodes the same spread fails."""
+    import copy
+    import json
+    from pathlib import Path
+
+    cpu = json.loads((Path(__file__).parent.parent / "data" / "probe" / "cpu-node.json").read_text())
+    cuda_build = copy.deepcopy(cpu)
+    cuda_build["torch"].update(cuda="12.4", nccl="2.21.5")
+    reports = {"node0": cpu, "node1": cuda_build}
+    on_cpu = {r.check: r.verdict for r in judge.judge_cluster(reports, {"node0": "cpu", "node1": "cpu"})}
+    assert not {"same cuda", "same nccl", "same driver"} & set(on_cpu) and on_cpu["same torch"] == PASS
+    on_gpu = {r.check: r.verdict for r in judge.judge_cluster(reports, {"node0": "cuda", "node1": "cuda"})}
+    assert on_gpu["same cuda"] == FAIL and on_gpu["same nccl"] == FAIL
