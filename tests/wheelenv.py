@@ -38,16 +38,19 @@ def tracked_files() -> list[str]:
             if p.is_file() and not skip.intersection(p.relative_to(REPO).parts)]
 
 
-def build_wheel(dest: Path) -> Path:
-    """The wheel of the tree as a clone has it, built in a copy of that tree; returns its path."""
+def build_wheel(dest: Path, log: list | None = None) -> Path:
+    """The wheel of the tree as a clone has it, built in a copy of that tree; returns its path (and appends what
+    the build printed to `log`)."""
     with tempfile.TemporaryDirectory(prefix="nodectl-wheel-src-") as work:
         source = Path(work) / "nodectl"
         for name in tracked_files():
             target = source / name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, target)
-        built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                                "-w", str(dest), str(source)], capture_output=True, text=True, timeout=600)
+        built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+                                str(dest), str(source)], capture_output=True, text=True, timeout=600)
+        if log is not None:
+            log.append(built.stdout + built.stderr)
         if built.returncode != 0:
             raise RuntimeError(f"pip wheel failed:\n{built.stdout[-2000:]}{built.stderr[-3000:]}")
     return next(dest.glob("nodectl-*.whl"))

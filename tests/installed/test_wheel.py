@@ -25,10 +25,13 @@ SHIPPED = {"nodectl": ("nodectl", {".py"}), "launchers": ("nodectl/resources/lau
            "trainer": ("nodectl/resources/trainer", {".py", ".yaml", ".jsonl", ".txt"})}
 
 
+BUILD_LOG: list[str] = []
+
+
 @pytest.fixture(scope="module")
 def wheel():
     with tempfile.TemporaryDirectory(prefix="nodectl-wheel-test-") as dest:
-        yield wheelenv.build_wheel(Path(dest))
+        yield wheelenv.build_wheel(Path(dest), BUILD_LOG)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +57,8 @@ def test_wheel_holds_every_module_and_resource_of_the_tree(wheel):
     assert sorted(expected - files) == [], "the wheel lacks these files of the tree"
     assert sorted(files - expected) == [], "the wheel holds files the tree does not (a stale build?)"
     assert {n.split("/")[0] for n in files} == {"nodectl"}, "a wheel must claim no top-level name but nodectl"
+    # setuptools' deprecations (a license table, a listed package) become errors in later versions
+    assert "Warning" not in BUILD_LOG[0] and "deprecat" not in BUILD_LOG[0].lower(), BUILD_LOG[0][-3000:]
 
 
 def test_train_extra_is_torch_plus_the_nodes_requirements_file():

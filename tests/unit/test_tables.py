@@ -111,3 +111,20 @@ def test_preflight_fixes_wrap_with_an_indent(width):
     assert " ".join(hint.split()) in " ".join(joined.split()), "the fix is whole, word by word"
     if width == 80:
         assert block[1].startswith("       ") and block[1].strip(), "a wrapped fix goes on indented"
+
+
+def test_a_heartbeat_written_just_after_the_nodes_clock_reading_is_0s_old_not_minus_0():
+    from nodectl.remote.answers import PollAnswer, RankState
+    from nodectl.remote.transport import NodeResult
+    from nodectl.runs import RunNode
+
+    class Node:
+        name = "node0"
+
+    answer = PollAnswer(now=100.0, node_rank=0, alive=1, started=True,
+                        ranks=(RankState(rank=0, alive=True, heartbeat={"step": 5, "loss": 1.5}, heartbeat_age=-0.3),))
+    run_node = RunNode(node=Node(), node_rank=0, ranks=[0], run_dir="/x")
+    [row] = status.rank_rows({"node0": NodeResult(Node(), value=answer)}, [run_node], stall_after=300)
+    assert row["heartbeat_age"] == 0.0
+    snap = {"run_id": RUN_ID, "state": "running", "attempt": 0, "elapsed_s": 1.0, "ranks": [row]}
+    assert "-0s" not in rendered(top.render(snap), 80) and " 0s" in rendered(top.render(snap), 80)
