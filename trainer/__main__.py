@@ -5,6 +5,8 @@ import argparse
 import os
 import sys
 
+from .teardown import leave
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m trainer", description="FSDP2 + LoRA fine-tuning")
@@ -17,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError, load_recipe
     from .data import DataError
     from .resume import CheckpointError
+    from .teardown import failed
 
     rank = int(os.environ.get("RANK", "0"))
     try:
@@ -47,21 +50,16 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0 or f"rank {rank}:" in str(exc):
             print(f"checkpoint error: {exc}", file=sys.stderr, flush=True)
         return 1
-    finally:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - any other failure: said first, then out without waiting on peers
+        if isinstance(exc, SystemExit) and exc.code in (0, None):
+            return 0
+        return failed(rank, exc)
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    if code != 0:  # a failure leaves as usual: its message must get out before torchrun stops the other ranks
-        sys.exit(code)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # A finished run leaves without C++ static destructors: under gloo, a torch thread still joinable at
-    # interpreter teardown aborted about one rank in fifty ("terminate called without an active exception",
-    # SIGABRT) after the run had finished and saved everything.
-    os._exit(0)
+    # Every end leaves without the interpreter's teardown, its message flushed first. A finished run: under gloo,
+    # a torch thread still joinable at teardown aborted about one rank in fifty ("terminate called without an
+    # active exception", SIGABRT) after everything was saved. A failure: the process groups are aborted (never
+    # destroyed, which waits on peers), so torchrun sees the exit at once and stops the others (teardown.py).
+    leave(main())

@@ -64,7 +64,7 @@ class RankView:
 
 @dataclass(frozen=True)
 class Verdict:
-    kind: str                     # desync | gone | behind | compute | network | idle | healthy | ended | unknown
+    kind: str   # desync | gone | behind | teardown | compute | network | idle | healthy | ended | unknown
     summary: str
     culprits: tuple[int, ...] = ()
     evidence: tuple[str, ...] = ()
@@ -170,12 +170,16 @@ def behind(views: list[RankView], shorten: Shorten) -> Verdict | None:
         if kind == "compute":
             summary = (f"{names} is stuck in compute {doing}; it never entered {collective.label()}, which {others} "
                        f"for {waiting[0].age(collective):.0f} s")
+        elif kind == "teardown":
+            summary = (f"{names} is tearing down its process group {doing} while {others} {collective.label()} for "
+                       f"{waiting[0].age(collective):.0f} s: it left its work (an exception?) and its teardown "
+                       f"waits on them; its log's last lines say why")
         else:
             summary = (f"{names} never entered {collective.label()}, which {others} for "
                        f"{waiting[0].age(collective):.0f} s; it is {doing}")
         advice = [f"look at what rank {culprit.rank} does there: it is why every other rank waits",
                   "`nodectl stacks` shows every thread of every rank; stop the run with `nodectl stop`"]
-        return Verdict(kind if kind == "compute" else "behind", summary, tuple(v.rank for v in late),
+        return Verdict(kind if kind in ("compute", "teardown") else "behind", summary, tuple(v.rank for v in late),
                        tuple(_evidence(views, shorten)), tuple(advice))
     return None
 
@@ -265,6 +269,11 @@ def _members(views: list[RankView], group: str) -> list[RankView]:
     return [v for v in views if v.running and (ranks is None or v.rank in ranks)]
 
 
+# a rank in these has stopped training: it destroys (or aborts) its communicators, and under NCCL that waits for
+# the peers still in a collective
+TEARDOWN = ("destroy_process_group", "_abort_process_group")
+
+
 def _doing(view: RankView, group: str | None, shorten: Shorten) -> tuple[str, str]:
     """What a rank does instead of joining: (words, kind) with kind compute | collective | waiting."""
     other = next((c for c in view.waits() if c.group != group), None) or \
@@ -275,6 +284,8 @@ def _doing(view: RankView, group: str | None, shorten: Shorten) -> tuple[str, st
     cpu = f"CPU {view.cpu:.0f}%" if view.cpu is not None else "CPU unknown"
     if other is not None:
         return f"in another collective, {other.label()}, {at}", "collective"
+    if view.main is not None and view.main.calls(*TEARDOWN):
+        return at, "teardown"
     if view.busy:
         return f"{at}{source}, {cpu}", "compute"
     state = {"S": "sleeping", "D": "in I/O", "R": "running"}.get(view.main_state or "", "waiting")

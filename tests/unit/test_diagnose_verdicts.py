@@ -195,3 +195,19 @@ def test_a_real_nccl_dump_reads_its_states_and_points_at_the_gpu():
     assert found.kind == "network"
     assert "the only rank of group 0 has been in all_reduce #4 (group 0)" in found.summary
     assert "(nccl: scheduled)" in found.summary
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_rank_tearing_down_its_process_group_while_the_others_wait_is_said_so(version):
+    """The trainer's old failure path: rank 3 left the loop on an exception and sat in destroy_process_group(),
+    which under NCCL waits for the peers in a collective. Not "never entered": it is tearing down."""
+    answers = raw(version, "behind")
+    frames = answers["node1"]["ranks"]["3"]["listener"]["threads"][0]["frames"]
+    frames[:] = [["/root/work/code/train.py", 54, "main", "dist.destroy_process_group()"],
+                 ["/usr/lib/python3/site-packages/torch/distributed/distributed_c10d.py", 2400,
+                  "destroy_process_group", "_shutdown_backend(pg)"]]
+    found = judge(views_of(answers), shorten)
+    assert found.kind == "teardown" and found.culprits == (3,)
+    assert found.summary.startswith("rank 3 on node1 is tearing down its process group at ")
+    assert "train.py:54 in `main`" in found.summary and "all_reduce #4 (group 0)" in found.summary
+    assert "never entered" not in found.summary
