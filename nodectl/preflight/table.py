@@ -5,7 +5,6 @@ import textwrap
 
 import yaml
 from rich.markup import escape
-from rich.table import Table
 
 from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN
 from nodectl.preflight.run import PreflightReport
@@ -38,21 +37,16 @@ def print_report(console, report: PreflightReport, full: bool = False) -> None:
         console.print(f"across nodes: {len(cluster) - len(bad)} of {len(cluster)} checks agree"
                       + (" (below: what differs)" if bad else ""))
     elif cluster:
-        summary = Table(title="across nodes", title_justify="left")
-        for column in ("check", "verdict", "detail"):
-            summary.add_column(column, overflow="fold")
-        for r in cluster:
-            summary.add_row(r.check, f"[{STYLE[r.verdict]}]{r.verdict}[/]", escape(r.detail))
-        console.print(summary)
+        rows = [[escape(r.check), f"[{STYLE[r.verdict]}]{r.verdict}[/]", escape(r.detail)] for r in cluster]
+        console.print(make_table([Column("check", whole=True), Column("verdict", whole=True), Column("detail")],
+                                 rows, title="across nodes", keep=("check", "verdict", "detail")))
     if report.collective and report.collective.get("sizes"):
-        bandwidth = Table(title=f"all-reduce ({report.collective['backend']}, {report.collective['world']} ranks)",
-                          title_justify="left")
-        for column in ("size", "time", "algbw GB/s", "busbw GB/s", "correct"):
-            bandwidth.add_column(column, justify="right")
-        for s in report.collective["sizes"]:
-            bandwidth.add_row(f"{s['bytes'] >> 20} MiB", f"{s['time_us']:.0f} us", f"{s['algbw_gbs']:.2f}",
-                              f"{s['busbw_gbs']:.2f}", "yes" if s["ok"] else "[red]NO[/]")
-        console.print(bandwidth)
+        rows = [[f"{s['bytes'] >> 20} MiB", f"{s['time_us']:.0f} us", f"{s['algbw_gbs']:.2f}", f"{s['busbw_gbs']:.2f}",
+                 "yes" if s["ok"] else "[red]NO[/]"] for s in report.collective["sizes"]]
+        headers = ("size", "time", "algbw GB/s", "busbw GB/s", "correct")
+        console.print(make_table([Column(h, "right", whole=True) for h in headers], rows, keep=headers,
+                                 title=f"all-reduce ({report.collective['backend']}, {report.collective['world']} "
+                                       f"ranks)"))
     for r in report.results:
         if r.verdict in (FAIL, WARN):
             colour = STYLE[r.verdict]
@@ -80,12 +74,10 @@ def _hanging(text: str, width: int, taken: int, indent: str, first: str = "") ->
 
 def _print_matrix(console, report: PreflightReport, per_node: list) -> None:
     checks = list(dict.fromkeys(r.check for r in per_node))
-    table = Table(title="preflight", title_justify="left")
-    table.add_column("node")
-    for check in checks:
-        table.add_column(check, overflow="fold")
+    rows = []
     for node in report.nodes:
         cells = {r.check: r for r in per_node if r.node == node}
-        table.add_row(node, *(f"[{STYLE[cells[c].verdict]}]{cells[c].verdict}[/]" if c in cells else "-"
-                              for c in checks))
-    console.print(table)
+        rows.append([escape(node), *(f"[{STYLE[cells[c].verdict]}]{cells[c].verdict}[/]" if c in cells else "-"
+                                     for c in checks)])
+    columns = [Column("node", key=True), *(Column(escape(c), whole=True) for c in checks)]
+    console.print(make_table(columns, rows, title="preflight", keep=["node", *checks]))

@@ -128,3 +128,17 @@ def test_a_heartbeat_written_just_after_the_nodes_clock_reading_is_0s_old_not_mi
     assert row["heartbeat_age"] == 0.0
     snap = {"run_id": RUN_ID, "state": "running", "attempt": 0, "elapsed_s": 1.0, "ranks": [row]}
     assert "-0s" not in rendered(top.render(snap), 80) and " 0s" in rendered(top.render(snap), 80)
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_preflight_all_checks_matrix_goes_on_in_parts_that_repeat_the_node(width):
+    report = json.loads((DATA / "h200.json").read_text())
+    results = []
+    for name in NODES:
+        results += judge.judge_node(NodeFacts(name, report, "cuda", Expectation(gpus=8, master_port=29500,
+                                                                                master_addr="10.0.1.11")), tier="quick")
+    checks = list(dict.fromkeys(r.check for r in results))
+    text = rendered(lambda console: print_report(console, PreflightReport(NODES, results), full=True), width)
+    readable(text, width, NODES, ["node", *checks])
+    parts = text.count("(continued)")
+    assert (parts > 0) == (width == 80) or width == 200
