@@ -209,7 +209,14 @@ class ExpertShard:
         by_expert = torch.argsort(expert_of_row, stable=True)
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=rows.device)
-        out = compute(arrived[by_expert], received.sum(dim=0))[back]
+        # One zero row more, for the last local expert, dropped after: compute always has rows. When no token of a
+        # micro-batch goes to this rank's experts, grouped_mm's backward fails on the empty input (seen on 4 H200s,
+        # Qwen3-30B-A3B, step 12: "Invalid strides/sizes, got [0, 1] for strides and [16, 0] for sizes"). The
+        # row's input is zero and its output unused, so it adds nothing to any gradient; no branch, no recompile.
+        padded = torch.cat([arrived[by_expert], arrived.new_zeros(1, arrived.shape[1])])
+        local_counts = received.sum(dim=0) + torch.nn.functional.one_hot(
+            torch.tensor(self.local - 1, device=received.device), self.local).to(received.dtype)
+        out = compute(padded, local_counts)[:-1][back]
         return all_to_all_single(out.new_empty(rows.shape[0], out.shape[1]), out, send, recv, group=self.group)
 
 

@@ -36,7 +36,7 @@ def trainer_pid(run_id: str, rank: int):
             env, argv = proc.environ(), proc.cmdline()
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        if env.get("NODECTL_RUN_ID") == run_id and env.get("RANK") == str(rank) and "trainer" in argv \
+        if env.get("NODECTL_RUN_ID") == run_id and env.get("RANK") == str(rank) and "nodectl_trainer" in argv \
                 and not any("rankexec" in a for a in argv):
             return proc
     return None

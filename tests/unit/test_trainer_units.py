@@ -162,3 +162,34 @@ def test_a_packed_row_gives_each_document_its_unpacked_loss(attn):
         # the same row without per-document positions (what packing did before) mixes the documents
         mixed = model(input_ids=batch["input_ids"][:1, :29], use_cache=False).logits
         assert not torch.allclose(doc_loss(mixed[:, 9:23], batch["labels"][:1, 9:23]), alone[1], atol=1e-3)
+
+
+def test_an_expert_shard_that_receives_no_row_still_computes_on_one_and_returns_none():
+    """Expert parallelism: a micro-batch whose tokens all go to other ranks' experts leaves this rank with no row.
+    grouped_mm's backward fails on an empty input on GPUs (4 H200s, step 12: "Invalid strides/sizes"), so the
+    shard computes on one zero row more and drops it: the output is empty, the gradients are zero and finite."""
+    import torch
+    import torch.distributed as dist
+
+    moe = trainer_module("moe")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        shard = moe.ExpertShard(rank=0, world=1, num_experts=4)
+        weight = torch.randn(4, 8, 8, requires_grad=True)
+        seen = []
+
+        def compute(rows, counts):
+            seen.append((rows.shape[0], counts.tolist()))
+            return moe.grouped_mm(rows, weight, torch.cumsum(counts, 0, dtype=torch.int32))
+
+        rows = torch.zeros(0, 8, requires_grad=True)
+        out = shard.exchange(rows, torch.zeros(4), compute)
+        out.sum().backward()
+        assert out.shape == (0, 8) and seen == [(1, [0, 0, 0, 1])]
+        assert weight.grad is not None and torch.all(weight.grad == 0)
+        some = torch.randn(5, 8, requires_grad=True)
+        again = shard.exchange(some, torch.tensor([2.0, 0.0, 3.0, 0.0]), compute)
+        direct = moe.grouped_mm(some, weight, torch.tensor([2, 2, 5, 5], dtype=torch.int32))
+        assert torch.allclose(again, direct) and seen[-1] == (6, [2, 0, 3, 1])
+    finally:
+        dist.destroy_process_group()
