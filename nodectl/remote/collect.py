@@ -50,17 +50,13 @@ def share_output(cluster, source: NodePlan, others: list[NodePlan]) -> dict[str,
     """$NODECTL_OUTPUT_DIR, seen by every rank without a shared file system: what `source` (node 0) holds in its
     run's output/ and another node lacks is added there (runctl fill), before a resumed attempt's ranks start.
     The archive passes through this machine, as collect's does; each node keeps every file it wrote itself."""
-    packed = cluster.fan_out(lambda t: agent.call(t, "pack", source.run_dir, timeout=600,
-                                                  request={"only": ["output"]}), [source.node])[0]
-    if not packed.ok:
-        return {np.node.name: NodeResult(np.node, error=f"{source.node.name}'s output could not be read: "
-                                                        f"{packed.error}") for np in others}
     run_dirs = {np.node.name: np.run_dir for np in others}
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "output.tar"
-        fetched = cluster.fan_out(lambda t: _fetch(t, packed.value.archive, local), [source.node])[0]
+        fetched = cluster.fan_out(lambda t: _fetch_output(t, source.run_dir, local), [source.node])[0]
         if not fetched.ok:
-            return {np.node.name: NodeResult(np.node, error=fetched.error) for np in others}
+            return {np.node.name: NodeResult(np.node, error=f"{source.node.name}'s output could not be read: "
+                                                            f"{fetched.error}") for np in others}
         size = local.stat().st_size
 
         def fill(transport: Transport):
@@ -73,9 +69,13 @@ def share_output(cluster, source: NodePlan, others: list[NodePlan]) -> dict[str,
         return {r.node.name: r for r in cluster.fan_out(fill, [np.node for np in others])}
 
 
-def _fetch(transport: Transport, archive: str, local: Path) -> None:
-    transport.get(archive, local)
-    agent.call(transport, "cleanup", archive)
+def _fetch_output(transport: Transport, run_dir: str, local: Path) -> None:
+    """The run's output/ on this node, as an uncompressed tar (checkpoints do not compress), at `local`."""
+    archive = agent.call(transport, "pack", run_dir, timeout=600, request={"only": ["output"]}).archive
+    try:
+        transport.get(archive, local)
+    finally:
+        agent.call(transport, "cleanup", archive)
 
 
 def unpack(archive: Path, target: Path) -> list[str]:
