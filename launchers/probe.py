@@ -255,7 +255,7 @@ def probe_gpus() -> dict:
         return {"available": False, "reason": f"NVML: {exc}", "count": 0, "devices": []}
     try:
         count = pynvml.nvmlDeviceGetCount()
-        devices = [_gpu(pynvml, index) for index in range(count)]
+        devices = [_gpu_or_error(pynvml, index) for index in range(count)]
         driver = pynvml.nvmlSystemGetDriverVersion()
         cuda = _nvml_call(pynvml.nvmlSystemGetCudaDriverVersion)
         report = {"available": True, "count": count, "driver": driver.decode() if isinstance(driver, bytes) else driver,
@@ -287,6 +287,15 @@ def visible_devices(spec, devices: list) -> dict:
         chosen.append(match[0])
     return {"visible": spec, "count_all": len(devices), "count": len(chosen), "devices": chosen,
             "unresolved": unresolved}
+
+
+def _gpu_or_error(pynvml, index: int) -> dict:
+    """One GPU's facts, or why they could not be read ({"index", "error"}): a GPU that fell off the bus must not
+    take the other GPUs' facts (and checks) with it."""
+    try:
+        return _gpu(pynvml, index)
+    except Exception as exc:   # NVMLError_GpuIsLost, Unknown Error, ...
+        return {"index": index, "error": f"{exc.__class__.__name__}: {exc}"}
 
 
 def _gpu(pynvml, index: int) -> dict:
@@ -524,6 +533,76 @@ def probe_limits() -> dict:
             "nproc_soft": _limit(nproc[0]), "nproc_hard": _limit(nproc[1]), "pids_max": _pids_max()}
 
 
+def probe_cgroup() -> dict:
+    """The limits of the cgroup this login runs in, which the ranks inherit: memory (v2 memory.max, v1
+    memory.limit_in_bytes), CPU quota (v2 cpu.max, v1 cpu.cfs_quota_us / cfs_period_us) and pids, each the
+    tightest along the path to the root, with the file it was read from. /proc/meminfo and os.cpu_count() show
+    the machine, not what a process in here may use."""
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as handle:
+            lines = [line.strip().split(":", 2) for line in handle if line.strip()]
+    except OSError as exc:
+        return {"error": f"/proc/self/cgroup: {exc.strerror}"}
+    unified = "/sys/fs/cgroup" if os.path.exists("/sys/fs/cgroup/cgroup.controllers") else "/sys/fs/cgroup/unified"
+    found = {"version": 2 if unified == "/sys/fs/cgroup" else 1}
+    for _, controllers, path in lines:
+        names = controllers.split(",") if controllers else []
+        if not controllers:   # the v2 (unified) hierarchy: all of it, or (hybrid) beside the v1 controllers
+            _tightest(found, "memory", unified, path, "memory.max", _bytes_limit)
+            _tightest(found, "cpu", unified, path, "cpu.max", _cpu_v2)
+            _tightest(found, "pids", unified, path, "pids.max", _count_limit)
+        if "memory" in names:
+            _tightest(found, "memory", "/sys/fs/cgroup/memory", path, "memory.limit_in_bytes", _bytes_limit)
+        if "cpu" in names:
+            folder = next((f"/sys/fs/cgroup/{n}" for n in ("cpu,cpuacct", "cpu") if os.path.isdir(f"/sys/fs/cgroup/{n}")),
+                          "/sys/fs/cgroup/cpu")
+            _tightest(found, "cpu", folder, path, "cpu.cfs_quota_us", _cpu_v1)
+        if "pids" in names:
+            _tightest(found, "pids", "/sys/fs/cgroup/pids", path, "pids.max", _count_limit)
+    return found
+
+
+def _tightest(found: dict, what: str, root: str, path: str, name: str, parse) -> None:
+    """The lowest limit `name` on the way from `root`+`path` up to `root` into found[what] ({"limit", "file"})."""
+    path = path if path.startswith("/") else "/" + path
+    while True:
+        file = os.path.join(root + path.rstrip("/"), name)
+        value = parse(file)
+        if value is not None and (what not in found or value < found[what]["limit"]):
+            found[what] = {"limit": value, "file": file}
+        if path in ("/", ""):
+            return
+        path = os.path.dirname(path.rstrip("/")) or "/"
+
+
+def _bytes_limit(file: str):
+    text = _read(file)
+    if not text or not text.isdigit():
+        return None   # "max", missing or unreadable: no limit here
+    value = int(text)
+    return value if value < (1 << 60) else None   # v1's "unlimited" is a page-rounded 2**63
+
+
+def _count_limit(file: str):
+    text = _read(file)
+    return int(text) if text and text.isdigit() else None
+
+
+def _cpu_v2(file: str):
+    words = (_read(file) or "").split()
+    if len(words) == 2 and words[0].isdigit() and words[1].isdigit() and int(words[1]):
+        return round(int(words[0]) / int(words[1]), 2)   # CPUs' worth of time
+    return None
+
+
+def _cpu_v1(file: str):
+    quota = _read(file)
+    period = _read(file.replace("cfs_quota_us", "cfs_period_us"))
+    if quota and period and quota.lstrip("-").isdigit() and period.isdigit() and int(quota) > 0 and int(period):
+        return round(int(quota) / int(period), 2)
+    return None
+
+
 def _pids_max():
     """The pids cgroup's limit on this session's tasks (threads count): "max", a number, or None unreadable."""
     try:
@@ -553,15 +632,17 @@ def probe_disk(workdir: str) -> dict:
     shm = os.statvfs("/dev/shm") if os.path.exists("/dev/shm") else None
     return {"workdir": os.path.expanduser(workdir), "checked_path": path, "free_bytes": stat.f_bavail * stat.f_frsize,
             "shm_bytes": shm.f_blocks * shm.f_frsize if shm else None, **_try_write(os.path.expanduser(workdir)),
-            "scratch": {"tmp": _scratch(tempfile.gettempdir()),
+            "scratch": {"tmp": _scratch(os.environ.get("TMPDIR") or "/tmp"),
                         "cache": _scratch(os.environ.get("HF_HOME") or os.environ.get("XDG_CACHE_HOME")
                                           or os.path.expanduser("~/.cache"))}}
 
 
 def _scratch(folder: str) -> dict:
     """A folder ranks write to behind the program's back (torch.compile and Triton in the temp folder, Hugging
-    Face and Triton caches under ~/.cache): writable, and its free space."""
-    found = {"path": folder, **_try_write(folder)}
+    Face and Triton caches under ~/.cache): writable with room for a file (a full disk still makes an empty
+    one), and its free space. The temp folder is $TMPDIR, else /tmp, as gcc, ptxas, mktemp and Triton take it:
+    not tempfile.gettempdir(), which passes over a full /tmp to /var/tmp where none of them write."""
+    found = {"path": folder, **_try_write(folder, SCRATCH_PROOF)}
     try:
         stat = os.statvfs(folder)
         found["free_bytes"] = stat.f_bavail * stat.f_frsize
@@ -570,12 +651,19 @@ def _scratch(folder: str) -> dict:
     return found
 
 
-def _try_write(folder: str) -> dict:
-    """Whether runs can be written under the workdir: create it (as a launch would) and a file in it."""
+SCRATCH_PROOF = 1 << 20   # bytes written (and flushed to the file system) to prove a scratch folder has room
+
+
+def _try_write(folder: str, size: int = 0) -> dict:
+    """Whether runs can be written under the workdir: create it (as a launch would) and a file in it, `size`
+    bytes long and flushed, so a full file system says so."""
     try:
         os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".nodectl-write-test-"):
-            pass
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".nodectl-write-test-") as handle:
+            if size:
+                handle.write(b"\0" * size)
+                handle.flush()
+                os.fsync(handle.fileno())
         return {"writable": True}
     except OSError as exc:
         return {"writable": False, "write_error": f"{exc.__class__.__name__}: {exc.strerror or exc}"}
@@ -598,7 +686,7 @@ def probe(workdir: str = "~", import_torch: bool | None = None) -> dict:
     for key, fn in (("os", probe_os), ("cpu", probe_cpu), ("memory", probe_memory), ("python", probe_python),
                     ("packages", probe_packages), ("gpus", probe_gpus), ("nics", probe_nics),
                     ("infiniband", probe_infiniband), ("modules", probe_modules), ("kernel_events", probe_kernel_events),
-                    ("limits", probe_limits), ("disk", lambda: probe_disk(workdir)),
+                    ("limits", probe_limits), ("cgroup", probe_cgroup), ("disk", lambda: probe_disk(workdir)),
                     ("env", lambda: redact_env(dict(os.environ)))):
         _section(report, key, fn)
     torch_thread.join(timeout=60)

@@ -74,7 +74,8 @@ def summary_row(report: Mapping) -> dict[str, str]:
         return default if value is None else value
 
     gpus = get("gpus", "devices", default=[])
-    gpu_text = f"{len(gpus)}x {gpus[0]['name']}" if gpus else "none"
+    named = [g for g in gpus if isinstance(g, Mapping) and "name" in g]
+    gpu_text = (f"{len(gpus)}x {named[0]['name']}" if named else f"{len(gpus)} unreadable") if gpus else "none"
     memory = get("memory", "total_bytes", default=0)
     return {
         "os": str(get("os", "distribution")), "kernel": str(get("os", "kernel")),

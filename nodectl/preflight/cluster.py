@@ -52,10 +52,16 @@ def _facts_by_node(reports: Mapping[str, Mapping], read: Callable[[Mapping], Any
 
 
 def _spread(facts: Mapping[str, str]) -> str:
+    """Each value with its nodes, the odd ones first and named; the most common value's nodes, when there are
+    more than three, as "the other N": a 32-node table points at the one node to fix."""
     groups: dict[str, list[str]] = {}
     for node, value in facts.items():
         groups.setdefault(value, []).append(node)
-    return "; ".join(f"{value} on {', '.join(nodes)}" for value, nodes in sorted(groups.items()))
+    ordered = sorted(groups.items(), key=lambda item: (len(item[1]), item[0]))
+    parts = [f"{value} on {', '.join(nodes)}" for value, nodes in ordered[:-1]]
+    value, nodes = ordered[-1]
+    parts.append(f"{value} on {'the other ' + str(len(nodes)) if len(nodes) > 3 and parts else ', '.join(nodes)}")
+    return "; ".join(parts)
 
 
 UNIFORM_FACTS = (
@@ -123,7 +129,7 @@ def check_distributed_env(reports: Mapping[str, Mapping]) -> CheckResult:
     more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
     return CheckResult("same NCCL/torch env", "cluster", WARN, " | ".join(shown) + more,
                        "set them once for every node in the inventory's env: (defaults:), or remove them from "
-                       "the nodes' shell start-up files")
+                       "the nodes' shell start-up files and from the env: of the node that differs in hosts.yaml")
 
 
 IGNORED_PACKAGES = {"pip", "setuptools", "wheel", "nodectl"}
@@ -134,14 +140,17 @@ def check_packages(reports: Mapping[str, Mapping]) -> CheckResult:
     names = set().union(*(p.keys() for p in packages.values())) - IGNORED_PACKAGES if packages else set()
     differing = sorted(n for n in names if len({p.get(n, "-") for p in packages.values()}) > 1)
     if differing:
-        shown = ", ".join(differing[:12]) + (f" and {len(differing) - 12} more" if len(differing) > 12 else "")
-        return CheckResult("same packages", "cluster", WARN, f"{len(differing)} differ: {shown}",
-                           "nodectl env-dump --diff lists the versions per node")
+        shown = [f"{name} {_spread({node: p.get(name, 'missing') for node, p in packages.items()})}"
+                 for name in differing[:4]]
+        more = f" (and {len(differing) - 4} more: {', '.join(differing[4:10])})" if len(differing) > 4 else ""
+        return CheckResult("same packages", "cluster", WARN, f"{len(differing)} differ: " + " | ".join(shown) + more,
+                           "install the same versions on every node (nodectl env-dump --diff lists them all)")
     return CheckResult("same packages", "cluster", PASS, f"{len(names)} packages agree")
 
 
 def check_gpu_models(reports: Mapping[str, Mapping]) -> CheckResult:
-    models = {node: sorted({d["name"] for d in get(r, "gpus", "devices", default=[])}) for node, r in reports.items()}
+    models = {node: sorted({d["name"] for d in get(r, "gpus", "devices", default=[]) or [] if "name" in d})
+              for node, r in reports.items()}
     distinct = {tuple(m) for m in models.values() if m}
     if len(distinct) > 1:
         return CheckResult("one GPU model", "cluster", FAIL,

@@ -47,11 +47,35 @@ COMPUTE_MODES = {0: "default", 1: "exclusive thread", 2: "prohibited", 3: "exclu
 
 
 def _devices(report: Mapping) -> list[Mapping]:
-    return get(report, "gpus", "devices", default=[]) or []
+    """The GPUs whose facts were read (a GPU that could not be read is check_gpu_count's failure, and leaves the
+    other GPUs' checks standing)."""
+    return [d for d in get(report, "gpus", "devices", default=[]) or [] if isinstance(d, Mapping) and "error" not in d]
+
+
+def _unreadable_devices(report: Mapping) -> list[Mapping]:
+    return [d for d in get(report, "gpus", "devices", default=[]) or [] if isinstance(d, Mapping) and "error" in d]
 
 
 def _gpu(device: Mapping) -> str:
     return f"GPU{device.get('index', '?')}"
+
+
+# What NVML's error says, and the cure for that cause (not for another one): a driver upgraded without a reboot
+# leaves the old kernel module loaded, which no driver install mends.
+NVML_CURES = (
+    ("version mismatch", "the driver was upgraded but the old kernel module is still loaded: reboot the node, or, "
+                         "once no process uses the GPUs, reload the modules (systemctl stop nvidia-persistenced; "
+                         "rmmod nvidia_uvm nvidia_drm nvidia_modeset nvidia; modprobe nvidia; nvidia-smi)"),
+    ("nvidia-ml-py is not installed", "pip install nvidia-ml-py into the node's python (the one in hosts.yaml)"),
+    ("Driver Not Loaded", "load the driver (modprobe nvidia) or install it; nvidia-smi must answer"),
+    ("Insufficient Permissions", "let the login user open /dev/nvidia* (group video, or the device nodes' mode)"),
+    ("Library Not Found", "install the NVIDIA driver's user-space libraries (libnvidia-ml.so.1) on the node"),
+)
+
+
+def nvml_cure(reason: str) -> str:
+    return next((cure for cause, cure in NVML_CURES if cause.lower() in reason.lower()),
+                "install the NVIDIA driver and nvidia-ml-py on the node, or use device: cpu")
 
 
 @skip_if_unreadable("gpus", "gpus")
@@ -60,8 +84,8 @@ def check_gpu_count(node: str, report: Mapping, want: int | None, inventory_gpus
     --gpus, else the node's `gpus:`; a CUDA_VISIBLE_DEVICES entry that names no GPU of the node fails."""
     count = get(report, "gpus", "count", default=0)
     if not get(report, "gpus", "available", default=False):
-        return CheckResult("gpus", node, FAIL, f"no GPU visible: {get(report, 'gpus', 'reason', default='?')}",
-                           "install the NVIDIA driver and nvidia-ml-py on the node, or use device: cpu")
+        reason = str(get(report, "gpus", "reason", default="?"))
+        return CheckResult("gpus", node, FAIL, f"no GPU visible: {reason}", nvml_cure(reason))
     unresolved = get(report, "gpus", "unresolved", default=[])
     if unresolved:
         total = get(report, "gpus", "count_all", default="?")
@@ -75,7 +99,14 @@ def check_gpu_count(node: str, report: Mapping, want: int | None, inventory_gpus
         visible = " visible" if get(report, "gpus", "visible") is not None else ""
         return CheckResult("gpus", node, FAIL, f"{count}{visible} GPU(s), {asked} asked by {source}",
                            f"lower {source} to {count} for this node, or make more GPUs visible to it")
-    models = {d["name"] for d in get(report, "gpus", "devices", default=[])}
+    lost = _unreadable_devices(report)
+    if lost:
+        named = "; ".join(f"{_gpu(d)}: {d['error']}" for d in lost)
+        return CheckResult("gpus", node, FAIL,
+                           f"{len(lost)} of {count} GPU(s) could not be read ({named}); the other GPUs' checks stand",
+                           "a GPU NVML calls lost has fallen off the bus: look for Xid 79 in dmesg; reset it "
+                           "(nvidia-smi -r -i INDEX) or reboot; if it comes back, drain the node and report it")
+    models = {d["name"] for d in _devices(report)}
     if len(models) > 1:
         return CheckResult("gpus", node, FAIL, f"mixed GPU models on one node: {', '.join(sorted(models))}",
                            "set CUDA_VISIBLE_DEVICES in this node's env: to GPUs of one model")
@@ -85,7 +116,7 @@ def check_gpu_count(node: str, report: Mapping, want: int | None, inventory_gpus
 @skip_if_unreadable("gpu idle", "gpus")
 def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = frozenset()) -> CheckResult:
     busy, notes = [], []
-    for device in get(report, "gpus", "devices", default=[]):
+    for device in _devices(report):
         for proc in device.get("compute_processes", []):
             if proc.get("pid") not in own_pids:
                 busy.append(f"GPU{device['index']}: pid {proc['pid']} ({proc.get('user', '?')})")
@@ -106,7 +137,7 @@ def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = froze
 @skip_if_unreadable("ecc", "gpus")
 def check_ecc(node: str, report: Mapping) -> CheckResult:
     bad = []
-    for d in get(report, "gpus", "devices", default=[]):
+    for d in _devices(report):
         if (d.get("ecc_volatile_uncorrected") or 0) > 0:
             bad.append(f"GPU{d['index']}: {d['ecc_volatile_uncorrected']} uncorrectable ECC errors")
         if d.get("retired_pages_pending"):
@@ -121,7 +152,7 @@ def check_ecc(node: str, report: Mapping) -> CheckResult:
 
 @skip_if_unreadable("persistence", "gpus")
 def check_persistence(node: str, report: Mapping) -> CheckResult:
-    off = [str(d["index"]) for d in get(report, "gpus", "devices", default=[]) if not d.get("persistence_mode")]
+    off = [str(d["index"]) for d in _devices(report) if not d.get("persistence_mode")]
     if off:
         return CheckResult("persistence", node, WARN, f"persistence mode off on GPU {','.join(off)}",
                            "sudo nvidia-smi -pm 1 (or enable nvidia-persistenced) to avoid slow first CUDA calls")
@@ -183,8 +214,8 @@ def check_nvlink_errors(node: str, report: Mapping) -> CheckResult:
         return CheckResult("nvlink errors", node, WARN, "NVLink error counters: " + "; ".join(errors),
                            "counts since the driver loaded: nvidia-smi nvlink -e; rising replay or recovery "
                            "counts mean a marginal link")
-    if not counted:
-        return CheckResult("nvlink errors", node, PASS, "error counters not readable")
+    if not counted:   # could not look: said as such, never a pass
+        return CheckResult("nvlink errors", node, SKIP, "NVML gives no NVLink error counters here")
     return CheckResult("nvlink errors", node, PASS, "no errors counted")
 
 
@@ -276,9 +307,11 @@ def check_xid(node: str, report: Mapping) -> CheckResult:
     if reason:
         return CheckResult("xid", node, SKIP, reason)
     log = report["kernel_events"]
-    if not log.get("readable"):
-        return CheckResult("xid", node, SKIP, f"kernel log not readable: {log.get('reason')}",
-                           "run as root, or sysctl kernel.dmesg_restrict=0, or add the user to group adm")
+    if not log.get("readable"):   # a GPU that fell off the bus shows only there: not looking is no pass
+        return CheckResult("xid", node, WARN, f"the kernel log could not be read, so Xid errors (a GPU fallen off "
+                                              f"the bus, ECC, NVLink) were not checked: {log.get('reason')}",
+                           "let the login user read it: sysctl kernel.dmesg_restrict=0, or add it to group adm "
+                           "(journalctl -k), or log in as root")
     events = log.get("events") or []
     if not events:
         return CheckResult("xid", node, PASS, "no Xid or SXid since boot")

@@ -179,6 +179,39 @@ def check_scratch(node: str, report: Mapping) -> list[CheckResult]:
     return out
 
 
+RANK_MEMORY_FLOOR = 2 << 30   # below this per rank, loading torch and a model's first shards is already killed
+
+
+@skip_if_unreadable("cgroup limits", "cgroup")
+def check_cgroup(node: str, report: Mapping, ranks: int) -> CheckResult:
+    """The memory and CPU the ranks may use under the login's cgroup, which they inherit: a model load past the
+    memory limit is OOM-killed with no message, and a CPU quota below the rank count slows every step, while
+    /proc/meminfo and the CPU count show the whole machine."""
+    memory = get(report, "cgroup", "memory") or {}
+    cpu = get(report, "cgroup", "cpu") or {}
+    machine = get(report, "memory", "total_bytes")
+    fix = ("raise or lift it for the user that logs in (systemd: MemoryMax=/CPUQuota= of its slice, e.g. "
+           "systemctl set-property user-UID.slice MemoryMax=infinity; a container: --memory/--cpus), or use a node "
+           "without it")
+    limit = memory.get("limit")
+    if isinstance(limit, int) and limit < RANK_MEMORY_FLOOR * ranks:
+        return CheckResult("cgroup limits", node, FAIL,
+                           f"the ranks may use {gib(limit)} of memory ({memory.get('file')}), "
+                           f"{ranks} rank(s) here: loading torch and a model is killed by the OOM killer, silently",
+                           fix)
+    problems = []
+    if isinstance(limit, int) and isinstance(machine, int) and limit < machine:
+        problems.append(f"memory limited to {gib(limit)} of the machine's {gib(machine)} ({memory.get('file')})")
+    quota = cpu.get("limit")
+    if isinstance(quota, (int, float)) and quota < ranks:
+        problems.append(f"CPU quota of {quota:g} CPU(s) for {ranks} rank(s) ({cpu.get('file')})")
+    if problems:
+        return CheckResult("cgroup limits", node, WARN, "; ".join(problems), fix)
+    shown = [f"memory {gib(limit)}" if isinstance(limit, int) else None,
+             f"{quota:g} CPUs" if isinstance(quota, (int, float)) else None]
+    return CheckResult("cgroup limits", node, PASS, ", ".join(s for s in shown if s) or "none below the machine's")
+
+
 def check_processes(node: str, report: Mapping) -> CheckResult:
     """Processes and threads a session may run (RLIMIT_NPROC counts the user's threads; a pids cgroup counts the
     session's): a rank starts dozens of threads, torch.compile a worker pool, each data loader worker more."""

@@ -77,6 +77,7 @@ NODE_CHECKS = (
     Check("clock", "host", lambda f: host.check_clock(f.node, f.report)),
     Check("nofile", "host", lambda f: host.check_nofile(f.node, f.report)),
     Check("processes", "host", lambda f: host.check_processes(f.node, f.report)),
+    Check("cgroup limits", "host", lambda f: host.check_cgroup(f.node, f.report, f.expect.gpus or f.gpus or 1)),
     Check("tmp, cache", "host", lambda f: host.check_scratch(f.node, f.report)),
     Check("socket ifname", "network", lambda f: network.check_socket_ifname(f.node, f.report, f.env)),
     Check("master port", "network", lambda f: network.check_master_port(f.node, f.extras["port"]), needs="port"),

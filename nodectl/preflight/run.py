@@ -144,7 +144,7 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
     # --quick reads torch's versions from its installed files (importing it is most of a quick preflight on a GPU
     # node: 3-4 s); the default tier imports it and asks CUDA.
     probed: list[NodeResult[dict]] = probe_nodes(cluster, on_done=on_probe, import_torch=not quick,
-                                                 visible=visible_devices(inventory, gpus))
+                                                 visible=visible_devices(inventory, gpus), ranks_env=True)
     reports = {r.node.name: r.value for r in probed if r.ok and "error" not in r.value}
     unreachable = {r.node.name: r.error for r in probed if r.unreachable}
     results = [_probe_failure(r) for r in probed if r.node.name not in reports]

@@ -362,7 +362,7 @@ def _kind(value: Any) -> str:
 # a section whose facts could not be read is {"error": ...}), so a broken or hostile node is one node's error, not
 # a traceback in a check. The contract test keeps the key names of both sides in step.
 PROBE_OBJECTS = ("os", "cpu", "memory", "python", "torch", "packages", "gpus", "modules", "kernel_events", "limits",
-                 "disk", "env", "clock")
+                 "cgroup", "disk", "env", "clock")
 PROBE_LISTS = ("nics", "infiniband")
 
 

@@ -84,13 +84,32 @@ def run_probe(transport: Transport, source: str | None = None, import_torch: boo
     return report
 
 
+def with_environment(source: str, env: Mapping[str, str]) -> str:
+    """The probe's source with `env` put into its os.environ before anything reads it (after the `from
+    __future__` line, which must come first): it then finds the temp folder, the caches and the distributed
+    variables as the node's ranks will have them. The values travel inside the source, on stdin, never on a
+    command line that another user's `ps` could read."""
+    marker = "from __future__ import annotations\n"
+    if not env or marker not in source:
+        return source
+    head, _, tail = source.partition(marker)
+    # PYTHONPATH is read at the interpreter's start: its entries go onto sys.path as they would have
+    preamble = (f"import os as _os, sys as _sys\n_os.environ.update({json.dumps(dict(env))})\n"
+                f"_sys.path[1:1] = [p for p in {json.dumps(env.get('PYTHONPATH', ''))}.split(':') if p]\n")
+    return f"{head}{marker}{preamble}{tail}"
+
+
 def probe_nodes(cluster: Cluster, nodes: Iterable[Node] | None = None, on_done=None,
-                import_torch: bool | None = None, visible: Mapping[str, str] | None = None) -> list[NodeResult[dict]]:
+                import_torch: bool | None = None, visible: Mapping[str, str] | None = None,
+                ranks_env: bool = False) -> list[NodeResult[dict]]:
+    """Every node's report; with `ranks_env`, read under the node's inventory env: laid over its login
+    environment, as its ranks get it (preflight judges those; env-dump shows the node as it is)."""
     source = probe_source()
     visible = visible or {}
 
     def work(transport: Transport) -> dict:
-        return run_probe(transport, source, import_torch, visible.get(transport.node.name))
+        node_source = with_environment(source, transport.node.env) if ranks_env else source
+        return run_probe(transport, node_source, import_torch, visible.get(transport.node.name))
 
     def guarded(transport: Transport) -> dict:
         try:

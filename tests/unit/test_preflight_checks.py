@@ -38,6 +38,7 @@ def healthy_report():
                        for i in range(8)],
         "modules": {"nvidia_peermem": True, "nv_peer_mem": False, "nvidia": True},
         "kernel_events": {"readable": True, "events": []},
+        "cgroup": {"version": 2},
         "limits": {"memlock_soft": "unlimited", "nofile_soft": 1048576, "nofile_hard": 1048576,
                    "nproc_soft": 2061564, "nproc_hard": 2061564, "pids_max": "max"},
         "nics": [{"name": "lo", "state": "unknown"}, {"name": "ens1", "state": "up"}, {"name": "ens2", "state": "down"},

@@ -59,7 +59,8 @@ def test_facts_nvml_cannot_give_skip_with_the_reason():
     results = by_check(report)
     for check in ("pcie link", "thermal", "mig", "fabric manager"):
         assert results[check].verdict == SKIP, results[check]
-    assert results["nvlink errors"].verdict == PASS and "not readable" in results["nvlink errors"].detail
+    # counters it could not read are no pass (issue 41): a check that could not look says so
+    assert results["nvlink errors"].verdict == SKIP and "no NVLink error counters" in results["nvlink errors"].detail
     report["gpus"] = {"error": "NVMLError: Driver Not Loaded"}
     assert all(by_check(report)[c].verdict == SKIP for c in ("pcie link", "thermal", "mig", "fabric manager"))
 
@@ -86,7 +87,8 @@ def test_xid_events_from_the_kernel_log():
     report["kernel_events"] = {"readable": False, "reason": "/dev/kmsg: Operation not permitted; dmesg: "
                                                              "read kernel buffer failed: Operation not permitted"}
     result = by_check(report)["xid"]
-    assert result.verdict == SKIP and "dmesg_restrict" in result.hint
+    # Ubuntu's dmesg_restrict=1 for a non-root login: a fallen GPU would show only there, so not looking warns
+    assert result.verdict == WARN and "dmesg_restrict" in result.hint and "were not checked" in result.detail
 
 
 def test_the_probe_reads_xid_and_sxid_lines():
