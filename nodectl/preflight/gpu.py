@@ -147,6 +147,9 @@ def check_ecc(node: str, report: Mapping) -> CheckResult:
     if bad:
         return CheckResult("ecc", node, FAIL, "; ".join(bad),
                            "reset the GPU when idle (pending retirements/remaps apply at reset) or drain the node")
+    counted = ("ecc_volatile_uncorrected", "retired_pages_pending", "remapped_rows_pending", "remapped_rows_failed")
+    if _devices(report) and not any(d.get(key) is not None for d in _devices(report) for key in counted):
+        return CheckResult("ecc", node, SKIP, "NVML gives no ECC or row-remap counts here (ECC off?)")
     return CheckResult("ecc", node, PASS, "no uncorrectable errors or pending retirements")
 
 

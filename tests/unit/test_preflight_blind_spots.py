@@ -161,3 +161,13 @@ def test_the_probe_keeps_the_gpus_it_can_read():
             sys.modules["pynvml"] = before
     assert found["available"] and found["devices"][0] == good
     assert found["devices"][1] == {"index": 1, "error": "Lost: GPU is lost"}
+
+
+def test_ecc_that_nvml_cannot_count_is_no_pass():
+    report = healthy_report()
+    for device in report["gpus"]["devices"]:
+        for key in ("ecc_volatile_uncorrected", "retired_pages_pending", "remapped_rows_pending",
+                    "remapped_rows_failed"):
+            device[key] = None
+    found = by_check(report)["ecc"]
+    assert found.verdict == SKIP and "no ECC" in found.detail
