@@ -1,3 +1,3 @@
-from nodectl.cli import run
+from nodectl.entry import main
 
-run()
+main()

@@ -62,13 +62,29 @@ class Cancelled(Exception):
     """Work on a node given up because the user interrupted; the node was left as it was before."""
 
 
+class Flag:
+    """A one-way flag that a signal handler may set. threading.Event's set() takes a lock: a handler that runs
+    while its own thread holds that lock (inside Event.wait, or another handler's set) waits for itself forever,
+    which is how Ctrl-C during a launch once hung nodectl for good, SIGTERM included. Here set() and is_set()
+    are one attribute write and read (atomic under the GIL)."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+
 # Set the moment SIGINT or SIGTERM arrives, before the KeyboardInterrupt unwinds anything: threads working on
 # nodes read it to stop before their next step (nothing new starts once the user asked to stop).
-INTERRUPTED = threading.Event()
+INTERRUPTED = Flag()
 
 
 def _on_signal(signum, frame) -> None:
-    INTERRUPTED.set()
+    INTERRUPTED.set()   # no lock taken in a signal handler
     raise KeyboardInterrupt
 
 

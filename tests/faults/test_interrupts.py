@@ -1,0 +1,84 @@
+"""Ctrl-C never deadlocks the controller (issue 40): SIGINT at many points of a launch (preflight, sending the
+project, starting, attending) and of a stop ends nodectl with 130 within seconds every time, and leaves no
+process of the run on the isolated nodes. A signal handler that takes a lock (threading.Event.set) hung it for good
+in 2 of 3 tries, three handlers deep."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import make_cluster, run_nodectl
+from launch_helpers import kill_leftovers, latest_run_id, run_processes, wait_for
+
+pytestmark = pytest.mark.slow
+HOLD = "import time\nprint('holding on', flush=True)\ntime.sleep(600)\n"
+STUBBORN = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('holding on', flush=True)\n" \
+           "time.sleep(600)\n"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    cluster = make_cluster(tmp_path_factory, 2, first_octet=110)
+    cluster.trust_host_keys()
+    yield cluster
+    cluster.stop()
+
+
+def interrupted(argv: list[str], env: dict, cwd, after: float) -> tuple[int, float, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "nodectl", *argv], env=env, cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    time.sleep(after)
+    pressed = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        out, err = proc.communicate(timeout=45)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        return -1, time.monotonic() - pressed, err
+    return proc.returncode, time.monotonic() - pressed, out + err
+
+
+@pytest.mark.parametrize("after", [0.4, 1.2, 2.5, 4.0])
+def test_sigint_at_any_point_of_a_launch_exits_130_within_seconds(cluster, tmp_path, after):
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "train.py").write_text(HOLD)
+    for i in range(2):   # a project that takes a moment to send
+        (project / "data" / f"part{i}.bin").write_bytes(os.urandom(8 << 20))
+    env = cluster.env(NODECTL_INVENTORY=str(cluster.inventory()))
+    code, seconds, output = interrupted(["launch", "--grace", "2", "--", "train.py"], env, project, after)
+    runs = [p for p in (project / "runs").iterdir() if p.name[0].isdigit()] if (project / "runs").is_dir() else []
+    try:
+        assert code == 130, f"exit {code} after SIGINT at {after} s: {output[-2000:]}"
+        assert seconds < 20, f"{seconds:.0f} s to exit after SIGINT at {after} s"
+        for run in runs:
+            assert run_processes(run.name) == [], f"run {run.name} left processes (SIGINT at {after} s)"
+    finally:
+        for run in runs:
+            kill_leftovers(run.name)
+
+
+@pytest.mark.parametrize("after", [0.3, 1.0])
+def test_sigint_at_any_point_of_a_stop_exits_130_within_seconds(cluster, tmp_path, after):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "stubborn.py").write_text(STUBBORN)
+    env = cluster.env(NODECTL_INVENTORY=str(cluster.inventory()))
+    started = run_nodectl(["launch", "--skip-preflight", "--detach", "--", "stubborn.py"], env=env, cwd=project)
+    assert started.exit_code == 0, started.output
+    run_id = latest_run_id(project)
+    try:
+        wait_for(lambda: run_nodectl(["tail", "all"], env=env, cwd=project).stdout.count("holding on") >= 2)
+        code, seconds, output = interrupted(["stop", "--grace", "120"], env, project, after)
+        assert code == 130 and seconds < 20, f"exit {code} in {seconds:.0f} s (SIGINT at {after} s): {output[-2000:]}"
+        if run_processes(run_id):   # SIGINT before the stop reached the nodes: a second stop ends it
+            assert run_nodectl(["stop", "--grace", "1"], env=env, cwd=project).exit_code == 0
+        assert run_processes(run_id) == []
+    finally:
+        kill_leftovers(run_id)
