@@ -23,7 +23,7 @@ STUBBORN = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cluster = make_cluster(tmp_path_factory, 2, first_octet=110)
+    cluster = make_cluster(tmp_path_factory, 2, first_octet=170)
     cluster.trust_host_keys()
     yield cluster
     cluster.stop()
