@@ -182,6 +182,24 @@ ENV_ENTRY_MAX = 128 * 1024     # the kernel's MAX_ARG_STRLEN: one NAME=value str
 ENV_TOTAL_MAX = 1024 * 1024    # half of the default ARG_MAX, for everything else in a rank's environment and argv
 
 
+def node_from_record(record: Mapping, source: str) -> Node:
+    """A node as a run record keeps it (the plan's JSON), checked exactly as a hosts.yaml node is: a record is
+    data another program or person may have written, never keyword arguments for Node. Its env is dropped (the
+    record holds it redacted); its index is kept."""
+    if not isinstance(record, Mapping):
+        raise InventoryError(f"{source}: a node is not a mapping")
+    raw = {key: value for key, value in record.items()
+           if key in NODE_KEYS | {"host", "name", "addr"} and value is not None and key != "env"}
+    if isinstance(raw.get("container"), Mapping):
+        raw["container"] = {k: v for k, v in raw["container"].items() if k in containers.KEYS and v not in (None, ())}
+    if isinstance(raw.get("environment"), Mapping):
+        raw["environment"] = {k: v for k, v in raw["environment"].items()
+                              if k in environments.KEYS and v is not None}
+    index = record.get("index") if isinstance(record.get("index"), int) else 0
+    node = _Parser(source).node(raw, index, {}, {"nodes": [raw]})
+    return replace(node, index=index)
+
+
 def host_name_problem(host: str) -> str | None:
     """Why `host` cannot be a DNS name (RFC 1035: labels of at most 63, names of at most 253 characters), or
     None. Addresses and bracketed IPv6 pass."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from nodectl import __version__
 from nodectl.errors import UsageError
-from nodectl.inventory import Node
+from nodectl.inventory import Node, node_from_record
 
 
 class RunState(str, Enum):
@@ -256,9 +256,11 @@ class Run:
         manifest = self.read()
         out = []
         for entry in manifest.plan["nodes"] + (manifest.left_out if left_out else []):
-            node_fields = dict(entry["node"])
-            node_fields["env"] = {}  # redacted in the manifest; not needed to reach the node
-            out.append(RunNode(Node(**node_fields), entry["node_rank"], tuple(entry["ranks"]), entry["run_dir"]))
+            node = node_from_record(entry["node"], f"run {self.run_id}'s record ({self.manifest_path})")
+            ranks = entry.get("ranks")
+            if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
+                raise UsageError(f"run {self.run_id}: manifest unreadable (node {node.name}'s ranks)")
+            out.append(RunNode(node, entry["node_rank"], tuple(ranks), entry["run_dir"]))
         return out
 
     def node_of_rank(self, rank: int) -> RunNode:
@@ -307,15 +309,25 @@ def controller_gone(manifest: Manifest) -> bool:
 
 
 def _all_runs() -> list[Run]:
-    """Runs under ./runs (or $NODECTL_RUNS) and every run in the registry, oldest first, each once."""
-    root = runs_root()
-    folders = [p for p in root.glob("*")] if root.is_dir() else []
-    folders += _registered()
-    unique = {}
-    for folder in folders:
+    """The user's runs, oldest first, each once: those the registry names (every run nodectl records registers
+    itself in the user's state folder, which only the user can write). A folder under ./runs (or
+    $NODECTL_RUNS) that the registry does not name as this run's is no record of the user's: a cloned project
+    can ship one (its python: and paths would be acted on), so it is never read (untrusted_records() names
+    it)."""
+    registered = {}
+    for folder in _registered():
         if (folder / "manifest.json").is_file():
-            unique.setdefault(folder.name, folder)
-    return [Run(unique[name]) for name in sorted(unique)]  # run ids start with their start time
+            registered.setdefault(folder.name, folder)
+    return [Run(registered[name]) for name in sorted(registered)]  # run ids start with their start time
+
+
+def untrusted_records() -> list[Path]:
+    """Run folders under ./runs (or $NODECTL_RUNS) holding a manifest that nodectl did not record for this
+    user: ignored, and said so."""
+    root = runs_root()
+    mine = {folder.resolve() for folder in _registered()}
+    return sorted(folder for folder in (root.glob("*") if root.is_dir() else [])
+                  if (folder / "manifest.json").is_file() and folder.resolve() not in mine)
 
 
 def open_run(run_id: str | None) -> Run:
@@ -331,6 +343,10 @@ def open_run(run_id: str | None) -> Run:
                              f"start one with nodectl launch")
         return (local or users)[-1]
     matches = [r for r in candidates if r.run_id == run_id] or [r for r in candidates if r.run_id.startswith(run_id)]
+    foreign = [folder for folder in untrusted_records() if folder.name == run_id]
+    if not matches and foreign:
+        raise UsageError(f"run {run_id}: the record at {foreign[0]} was not written by nodectl for this user (a "
+                         f"cloned project's?), so nothing in it is used; launch the run again here")
     if len(matches) != 1:
         known = ", ".join([r.run_id for r in candidates if r.kind != "preflight"][-6:])
         raise UsageError(f"run {run_id!r} {'is ambiguous' if matches else 'not found'}; recent runs: {known or 'none'}")

@@ -18,12 +18,13 @@ from nodectl.cli.context import AppContext
 from nodectl.cli.diagnose import print_diagnosis
 from nodectl.cli.stop import report_stopped
 from nodectl.cli.options import Seconds, node_selection
+from nodectl.cli.runs_cmds import opened
 from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, ignore_signals_while_cleaning
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.job import (Job, JobSpec, StartFailed, launch_argv, plan_job, processes_left, record_job, save_preflight,
                          settle_job, start_job, stop_run)
 from nodectl.resources import resource_dir
-from nodectl.runs import Run, RunState, open_run
+from nodectl.runs import Run, RunState
 from nodectl.secrets import REDACTED, redact_args
 from nodectl.visible import visible
 from nodectl.watch import LogStream, StopHurried, poll
@@ -343,7 +344,7 @@ def _refuse_if_running(app: AppContext, previous: Run) -> None:
 def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | None, max_restarts: int,
                  overrides: tuple[str, ...]):
     """What --resume relaunches: the recorded nodes (with today's inventory settings), ranks, command, config."""
-    previous = open_run(run_id)
+    previous = opened(app, run_id)
     plan = previous.read().plan
     if command:
         raise UsageError("--resume relaunches the recorded command; give no SCRIPT")

@@ -11,7 +11,7 @@ import click
 from rich.markup import escape
 
 from nodectl.cli.context import AppContext
-from nodectl.cli.runs_cmds import refresh_state
+from nodectl.cli.runs_cmds import refresh_state, warn_untrusted
 from nodectl.errors import UsageError
 from nodectl.hostlist import fold
 from nodectl.runs import Manifest, Run, RunState, list_runs
@@ -45,6 +45,7 @@ def _readable(run: Run) -> Manifest | None:
 @click.pass_obj
 def command(app: AppContext, show_all: bool) -> None:
     """List runs with their state, nodes and start time."""
+    warn_untrusted(app)
     runs = list_runs(include_preflight=show_all)
     _settle(app, runs)
     rows = []

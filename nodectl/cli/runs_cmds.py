@@ -4,9 +4,10 @@ from __future__ import annotations
 import time
 
 import click
+from rich.markup import escape
 
 from nodectl.cli.context import AppContext
-from nodectl.runs import Run, RunState, controller_gone, open_run
+from nodectl.runs import Run, RunState, controller_gone, open_run, untrusted_records
 from nodectl.watch import derive_state
 
 
@@ -15,7 +16,18 @@ def run_option(fn):
 
 
 def opened(app: AppContext, run_id: str | None) -> Run:
+    warn_untrusted(app)
     return open_run(run_id)
+
+
+def warn_untrusted(app: AppContext) -> None:
+    """Say, once a command, which run records under ./runs are ignored as not the user's own."""
+    foreign = untrusted_records()
+    if foreign:
+        names = ", ".join(folder.name for folder in foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        app.err.print(f"[yellow]warning:[/] ignored {len(foreign)} run record(s) under {foreign[0].parent}/ that "
+                      f"nodectl did not record for this user (a cloned project's?): {escape(names)}; nothing in "
+                      f"them is read or acted on")
 
 
 NEVER_STARTED = {"kind": "controller", "description": "nodectl ended (killed?) while it was starting the run: no "

@@ -371,6 +371,8 @@ def test_damaged_run_records_are_named_and_never_hide_the_others(tmp_path):
         folder = tmp_path / "runs" / f"20200101-00000{i}-dead"
         folder.mkdir(parents=True)
         (folder / "manifest.json").write_bytes(text.encode("latin-1"))
+        # the user's own records, damaged: registered as nodectl registers every run it records
+        (tmp_path / "state" / "runs" / f"{folder.name}.json").write_text(json.dumps({"folder": str(folder)}))
         damaged.append(folder.name)
     listed = nodectl(tmp_path, "--json", "runs")
     assert listed.returncode == 0, listed.stderr
@@ -381,3 +383,35 @@ def test_damaged_run_records_are_named_and_never_hide_the_others(tmp_path):
             result = nodectl(tmp_path, *command)
             assert result.returncode == 2, (command, text, result.stderr)
             assert "manifest unreadable" in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_a_run_record_shipped_in_a_cloned_project_is_never_used(tmp_path):
+    """A project folder that comes with runs/<id>/manifest.json (cloned, unpacked, another user's): its python:,
+    node names and folders would be acted on as the user's own. nodectl reads only the runs it recorded for this
+    user (its registry in the user's state folder), says which records it ignores, and acts on none of them."""
+    (tmp_path / "hosts.yaml").write_text(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
+                                         f"gpus: 1, workdir: {tmp_path / 'work'}}}\n")
+    (tmp_path / "ok.py").write_text("print('fine', flush=True)\n")
+    assert nodectl(tmp_path, "launch", "--skip-preflight", "--", "ok.py").returncode == 0
+    mine = json.loads(nodectl(tmp_path, "--json", "runs").stdout)["runs"][0]["run_id"]
+    canary = tmp_path / "pwned"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    shipped = tmp_path / "runs" / "20990101-000000-evil"
+    shipped.mkdir()
+    node = {"name": "../../..", "host": "localhost", "addr": "127.0.0.1", "index": 0, "transport": "local",
+            "device": "cpu", "python": f"/bin/sh -c 'touch {canary}' #", "workdir": str(victim), "env": {}}
+    (shipped / "manifest.json").write_text(json.dumps({
+        "run_id": shipped.name, "state": "starting", "failure": {"kind": "controller"},
+        "plan": {"run_id": shipped.name, "command": ["x.py"], "nodes": [
+            {"node": node, "node_rank": 0, "nproc": 1, "ranks": [0], "run_dir": str(victim), "env": {}}]}}))
+    listed = nodectl(tmp_path, "--json", "runs")
+    assert [row["run_id"] for row in json.loads(listed.stdout)["runs"]] == [mine]
+    assert "ignored 1 run record(s)" in listed.stderr and shipped.name in listed.stderr
+    for command in (["status", "--run", shipped.name], ["stop", "--run", shipped.name],
+                    ["collect", "--run", shipped.name], ["launch", "--resume", shipped.name]):
+        refused = nodectl(tmp_path, *command)
+        assert refused.returncode == 2 and "not written by nodectl for this user" in refused.stderr, refused.stderr
+    bare = nodectl(tmp_path, "stop")   # the latest run is the user's own, never the shipped one
+    assert bare.returncode == 0 and f"stopping run {mine}" in bare.stderr, bare.stderr
+    assert victim.is_dir() and not canary.exists()
