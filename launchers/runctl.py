@@ -951,11 +951,12 @@ def _build_env(workdir: str, env_dir: str, request: dict) -> tuple:
                PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_CACHE_DIR="1")
     env.pop("VIRTUAL_ENV", None)
     if request.get("index"):
+        if request["index"] != "default":   # in pip's environment, never its argv (`ps` shows argv to every user)
+            env["PIP_INDEX_URL"] = request["index"]
         requirements = os.path.join(folder, "requirements-" + request["lock_sha"][:16] + ".txt")
         _write(requirements, request["requirements"], 0o600)
         steps = [[sys.executable, "-m", "venv", env_dir],
-                 [python, "-m", "pip", "install", "-q", *(["--index-url", request["index"]]
-                                                         if request["index"] != "default" else []),
+                 [python, "-m", "pip", "install", "-q",
                   "-r", requirements]]
         installer = "pip (node's index)"
     elif uv:

@@ -77,7 +77,8 @@ def bind_locks(inventory, project: str | os.PathLike):
         env = node.environment
         if env is not None:
             if env.file not in read:
-                read[env.file] = _read(Path(project) / env.file, env.file)
+                read[env.file] = _read(Path(project), env.file)
+                check_requirements(read[env.file][0], env.file)
             text, sha = read[env.file]
             if env.install == "index":   # what the node resolves depends on where it resolves
                 sha = hashlib.sha256(f"{sha}|index|{env.index_url}".encode()).hexdigest()
@@ -100,7 +101,14 @@ def _refuse_option(key: str, expected: str) -> None:
     raise UsageError(f"{key}: {expected}")
 
 
-def _read(path: Path, name: str) -> tuple[str, str]:
+def _read(project: Path, name: str) -> tuple[str, str]:
+    """The file's text and sha256, read inside the project only: a link out of it (to ~/.ssh/id_ed25519, say)
+    is refused without a word of what it points at being read or shown."""
+    path = project / name
+    root = project.resolve()
+    if path.exists() and not path.resolve().is_relative_to(root):
+        raise UsageError(f"environment: {name} is a link out of the project ({root}); only files inside it are "
+                         f"read: copy the requirements into the project")
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -113,6 +121,44 @@ def _read(path: Path, name: str) -> tuple[str, str]:
     except UnicodeDecodeError:
         raise UsageError(f"environment: {name} is not UTF-8 text") from None
     return text, hashlib.sha256(data).hexdigest()
+
+
+# What a requirements line may not be: each runs or reads something that is not a wheel from an index (a local
+# folder's setup.py ran on the controller as root, twice, despite --only-binary; `pkg @ URL` to an sdist is the same).
+REFUSED_OPTIONS = ("-e", "--editable", "-r", "--requirement", "-c", "--constraint", "-f", "--find-links", "-i",
+                   "--index-url", "--extra-index-url", "--trusted-host", "--no-binary")
+
+
+def check_requirements(text: str, name: str) -> None:
+    """Every line of an environment file is a named requirement from an index (a pinned lock's `--hash` options
+    beside it are fine): direct references (`pkg @ URL`, `git+...`), URLs, local paths, editable installs and
+    other files or indexes are refused by name, on the controller, before anything is resolved or built.
+    Indexes belong in `index_url:`, where their credentials stay out of files and command lines."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    logical = text.replace("\\\n", " ").splitlines()
+    for number, line in enumerate(logical, 1):
+        body = line.split(" #", 1)[0].strip() if not line.lstrip().startswith("#") else ""
+        if not body:
+            continue
+        words = body.split()
+        if words[0].split("=", 1)[0] in REFUSED_OPTIONS:
+            raise UsageError(f"environment: {name} line {number}: {words[0].split('=', 1)[0]} is refused: an "
+                             f"environment is wheels from an index (set the index with index_url: in hosts.yaml)")
+        requirement_text = " ".join(w for w in words if not w.startswith("--hash"))
+        if words[0].startswith("-"):
+            raise UsageError(f"environment: {name} line {number}: the option {words[0]} is not taken; give "
+                             f"requirements only (name, version, markers, --hash)")
+        try:
+            requirement = Requirement(requirement_text)
+        except InvalidRequirement:
+            raise UsageError(f"environment: {name} line {number}: {words[0][:80]!r} is not a requirement by name (a "
+                             f"local path or URL is refused: its setup.py would run here; publish a wheel to an "
+                             f"index)") from None
+        if requirement.url:
+            raise UsageError(f"environment: {name} line {number}: {requirement.name} @ ... is a direct reference, "
+                             f"refused (a URL or path can hold an sdist whose setup.py runs here); name a version "
+                             f"on an index instead")
 
 
 # --- the controller's side: resolve and fetch once per lock and platform ---------------------------------------

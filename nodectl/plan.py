@@ -80,7 +80,7 @@ class LaunchPlan:
         return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
     def to_json(self) -> dict:
-        from nodectl.secrets import redact_args, redact_env
+        from nodectl.secrets import redact_args, redact_env, redact_text
 
         data = asdict(self)
         data["command"] = redact_args(data["command"])
@@ -90,6 +90,8 @@ class LaunchPlan:
             entry["node"]["env"] = redact_env(entry["node"]["env"])
             if entry["node"].get("environment"):   # the file's text may name an index with its credentials
                 entry["node"]["environment"].pop("requirements", None)
+                if entry["node"]["environment"].get("index_url"):   # user:password@ in the URL is not recorded
+                    entry["node"]["environment"]["index_url"] = redact_text(entry["node"]["environment"]["index_url"])
             entry["ranks"] = list(range(entry["node_rank"] * entry["nproc"], (entry["node_rank"] + 1) * entry["nproc"]))
         return data
 

@@ -373,6 +373,9 @@ def _recorded_environment(node, recorded):
     """A run launched with --environment resumes in a venv of the same file (built again if it changed)."""
     if node.environment is not None or node.container is not None or not isinstance(recorded, dict):
         return node
+    if REDACTED in str(recorded.get("index_url") or ""):
+        raise UsageError(f"{node.name}: the run's environment index held credentials, recorded as {REDACTED}; set "
+                         f"environment: {{file: ..., install: index, index_url: ...}} for it in hosts.yaml and resume")
     return replace(node, environment=environments.Environment(
         file=recorded["file"], install=recorded.get("install", "wheels"), index_url=recorded.get("index_url")))
 
