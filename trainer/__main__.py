@@ -4,8 +4,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from .teardown import leave
+
+AGREED_ERROR_WAIT = 3.0   # seconds a rank other than 0 waits before leaving on an error every rank found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as exc:
         if rank == 0:  # every rank reached the same verdict before any collective; one of them says it
             print(f"recipe error: {exc}", file=sys.stderr, flush=True)
+        else:          # and leaves first: the others wait, or torchrun's fail-fast could end it before it spoke
+            time.sleep(AGREED_ERROR_WAIT)
         return 2
     except CheckpointError as exc:
         if rank == 0 or f"rank {rank}:" in str(exc):
