@@ -98,9 +98,14 @@ def redact_args(args) -> list:
             hide_next = True
         elif _short_password(arg, following):
             out.append("-p" + REDACTED)
+        elif ASSIGNMENT.match(arg) and is_secret_name(arg.split("=", 1)[0]):   # `-e WANDB_API_KEY=...`, `env X=..`
+            out.append(arg.split("=", 1)[0] + "=" + REDACTED)
         else:
             out.append(redact_text(arg))
     return out
+
+
+ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
 
 def _section(report: dict, key: str, fn) -> None:

@@ -88,6 +88,10 @@ class LaunchPlan:
         for entry in data["nodes"]:
             entry["env"] = redact_env(entry["env"])
             entry["node"]["env"] = redact_env(entry["node"]["env"])
+            if entry["node"].get("container"):   # `-e NAME=secret` among the runtime's options, credentials in mounts
+                container = entry["node"]["container"]
+                container["options"] = redact_args(container.get("options") or [])
+                container["mounts"] = [redact_text(m) for m in container.get("mounts") or []]
             if entry["node"].get("environment"):   # the file's text may name an index with its credentials
                 entry["node"]["environment"].pop("requirements", None)
                 if entry["node"]["environment"].get("index_url"):   # user:password@ in the URL is not recorded

@@ -21,7 +21,7 @@ from nodectl.container import container_name
 from nodectl.errors import UsageError
 from nodectl.plan import LaunchPlan, NodePlan
 from nodectl.resources import resource_dir
-from nodectl.secrets import redact_args, redact_env
+from nodectl.secrets import redact_args, redact_env, redact_text
 from nodectl.remote.transport import quote_path
 
 LAUNCH_TEMPLATE = "launch_node.sh.j2"
@@ -80,6 +80,18 @@ def render_plan(plan: LaunchPlan, user_template: str | None = None) -> list[Rend
     return rendered
 
 
+def shown_node(np: NodePlan) -> NodePlan:
+    """The node plan as it may be shown or stored: its container's options and mounts through the same redaction
+    as a command line (`-e WANDB_API_KEY=...` becomes `-e WANDB_API_KEY=***`). The node's own launch.sh keeps
+    the real words."""
+    container = np.node.container
+    if container is None:
+        return np
+    hidden = replace(container, options=tuple(redact_args(container.options)),
+                     mounts=tuple(redact_text(mount) for mount in container.mounts))
+    return replace(np, node=replace(np.node, container=hidden))
+
+
 def _render_node(environment: jinja2.Environment, name: str, plan: LaunchPlan, np: NodePlan) -> RenderedNode:
     for key in np.env:
         if not ENV_NAME.match(key):
@@ -90,7 +102,7 @@ def _render_node(environment: jinja2.Environment, name: str, plan: LaunchPlan, n
     try:
         launch = environment.get_template(name).render(**context)
         shown = replace(plan, command=tuple(redact_args(plan.command)))
-        launch_redacted = environment.get_template(name).render(**{**context, "plan": shown})
+        launch_redacted = environment.get_template(name).render(**{**context, "plan": shown, "np": shown_node(np)})
         env_text = environment.get_template(ENV_TEMPLATE).render(env=env, **context)
         redacted = environment.get_template(ENV_TEMPLATE).render(env=redact_env(env), **context)
     except jinja2.exceptions.SecurityError as exc:

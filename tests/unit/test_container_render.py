@@ -113,3 +113,19 @@ def test_a_node_overrides_or_turns_off_the_default_container():
                                 "nodes: [{host: x}, {host: y, container: {image: b:2}}, {host: z, container: null}]")
     x, y, z = inventory.nodes
     assert (x.container.image, y.container.image, y.container.runtime, z.container) == ("a:1", "b:2", "podman", None)
+
+
+def test_a_secret_in_container_options_or_mounts_is_shown_and_stored_as_stars():
+    """`-e WANDB_API_KEY=...` among a container's options (issue 40): the node's launch.sh needs it; what a dry run
+    prints, scripts/<node>.sh keeps and the manifest records must not hold it."""
+    inventory = parse_inventory(
+        "defaults:\n  device: cpu\n  container:\n    image: img:1\n    runtime: podman\n"
+        "    options: ['-e', 'WANDB_API_KEY=wandb-5e3c7f9a2b', '--ulimit', 'nofile=1024:1024']\n"
+        "    mounts: ['/data:/data:ro']\n"
+        "nodes:\n  - host: a\n  - host: b\n")
+    plan = build_plan(inventory, gpus=1, command=("train.py",), sync_dir=".")
+    node = render_plan(plan)[0]
+    assert "WANDB_API_KEY=wandb-5e3c7f9a2b" in node.launch
+    for shown in (node.launch_redacted, str(plan.to_json())):
+        assert "wandb-5e3c7f9a2b" not in shown, shown
+        assert "WANDB_API_KEY=***" in shown and "nofile=1024:1024" in shown and "/data:/data:ro" in shown
