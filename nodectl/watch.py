@@ -295,6 +295,10 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
             if outcome is None:
                 outcome = _lost_node(run_nodes, answers, last_good, poller.started, lost_after)
             if outcome:
+                lost = isinstance(outcome, Failure) and outcome.kind == "lost"
+                if stream and not lost:   # what the followed ranks wrote after the answers that decided it
+                    followed = [rn for rn in run_nodes if set(rn.ranks) & set(stream.offsets)]
+                    stream.feed({name: r for name, r in poll(cluster, followed, offsets()).items() if r.ok})
                 return (RunState.FAILED, outcome) if isinstance(outcome, Failure) else (RunState.SUCCEEDED, None)
 
 

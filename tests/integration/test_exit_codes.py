@@ -41,6 +41,7 @@ def nodectl(tmp_path, *args) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("command", ["stacks", "stop", "collect", "status"])
 def test_a_node_that_answers_with_an_error_is_exit_1_not_unreachable(tmp_path, monkeypatch, command):
     monkeypatch.setenv("NODECTL_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("NODECTL_STATE_DIR", str(tmp_path / "state"))   # the user recording it is the one asking
     run_id = recorded_run(tmp_path, f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
                                     f"gpus: 1, workdir: {tmp_path / 'work'}}}\n")
     result = nodectl(tmp_path, command, "--run", run_id)
@@ -53,6 +54,7 @@ def test_a_node_that_answers_with_an_error_is_exit_1_not_unreachable(tmp_path, m
 @pytest.mark.parametrize("command", ["stacks", "stop", "collect", "status"])
 def test_a_node_that_cannot_be_reached_is_exit_3(tmp_path, monkeypatch, command):
     monkeypatch.setenv("NODECTL_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("NODECTL_STATE_DIR", str(tmp_path / "state"))   # the user recording it is the one asking
     run_id = recorded_run(tmp_path, "nodes:\n  - {host: 127.0.0.1, port: 1, name: gone, device: cpu, gpus: 1}\n")
     result = nodectl(tmp_path, command, "--run", run_id)
     assert result.returncode == EXIT_UNREACHABLE, result.stdout + result.stderr
