@@ -32,7 +32,7 @@ def _read_json(path: str, default=None):
     try:
         with open(path, encoding="utf-8") as handle:
             return json.load(handle)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):   # deeply nested JSON is malformed, not a crash
         return default
 
 
@@ -740,7 +740,7 @@ def _last_json(text: str):
         if line.startswith("{"):
             try:
                 return json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
     return None
 
@@ -1408,11 +1408,17 @@ def _stream_request() -> dict:
 
 def main() -> None:
     name, args = sys.argv[1], sys.argv[2:]
-    if name in STREAMING:
-        request = _stream_request()
-    else:
-        raw = sys.stdin.read()
-        request = json.loads(raw) if raw.strip() else {}
+    try:
+        if name in STREAMING:
+            request = _stream_request()
+        else:
+            raw = sys.stdin.read()
+            request = json.loads(raw) if raw.strip() else {}
+        if not isinstance(request, dict):
+            raise ValueError("the request is not a JSON object")
+    except (ValueError, RecursionError) as exc:
+        sys.stdout.write(json.dumps({"error": f"{name}: malformed request ({exc.__class__.__name__})"}) + "\n")
+        return
     try:
         answer = COMMANDS[name](args, request)
     except Exception as exc:  # reported to the controller, which shows it with the node's name

@@ -15,7 +15,7 @@ def _jsonl(path: Path) -> list[dict]:
     for line in path.read_text(errors="replace").splitlines():
         try:
             rows.append(json.loads(line))
-        except ValueError:
+        except (ValueError, RecursionError):
             continue  # a line cut by a crash
     return rows
 

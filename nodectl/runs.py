@@ -179,7 +179,7 @@ def _registered() -> list[Path]:
     for entry in sorted(folder.glob("*.json")) if folder.is_dir() else []:
         try:
             found.append(Path(json.loads(entry.read_text())["folder"]))
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             continue
     return found
 
@@ -234,7 +234,7 @@ class Run:
     def read(self) -> Manifest:
         try:
             return Manifest.from_json(json.loads(self.manifest_path.read_text()))
-        except (OSError, ValueError, TypeError, KeyError) as exc:
+        except (OSError, ValueError, TypeError, KeyError, RecursionError) as exc:
             raise UsageError(f"run {self.run_id}: manifest unreadable ({exc})") from None
 
     def update(self, **changes) -> Manifest:

@@ -202,7 +202,7 @@ def _groups(raw: Any) -> dict[str, tuple[int, ...]]:
         if isinstance(ranks, str):
             try:
                 ranks = json.loads(ranks)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue
         if isinstance(ranks, list) and ranks and all(_whole(r) for r in ranks):
             out[str(group)] = tuple(ranks)

@@ -202,7 +202,11 @@ def transports_in(log: str) -> dict[str, int]:
 def result_in(log: str) -> dict | None:
     for line in reversed(log.splitlines()):
         if line.startswith("NODECTL_COLLECTIVE "):
-            return json.loads(line.split(" ", 1)[1])
+            try:
+                found = json.loads(line.split(" ", 1)[1])
+            except (ValueError, RecursionError):   # a line cut short, or a hostile one: no result
+                return None
+            return found if isinstance(found, dict) else None
     return None
 
 

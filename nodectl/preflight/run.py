@@ -80,7 +80,7 @@ def _gpu_job(transport: Transport) -> dict:
     result = transport.run(f"{prefix}{quote_path(node.python)} -", stdin=source, timeout=300)
     try:
         return parse_gpu_job(json.loads(result.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError):
+    except (ValueError, IndexError, RecursionError):
         return {"error": f"exit {result.exit_code}: {result.tail(3)}"}
     except AnswerError as exc:
         return {"error": str(exc)}
@@ -196,7 +196,7 @@ def reusable(inventory: Inventory, gpus: int | None) -> dict | None:
     path = cached_path(inventory, gpus)
     try:
         document = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if document.get("passed") and time.time() - document.get("created", 0) < REUSE_SECONDS:
         return document

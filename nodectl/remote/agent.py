@@ -149,7 +149,7 @@ def last_json(stdout: str) -> dict | None:
         if line.startswith("{"):
             try:
                 value = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):   # a node's answer nested too deep is no answer
                 continue
             if isinstance(value, dict):
                 return value

@@ -57,7 +57,7 @@ def run_probe(transport: Transport, source: str | None = None, import_torch: boo
         raise ProbeFailed(message, check)
     try:
         report = parse_probe(json.loads(result.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError):
+    except (ValueError, IndexError, RecursionError):
         raise ProbeFailed(f"probe on {node.name} printed no report: {result.tail(5)}") from None
     except AnswerError as exc:
         raise ProbeFailed(f"probe on {node.name} answered malformed: {exc}") from None
