@@ -9,6 +9,7 @@ the target: CVE-2025-4517).
 """
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tarfile
@@ -21,6 +22,7 @@ from nodectl.remote import agent
 from nodectl.remote.transport import NodeResult, Transport
 
 NAME_LIMIT = 1024
+UNNAMEABLE = (errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,10 @@ def unpack(archive: Path, target: Path) -> list[str]:
                 else:
                     _write(tar, member, _folder(target, parts[:-1]) / parts[-1])
             except _Refused:
+                refused.append(member.name[:200])
+            except OSError as exc:   # a name this file system will not take (300 characters): that entry, not the node
+                if exc.errno not in UNNAMEABLE:
+                    raise
                 refused.append(member.name[:200])
     for parts, link in links:
         try:

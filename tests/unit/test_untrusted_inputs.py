@@ -184,3 +184,14 @@ def test_a_full_disk_while_collecting_leaves_no_truncated_file(tmp_path):
         assert sorted(p.name for p in (target / "run" / "output").iterdir()) == []   # nothing half-written
     finally:
         subprocess.run(["umount", str(target)])
+
+
+def test_a_name_the_file_system_will_not_take_is_refused_and_the_rest_unpacked(tmp_path):
+    """A 300-character file name in a node's archive (issue 40) aborted that node's whole collect with a raw
+    OSError; it is now one refused entry, and the node's other files come home."""
+    long_name = "output/" + "x" * 300 + ".bin"
+    members = [(entry("logs/rank0.log"), b"fine\n"), (entry(long_name), b"data"), (entry("output/ok.txt"), b"ok")]
+    target = tmp_path / "home"
+    refused = unpack(archive(tmp_path, members), target)
+    assert refused == [long_name[:200]]
+    assert (target / "logs" / "rank0.log").read_bytes() == b"fine\n" and (target / "output" / "ok.txt").is_file()
