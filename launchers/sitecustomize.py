@@ -38,6 +38,12 @@ def _start() -> None:
 
 
 def _serve(fifo: str, folder: str, rank: str) -> None:
+    import signal
+
+    # Every signal blocked in this thread: a signal sent to the process then goes to the program's own threads,
+    # never here. A program that blocks SIGTERM and takes it with sigtimedwait (to checkpoint first) was killed
+    # by the default action through this thread, which had it unblocked.
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     while True:
         try:
             fd = os.open(fifo, os.O_RDONLY)   # blocks (the GIL released) until runctl opens it to write

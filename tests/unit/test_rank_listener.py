@@ -73,3 +73,34 @@ def test_a_sitecustomize_already_on_the_path_still_runs(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(LAUNCHERS), str(theirs)])}
     out = subprocess.run([sys.executable, str(tmp_path / "check.py")], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "True", out.stderr
+
+
+SIGTIMEDWAIT = """\
+import signal, sys, time
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+print("waiting", flush=True)
+time.sleep(2)   # still saving when SIGTERM comes: it must stay pending for the program, not kill it elsewhere
+signal.sigtimedwait({signal.SIGTERM}, 60)
+print("took SIGTERM: checkpoint saved", flush=True)
+"""
+
+
+def test_a_program_that_takes_sigterm_with_sigtimedwait_gets_it_past_the_listener(tmp_path):
+    """The listener thread blocks every signal (issue 40): a program that blocks SIGTERM in its main thread and
+    waits for it with sigtimedwait, to checkpoint first, was killed by the default action through the listener
+    thread, which had SIGTERM unblocked."""
+    import signal
+
+    proc, run_dir = start(tmp_path)
+    proc.kill()
+    proc.wait()
+    (tmp_path / "program.py").write_text(SIGTIMEDWAIT)
+    env = {**os.environ, "NODECTL_RANK_HELPER": str(run_dir / "flight" / "rank0.request"),
+           "NODECTL_RUN_DIR": str(run_dir), "RANK": "0", "PYTHONPATH": str(LAUNCHERS)}
+    waiting = subprocess.Popen([sys.executable, "-u", str(tmp_path / "program.py")], env=env, stdout=subprocess.PIPE,
+                               text=True, cwd=tmp_path)
+    assert waiting.stdout.readline().strip() == "waiting"
+    assert ask(run_dir, "alive")["request"] == "alive"   # the listener runs
+    waiting.send_signal(signal.SIGTERM)
+    out, _ = waiting.communicate(timeout=30)
+    assert waiting.returncode == 0 and "took SIGTERM: checkpoint saved" in out
