@@ -4,8 +4,10 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -60,6 +62,17 @@ def make_cluster(tmp_path_factory, count: int, first_octet: int, specs: dict | N
         pytest.skip("simulated nodes need mount namespaces (root and unshare)")
     return SSHCluster(tmp_path_factory.mktemp("ssh"), count=count, first_octet=first_octet, specs=specs or {},
                       **kwargs).start()
+
+
+@contextmanager
+def running_cluster(tmp_path_factory, count: int, first_octet: int, **kwargs) -> Iterator[SSHCluster]:
+    """A cluster of its own for one test or module, its host keys trusted, stopped after."""
+    cluster = make_cluster(tmp_path_factory, count, first_octet=first_octet, **kwargs)
+    try:
+        cluster.trust_host_keys()
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import make_cluster, run_nodectl
+from conftest import run_nodectl, running_cluster
 from launch_helpers import kill_leftovers, latest_run_id, run_processes, wait_for
 
 pytestmark = pytest.mark.slow
@@ -23,10 +23,8 @@ STUBBORN = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    cluster = make_cluster(tmp_path_factory, 2, first_octet=170)
-    cluster.trust_host_keys()
-    yield cluster
-    cluster.stop()
+    with running_cluster(tmp_path_factory, 2, first_octet=170) as cluster:
+        yield cluster
 
 
 def interrupted(argv: list[str], env: dict, cwd, after: float) -> tuple[int, float, str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, make_cluster
+from conftest import REPO, running_cluster
 import wheelenv
 
 pytestmark = pytest.mark.slow
@@ -125,9 +125,7 @@ def test_installed_local_demo_launch(installed, tmp_path, demo_cache):
 def test_installed_ssh_launch_on_nodes_without_nodectl(installed, tmp_path_factory, tmp_path, demo_cache):
     """Two isolated SSH nodes whose Python has torch but no nodectl: the built-in trainer travels with the run,
     under a name that the project's own `trainer/` folder does not shadow."""
-    cluster = make_cluster(tmp_path_factory, 2, first_octet=60)
-    try:
-        cluster.trust_host_keys()
+    with running_cluster(tmp_path_factory, 2, first_octet=60) as cluster:
         inventory = cluster.inventory(env={"NODECTL_DEMO_CACHE": "/tmp/demo-cache"})
         env = {**_user_env(cluster.home), "NODECTL_INVENTORY": str(inventory)}
         project = tmp_path / "project"
@@ -140,8 +138,6 @@ def test_installed_ssh_launch_on_nodes_without_nodectl(installed, tmp_path_facto
         assert "completed 10 steps" in done.stdout
         for node in cluster.nodes:
             assert list(node.workdir.rglob("lib/nodectl_trainer/__main__.py")), f"{node.name} got no trainer"
-    finally:
-        cluster.stop()
 
 
 if __name__ == "__main__":

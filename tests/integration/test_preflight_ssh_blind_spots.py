@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import make_cluster, run_nodectl
+from conftest import run_nodectl, running_cluster
 from test_preflight_ssh import python_with
 
 pytestmark = pytest.mark.slow
@@ -17,10 +17,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def cluster(tmp_path_factory):
-    cluster = make_cluster(tmp_path_factory, 2, first_octet=90)
-    cluster.trust_host_keys()
-    yield cluster
-    cluster.stop()
+    with running_cluster(tmp_path_factory, 2, first_octet=90) as cluster:
+        yield cluster
 
 
 def preflight(cluster, tmp_path, **inventory) -> tuple[int, dict]:

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from conftest import REPO, make_cluster, run_nodectl
+from conftest import REPO, run_nodectl, running_cluster
 from launch_helpers import latest_run_id, wait_for
 
 pytestmark = pytest.mark.slow
@@ -17,10 +17,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def cluster(tmp_path_factory):
-    cluster = make_cluster(tmp_path_factory, 2, first_octet=80)
-    cluster.trust_host_keys()
-    yield cluster
-    cluster.stop()
+    with running_cluster(tmp_path_factory, 2, first_octet=80) as cluster:
+        yield cluster
 
 
 def test_hf_trainer_stopped_then_resumed_on_two_isolated_nodes(cluster, tmp_path):
