@@ -663,6 +663,9 @@ def cmd_poll(args: list, request: dict) -> dict:
         answer["logs"][rank] = {"from": int(offset), "offset": new_offset, "text": text}
     if request.get("gpus"):
         answer["gpu_sample"] = gpu_sample()
+    upload = _read_json(os.path.join(run_dir, "state", "upload.json"))
+    if isinstance(upload, dict):
+        answer["upload"] = upload
     return answer
 
 
@@ -1369,6 +1372,24 @@ def cmd_route(args: list, request: dict) -> dict:
     return {"dev": words[words.index("dev") + 1] if "dev" in words else None, "raw": proc.stdout.strip()}
 
 
+PULL_TIMEOUT = 6 * 3600
+
+
+def cmd_pull(args: list, request: dict) -> dict:
+    """A resumed attempt's outputs back from the run's bucket (lib/nodectl_outputs.py with this Python, which has
+    boto3; the credentials in env.sh reach it through the environment, never a command line)."""
+    run_dir = os.path.expanduser(args[0])
+    if not os.path.isfile(os.path.join(run_dir, "lib", "outputs.json")):
+        return {"error": f"{run_dir} has no lib/outputs.json: the run was prepared without outputs:"}
+    script = 'set -a; . "$1/env.sh"; set +a; exec "$2" "$1/lib/nodectl_outputs.py" pull "$1"'
+    code, out, err = _quiet(["/bin/bash", "-c", script, "pull", run_dir, sys.executable], PULL_TIMEOUT,
+                            stdin=json.dumps({"sources": request.get("sources") or []}))
+    answer = _last_json(out)
+    if answer is None:
+        return {"error": f"the pull exited {code}: {(err or out).strip()[-400:]}"}
+    return answer
+
+
 def cmd_cleanup(args: list, request: dict) -> dict:
     path = os.path.expanduser(args[0])
     if os.path.exists(path):
@@ -1381,7 +1402,7 @@ COMMANDS = {"have": cmd_have, "prepare": cmd_prepare, "port": cmd_port, "start":
             "listen": cmd_listen, "_serve": cmd_serve, "unlisten": cmd_unlisten, "connect": cmd_connect,
             "route": cmd_route, "identity": cmd_identity, "receive": cmd_receive, "diagnose": cmd_diagnose,
             "container": cmd_container, "env_status": cmd_env_status, "env_build": cmd_env_build,
-            "fill": cmd_fill}
+            "fill": cmd_fill, "pull": cmd_pull}
 STREAMING = {"receive", "fill"}  # read their stdin themselves
 
 

@@ -15,11 +15,11 @@ from typing import Any, Mapping
 
 import yaml
 
-from nodectl import container as containers, environment as environments, hostlist
+from nodectl import container as containers, environment as environments, hostlist, outputs as stores
 from nodectl.errors import InventoryError, UsageError
 
 NODE_KEYS = {"user", "port", "identity_file", "gpus", "device", "python", "workdir", "env", "transport", "container", "environment"}
-TOP_KEYS = {"master_port", "defaults", "nodes"}
+TOP_KEYS = {"master_port", "defaults", "nodes", "outputs"}
 HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\-\[\]]+$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -72,6 +72,7 @@ class Inventory:
     source: str                      # a path, or "<built-in>"
     master_port: int | None = None
     builtin: bool = False
+    outputs: stores.Outputs | None = None   # where the nodes upload the run's outputs (nodectl/outputs.py)
 
     def select(self, count: int | tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()) -> "Inventory":
         """The first `count` nodes after dropping `exclude` (names or hosts), in node-rank order; or, where
@@ -315,7 +316,8 @@ class _Parser:
                 self.fail(f"nodes[{index}].name", f"duplicate node name {node.name!r}", raw, "name")
             names.add(node.name)
             nodes.append(node)
-        return Inventory(nodes=tuple(nodes), source=self.source, master_port=master_port)
+        outputs = stores.parse(doc.get("outputs"), "outputs", lambda key, expected: self.fail(key, expected, doc, "outputs"))
+        return Inventory(nodes=tuple(nodes), source=self.source, master_port=master_port, outputs=outputs)
 
     def expand(self, raw: Any, index: int, doc: dict) -> list[Any]:
         """`host: gpu[01-16]` is sixteen nodes; `name:` and `addr:` then hold a range of the same length (or are

@@ -14,6 +14,7 @@ from typing import Mapping
 
 from nodectl.errors import UsageError
 from nodectl.inventory import Inventory, Node
+from nodectl.outputs import Outputs
 from nodectl.resources import NODE_TRAINER
 
 # Good distributed defaults (docs/REFERENCE.md §4); the inventory's env: overrides any of them.
@@ -55,6 +56,7 @@ class LaunchPlan:
     attempt: int = 0
     overrides: tuple[str, ...] = ()  # the built-in trainer's --set section.key=value, in order
     created: float = field(default_factory=time.time)
+    outputs: Outputs | None = None   # the bucket each node uploads its outputs to (nodectl/outputs.py)
 
     @property
     def nnodes(self) -> int:
@@ -205,7 +207,7 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
     return LaunchPlan(run_id=run_id, nodes=tuple(node_plans), backend="gloo" if devices == {"cpu"} else "nccl",
                       master_addr=nodes[0].addr, master_port=port, port_was_chosen=chosen, command=tuple(command),
                       sync_dir=os.path.abspath(sync_dir), builtin_trainer=builtin, config=config,
-                      max_restarts=max_restarts, overrides=tuple(overrides))
+                      max_restarts=max_restarts, overrides=tuple(overrides), outputs=inventory.outputs)
 
 
 def with_port(plan: LaunchPlan, port: int) -> LaunchPlan:

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from nodectl import __version__
-from nodectl.errors import UsageError
+from nodectl.errors import NodectlError, UsageError
 from nodectl.inventory import Node, node_from_record
+from nodectl.outputs import from_record
 
 
 class RunState(str, Enum):
@@ -107,6 +108,20 @@ class Manifest:
     @property
     def node_names(self) -> list[str]:
         return [entry["node"]["name"] for entry in self.plan.get("nodes", [])]
+
+    @property
+    def outputs(self):
+        """The bucket the run's nodes upload to (nodectl/outputs.py), checked as the inventory's is; None when the
+        run has none, or when the record's entry is not one (a record is data: it may be edited or crafted)."""
+        try:
+            return from_record(self.plan.get("outputs"))
+        except NodectlError:
+            return None
+
+    @property
+    def outputs_url(self) -> str | None:
+        outputs = self.outputs
+        return outputs.run_url(self.run_id) if outputs else None
 
     @property
     def cause(self) -> str | None:

@@ -8,7 +8,8 @@ from rich.markup import escape
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, run_option
-from nodectl.errors import UsageError, exit_code_for
+from nodectl.errors import InventoryError, UsageError, exit_code_for
+from nodectl.outputs import download_run
 from nodectl.remote.collect import collect_node
 from nodectl.visible import visible
 
@@ -18,10 +19,18 @@ from nodectl.visible import visible
 @click.option("--path", "paths", multiple=True, metavar="PATH",
               help="Also bring back this path of the node's run folder (repeatable), e.g. a synced file under "
                    "code/ (what the program itself wrote under code/ comes back without it).")
+@click.option("--from-store", "from_store", is_flag=True,
+              help="Take the run's outputs, logs and metrics from its bucket (outputs:) instead of the nodes: for a "
+                   "run whose nodes are gone.")
 @click.pass_obj
-def command(app: AppContext, run_id: str | None, paths: tuple[str, ...]) -> None:
+def command(app: AppContext, run_id: str | None, paths: tuple[str, ...], from_store: bool) -> None:
     """Bring a run's logs, heartbeats, metrics and outputs back here: the run folder, and what the program wrote
     under code/ (not the synced project itself)."""
+    if from_store:
+        if paths:
+            raise UsageError("--path names a file on the nodes; --from-store takes what the bucket holds")
+        _from_store(app, opened(app, run_id))
+        return
     for path in paths:
         parts = path.split("/")
         if not path or path.startswith(("/", "~")) or ".." in parts:
@@ -57,3 +66,26 @@ def command(app: AppContext, run_id: str | None, paths: tuple[str, ...]) -> None
                        "nodes": {r.node.name: asdict(r.value) if r.ok else {"error": r.error} for r in results}})
     if exit_code_for(results):
         raise SystemExit(exit_code_for(results))
+
+
+def _from_store(app: AppContext, run) -> None:
+    """What each node of the run last uploaded (its index), into runs/<run_id>/nodes/<node>/."""
+    manifest = run.read()
+    outputs = manifest.outputs
+    if outputs is None:
+        raise UsageError(f"run {run.run_id} has no outputs: (no bucket was given at its launch); nodectl collect "
+                         f"brings its files from the nodes")
+    names = list(dict.fromkeys(manifest.node_names + [entry["node"]["name"] for entry in manifest.left_out
+                                                      if isinstance(entry, dict) and isinstance(entry.get("node"), dict)
+                                                      and isinstance(entry["node"].get("name"), str)]))
+    try:   # the inventory's credentials for the store, where it holds them; else this machine's own
+        env = app.inventory().nodes[0].env
+    except (InventoryError, UsageError):
+        env = {}
+    fetched = download_run(outputs, run.run_id, names, run.folder / "nodes", env)
+    for item in fetched:
+        app.info(f"{item.node}: {item.files} file(s), {item.bytes / 2**20:.1f} MiB from "
+                 f"{outputs.run_url(run.run_id)}{item.node}/ -> {item.folder}/")
+    if app.json:
+        app.emit_json({"run_id": run.run_id, "folder": str(run.folder / "nodes"), "store": outputs.run_url(run.run_id),
+                       "nodes": {item.node: {"files": item.files, "bytes": item.bytes} for item in fetched}})

@@ -12,7 +12,7 @@ import click
 from rich.markup import escape
 from rich.syntax import Syntax
 
-from nodectl import attend, environment as environments
+from nodectl import attend, environment as environments, outputs as stores
 from nodectl.remote import sync
 from nodectl.cli.context import AppContext
 from nodectl.cli.diagnose import print_diagnosis
@@ -114,13 +114,17 @@ def _print_dry_run(app: AppContext, job: Job, unsettled: list[str]) -> None:
 @click.option("--environment", "environment", metavar="FILE",
               help="A requirements file or lock in the synced project: every node runs in a venv built from it "
                    "(the inventory's environment:, for this launch).")
+@click.option("--outputs", "outputs_url", metavar="URL",
+              help="Each node uploads the run's outputs (output/, logs/, metrics/) to URL/<run id>/<node>/ while it "
+                   "runs, e.g. s3://bucket/prefix (the inventory's outputs:, for this launch); --resume pulls them "
+                   "back to every node.")
 @click.option("--resume", "resume_run", metavar="RUN",
               help="Relaunch RUN's plan as its next attempt (the built-in trainer continues from its checkpoint).")
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_obj
 def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit, template, dry_run, skip_preflight,
             detach, follow, grace, max_restarts, exclude_failed, stall_after, force, on_stall, overrides,
-            environment, resume_run, command) -> None:
+            environment, outputs_url, resume_run, command) -> None:
     """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
     previous = None
     for position, argument in enumerate(command, 1):
@@ -146,6 +150,8 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
             app, resume_run, command, config, max_restarts, overrides)
     else:
         inventory = app.inventory().select(nodes, exclude)
+    if outputs_url is not None:
+        inventory = replace(inventory, outputs=stores.from_option(outputs_url, inventory.outputs))
     if command and (config or overrides):
         raise UsageError(f"{'--config' if config else '--set'} is for the built-in trainer's recipe; your script "
                          f"takes its own options after its name: nodectl launch -- {command[0]} ...")
@@ -165,7 +171,8 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
         inventory = _provision(app, inventory)
     facts, preflight = _preflight(app, inventory, gpus, skip_preflight, dry_run)
     spec = JobSpec(inventory, command=command, sync_dir=sync_dir,
-                   files=tuple(files + sync.nodectl_files(not command, config)), gpus=gpus, config=config,
+                   files=tuple(files + sync.nodectl_files(not command, config,
+                                                                ("nodectl_outputs.py",) if inventory.outputs else ())), gpus=gpus, config=config,
                    overrides=tuple(overrides), max_restarts=max_restarts, template=template, facts=facts,
                    argv=launch_argv(), run_id=previous.run_id if previous else None,
                    attempt=previous.read().attempt + 1 if previous else 0, any_port=force)
@@ -187,6 +194,9 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
         else:
             app.info(f"run {plan.run_id}: {plan.nnodes} node(s) x {plan.nodes[0].nproc} rank(s), backend "
                      f"{plan.backend}, master {plan.master_addr}:{plan.master_port}")
+            if plan.outputs:
+                app.info(f"outputs: each node uploads to {plan.outputs.run_url(plan.run_id)}<node>/ every "
+                         f"{plan.outputs.every:.0f}s and when the run ends (nodectl status shows the last upload)")
             if job.spec.command:   # a script of the user's: say where outputs that `collect` brings back go
                 app.info("outputs: write them under $NODECTL_OUTPUT_DIR (checkpoints there are on every node "
                          "when the run is resumed); nodectl collect brings them back, and what the script wrote in "
@@ -355,7 +365,8 @@ def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | Non
     nodes = tuple(replace(current.node(name), index=i) for i, name in enumerate(names))
     recorded_envs = {entry["node"]["name"]: entry["node"].get("environment") for entry in plan["nodes"]}
     nodes = tuple(_recorded_environment(node, recorded_envs.get(node.name)) for node in nodes)
-    inventory = replace(current, nodes=nodes)
+    # the run's bucket: today's inventory's, else the one the run recorded (so a resume on fresh nodes finds it)
+    inventory = replace(current, nodes=nodes, outputs=current.outputs or previous.read().outputs)
     gpus = plan["nodes"][0]["nproc"]
     recorded = tuple(plan["command"])
     if REDACTED in recorded and not plan["builtin_trainer"]:

@@ -61,7 +61,8 @@ def command(app: AppContext, show_all: bool) -> None:
                      "nodes": manifest.node_names, "world_size": sum(n["nproc"] for n in plan.get("nodes", [])),
                      "started": manifest.started, "folder": str(run.folder.resolve()),
                      "command": " ".join(plan.get("command", [])),
-                     "cause": manifest.cause if manifest.state != RunState.SUCCEEDED else None})
+                     "cause": manifest.cause if manifest.state != RunState.SUCCEEDED else None,
+                     "outputs": manifest.outputs_url})
     if app.json:
         app.emit_json({"runs": rows})
         return
@@ -73,8 +74,8 @@ COLUMNS = (Column("run", key=True), Column("state", whole=True), Column("started
 
 
 def render(rows: list[dict]):
-    """One row per run; the run id (what users copy) is never split; a run that did not succeed says why under
-    its command."""
+    """One row per run; the run id (what users copy) is never split; under its command, where its outputs are
+    uploaded (outputs:) and, for a run that did not succeed, why."""
     cells = []
     for row in rows:
         started = time.strftime("%m-%d %H:%M", time.localtime(row["started"])) if row["started"] else "-"
@@ -82,6 +83,8 @@ def render(rows: list[dict]):
         nodes = re.sub(r",(?![^\[]*\])", ", ", fold(row["nodes"]))
         what = escape(f"{nodes} x {row['world_size']}: " + ("(preflight) " if row["kind"] == "preflight" else "")
                       + row["command"])
+        if row.get("outputs"):
+            what += f"\noutputs: {escape(row['outputs'])}"
         if row.get("cause"):
             what += f"\n[red]{escape(row['cause'])}[/]"
         cells.append([label, escape(row["state"] or "-"), started, what])

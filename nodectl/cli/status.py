@@ -75,6 +75,32 @@ def _first_failure(manifest, states: dict, run_state: RunState) -> Failure | Non
     return failures[0] if failures else None
 
 
+def upload_rows(states: dict) -> dict[str, dict]:
+    """Per node, its uploader's last round and last error (runs with outputs:)."""
+    rows = {}
+    for name, result in states.items():
+        upload = result.value.upload if result.ok and result.value else None
+        if upload is not None:
+            rows[name] = {"url": upload.url, "last": upload.last, "rounds": upload.rounds, "files": upload.files,
+                          "bytes": upload.bytes, "stored": upload.stored, "waiting": upload.waiting,
+                          "final": upload.final, "error": upload.error, "error_time": upload.error_time}
+    return rows
+
+
+def upload_line(name: str, row: dict, now: float) -> str:
+    """One node's uploads in words: when the last round ended and what the store holds, then any error."""
+    if row["last"] is None:
+        said = f"{escape(name)}: no upload round done yet"
+    else:
+        said = (f"{escape(name)}: last upload {max(0.0, now - row['last']):.0f}s ago"
+                f"{' (the final one)' if row['final'] else ''}, {row['stored']} file(s) stored, "
+                f"{row['bytes'] / 2**20:.1f} MiB sent in {row['rounds']} round(s)"
+                + (f", {row['waiting']} waiting" if row["waiting"] else ""))
+    if row["error"]:
+        said += f"; [red]upload error[/] {max(0.0, now - (row['error_time'] or now)):.0f}s ago: {escape(row['error'])}"
+    return said
+
+
 def render(run_id: str, run_state, rows: list[dict]):
     colour = {"running": "green", "stalled": "yellow", "lost": "red", "starting": "cyan"}
     cells = []
@@ -102,6 +128,7 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
     with app.cluster_for(run_nodes) as cluster:
         states = poll(cluster, run_nodes)
         rows = rank_rows(states, run_nodes, stall_after)
+        uploads = upload_rows(states)
         run_state = refresh_state(run, states)
         manifest = run.read()
         first = _first_failure(manifest, states, run_state)
@@ -111,9 +138,13 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
     if app.json:
         app.emit_json({"run_id": run.run_id, "state": run_state, "ranks": rows, "cause": cause,
                        "diagnosis": (manifest.failure or {}).get("diagnosis"),
-                       "first_failure": first.__dict__ if first else None})
+                       "first_failure": first.__dict__ if first else None, "uploads": uploads})
     else:
         app.out.print(render(run.run_id, run_state, rows))
+        if uploads:
+            app.out.print(f"outputs: {escape(manifest.outputs_url or next(iter(uploads.values()))['url'])}")
+            for name, row in sorted(uploads.items()):
+                app.out.print("  " + upload_line(name, row, time.time()))
         ended = f" at {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(manifest.ended))}" if manifest.ended else ""
         if run_state == RunState.STOPPED and not manifest.cause:
             app.out.print(f"stopped by the user{ended}")

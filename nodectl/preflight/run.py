@@ -14,7 +14,7 @@ from nodectl.preflight.collective_job import run_collective, run_pairs
 from nodectl.preflight.gpu import cluster_medians
 from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge_node
 from nodectl.preflight.network import judge_collective, judge_pairs
-from nodectl.preflight.verdict import FAIL, WARN, CheckResult
+from nodectl.preflight.verdict import FAIL, PASS, WARN, CheckResult
 from nodectl.plan import visible_devices
 from nodectl.remote.answers import AnswerError, parse_gpu_job
 from nodectl.remote.probe_nodes import probe_nodes
@@ -63,7 +63,8 @@ class PreflightReport:
 
 def selection_key(inventory: Inventory, gpus: int | None) -> str:
     identity = [(n.name, n.host, n.port, n.user, n.python, n.workdir, n.device) for n in inventory.nodes]
-    return hashlib.sha256(json.dumps([identity, gpus]).encode()).hexdigest()[:16]
+    store = inventory.outputs.to_json() if inventory.outputs else None   # a report without the store's check is no pass for it
+    return hashlib.sha256(json.dumps([identity, gpus, store]).encode()).hexdigest()[:16]
 
 
 def cached_path(inventory: Inventory, gpus: int | None) -> Path:
@@ -121,6 +122,45 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], por
     return extras
 
 
+# Runs a launcher read from stdin (its length first), which then reads its request from the rest of stdin: the
+# request carries the node's credentials, which must never sit on a command line. One line, no backslash.
+STDIN_SCRIPT = ('import sys;n=int(sys.argv[1]);b=sys.stdin.buffer.read(n);sys.argv=["-"]+sys.argv[2:];'
+                'exec(compile(b,"nodectl_outputs.py","exec"),{"__name__":"__main__"})')
+STORE_TIMEOUT = 60.0
+
+
+def _store_check(transport: Transport, outputs) -> dict:
+    """A probe object written and deleted where the run's outputs go, from the node, with the node's credentials
+    (its env:, else its own environment or AWS profile) and Python (whose boto3 the uploader will use)."""
+    node = transport.node
+    source = (resource_dir("launchers") / "nodectl_outputs.py").read_bytes()
+    request = {"outputs": outputs.to_json(), "node": node.name,
+               "env": {k: v for k, v in node.env.items() if k.startswith("AWS_") or k == "PYTHONPATH"}}
+    command = f"{quote_path(node.python)} -c {shlex.quote(STDIN_SCRIPT)} {len(source)} check"
+    result = transport.run(command, stdin=source + json.dumps(request).encode(), timeout=STORE_TIMEOUT)
+    try:
+        answer = json.loads(result.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError, RecursionError):
+        return {"ok": False, "error": f"the check exited {result.exit_code}: {result.tail(3)}"}
+    return answer if isinstance(answer, dict) else {"ok": False, "error": "the check answered no object"}
+
+
+def judge_store(results: list[NodeResult], outputs) -> list[CheckResult]:
+    checks = []
+    for r in results:
+        answer = r.value if r.ok else {"ok": False, "error": r.error}
+        if answer.get("ok") is True:
+            checks.append(CheckResult("outputs", r.node.name, PASS, f"wrote and deleted a probe object under "
+                                      f"{outputs.url}/ in {answer.get('seconds', 0):.2f}s (boto3 {answer.get('boto3')})"))
+        else:
+            checks.append(CheckResult("outputs", r.node.name, FAIL, f"{outputs.url}: {answer.get('error')}",
+                                      "the node uploads the run's outputs itself: it needs boto3 for its python:, "
+                                      "credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in env:, or a "
+                                      "profile on the node) and a route to the store (endpoint_url: for a server "
+                                      "other than AWS)"))
+    return checks
+
+
 PROBE_HINTS = {
     "reachable": "check SSH: ssh to it by hand, the inventory's user/port/identity_file, known_hosts",
     "python": "python: in hosts.yaml must name an interpreter on that node (with torch for training)",
@@ -161,6 +201,11 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
         if node.name in reports:
             results += judge_node(NodeFacts(node.name, reports[node.name], node.device, expect,
                                             extras.get(node.name) or {}, node.env, node.gpus, medians), tier)
+    if inventory.outputs is not None:
+        phase("object store checks")
+        stored = cluster.fan_out(lambda t: _store_check(t, inventory.outputs),
+                                 [n for n in inventory.nodes if n.name in reports])
+        results += judge_store(stored, inventory.outputs)
     if len(reports) > 1:
         results += judge_cluster(reports, {k: v for k, v in devices.items() if k in reports}, tier)
     report = PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick,

@@ -74,6 +74,29 @@ class GpuSample:
 
 
 @dataclass(frozen=True)
+class UploadState:
+    """The node's uploader (launchers/nodectl_outputs.py): its rounds so far and its last error."""
+
+    url: str
+    rounds: int = 0
+    files: int = 0
+    bytes: int = 0
+    last: float | None = None          # when the last round ended
+    stored: int = 0                    # files the store holds for this node (its index)
+    waiting: int = 0                   # files left for the next round (written just now, or changed while sent)
+    final: bool = False                # the last round (after torchrun ended) is done
+    error: str | None = None           # the last round's error; None once a round succeeded again
+    error_time: float | None = None
+
+
+@dataclass(frozen=True)
+class PullAnswer:
+    files: int
+    bytes: int
+    indexed: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class PollAnswer:
     now: float
     node_rank: int
@@ -84,6 +107,7 @@ class PollAnswer:
     stopped: bool = False
     logs: dict[str, LogChunk] = field(default_factory=dict)
     gpu_sample: GpuSample | None = None
+    upload: UploadState | None = None
 
 
 @dataclass(frozen=True)
@@ -278,7 +302,7 @@ ANSWERS: dict[str, type] = {
     "identity": IdentityAnswer, "receive": ReceiveAnswer, "listen": ListenAnswer, "connect": ConnectAnswer,
     "route": RouteAnswer, "diagnose": DiagnoseAnswer, "container": ContainerAnswer,
     "env_status": EnvAnswer, "env_build": EnvAnswer, "serve": Done, "unlisten": Done, "cleanup": Done,
-    "fill": FillAnswer,
+    "fill": FillAnswer, "pull": PullAnswer,
 }
 
 

@@ -106,6 +106,9 @@ def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, re
                      "env.sh": {"text": rendered.env, "mode": 0o600},
                      "node.json": {"text": _node_json(plan, node_plan), "mode": 0o644}},
     }
+    if plan.outputs is not None:   # what the node's uploader needs (launchers/nodectl_outputs.py), nothing secret
+        request["rendered"]["lib/outputs.json"] = {
+            "text": json.dumps(plan.outputs.node_config(plan.run_id, node_plan.node.name)), "mode": 0o644}
     if missing is None:
         missing = sync.missing_objects(transport, files)
     if cancel.is_set():
@@ -115,6 +118,17 @@ def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, re
     else:
         sent, prepared = 0, agent.call(transport, "prepare", request=request)
     return prepared.files, sent
+
+
+def pull_outputs(transport: Transport, plan: LaunchPlan, node_plan: NodePlan):
+    """The node's share of the run's outputs from the bucket, into its run folder's output/ (runctl pull)."""
+    sources = [{"node": node_plan.node.name}]
+    if node_plan.node_rank != 0 and not plan.builtin_trainer:   # the built-in trainer's ranks write their own
+        sources.append({"node": plan.nodes[0].node.name, "missing_only": True})
+    return agent.call(transport, "pull", node_plan.run_dir, request={"sources": sources}, timeout=PULL_TIMEOUT)
+
+
+PULL_TIMEOUT = 6 * 3600.0   # a checkpoint of hundreds of GB over the node's own link
 
 
 def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, files: list[sync.SyncFile],
@@ -135,7 +149,16 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, 
     if failed or cancel.is_set():
         why = "interrupted" if cancel.is_set() else f"{failed[0].node.name} could not be prepared"
         return [r if not r.ok else NodeResult(r.node, error=f"not started: {why}") for r in prepared]
-    if plan.attempt and not plan.builtin_trainer and plan.nnodes > 1:
+    if plan.attempt and plan.outputs is not None:
+        # a resumed (or restarted) run with a bucket: each node takes its outputs back from it (fresh nodes that
+        # never saw the run included), and what node 0 stored that it lacks
+        pulled = cluster.fan_out(lambda t: pull_outputs(t, plan, plans[t.node.name]), nodes)
+        unpulled = [r for r in pulled if not r.ok]
+        if unpulled or cancel.is_set():
+            why = "interrupted" if cancel.is_set() else \
+                f"{unpulled[0].node.name} could not take the run's outputs from the store: {unpulled[0].error}"
+            return [NodeResult(r.node, error=f"not started: {why}") for r in prepared]
+    elif plan.attempt and not plan.builtin_trainer and plan.nnodes > 1:
         # a resumed (or restarted) script: its $NODECTL_OUTPUT_DIR on every node holds node 0's outputs too
         shared = share_output(cluster, plan.nodes[0], list(plan.nodes[1:]))
         unshared = [r for r in shared.values() if not r.ok]

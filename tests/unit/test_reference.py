@@ -43,8 +43,14 @@ def test_the_inventory_example_parses_and_every_key_is_documented():
     environments = REFERENCE.split("```yaml", 2)[2].split("```", 1)[0]   # container: or environment:
     documented = set(yaml.safe_load(example)["defaults"]) | set(yaml.safe_load(environments)["defaults"]) | \
         {"host", "name", "addr", "transport", "env"}
-    from nodectl.inventory import NODE_KEYS
+    from nodectl.inventory import NODE_KEYS, TOP_KEYS
     assert NODE_KEYS <= documented, f"keys missing from docs/REFERENCE.md: {sorted(NODE_KEYS - documented)}"
+    stores = REFERENCE.split("```yaml", 3)[3].split("```", 1)[0]   # outputs:
+    with_outputs = parse_inventory(example + stores, "hosts.yaml")
+    assert with_outputs.outputs.url == "s3://team-ckpts/glm-lora" and with_outputs.outputs.every == 600
+    from nodectl.outputs import KEYS
+    assert set(yaml.safe_load(stores)["outputs"]) == KEYS
+    assert TOP_KEYS <= set(yaml.safe_load(example)) | {"outputs"}
 
 
 def test_exit_codes_are_the_documented_ones():

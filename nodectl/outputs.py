@@ -1,0 +1,165 @@
+"""`outputs:` in hosts.yaml (or `launch --outputs URL`): a run's outputs in an S3 bucket, sent by the nodes.
+
+Each node uploads its output/, logs/ and metrics/ to <url>/<run id>/<node>/ while the run goes and once more when
+it ends (launchers/nodectl_outputs.py, started by launch.sh beside torchrun, with boto3 on the node). A resumed
+attempt pulls the run's outputs back to every node before its ranks start, so a run continues on fresh nodes;
+`collect --from-store` brings them here when the nodes are gone. The URL is recorded; credentials never are:
+they come from the node's environment (the inventory's env:) or its own AWS profile.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from nodectl.errors import NodectlError, UsageError
+from nodectl.resources import load_launcher
+from nodectl.secrets import redact_text
+
+KEYS = {"url", "every", "endpoint_url", "region"}
+DEFAULT_EVERY = 600.0
+BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h)?\s*$")
+CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
+
+
+@dataclass(frozen=True)
+class Outputs:
+    url: str                        # s3://bucket/prefix, without a trailing slash
+    every: float = DEFAULT_EVERY    # seconds between upload rounds
+    endpoint_url: str | None = None # an S3-compatible server other than AWS (MinIO, Ceph, R2, ...)
+    region: str | None = None
+
+    def run_url(self, run_id: str) -> str:
+        return f"{self.url}/{run_id}/"
+
+    def node_config(self, run_id: str, node: str) -> dict:
+        """lib/outputs.json on a node: what its uploader needs, and nothing secret."""
+        return {**asdict(self), "run_id": run_id, "node": node}
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def url_problem(url: Any) -> str | None:
+    """Why `url` cannot name where outputs go, or None. A URL echoed back has any credentials in it blanked."""
+    if isinstance(url, str):
+        url = url if "@" not in url else redact_text(url)
+    if not isinstance(url, str) or not url.startswith("s3://"):
+        return f"an s3://bucket/prefix URL, got {url!r}"
+    if any(c in url for c in "\0\n\r\t ?#\\") or any(ord(c) < 32 for c in url):
+        return f"an s3://bucket/prefix URL without spaces, control characters, ? or #, got {url!r}"
+    bucket, _, prefix = url[len("s3://"):].partition("/")
+    if "@" in bucket or ":" in bucket:
+        return ("an s3://bucket/prefix URL with no credentials or port in it: the bucket's credentials come from the "
+                "node's environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in env:) or its AWS profile, and "
+                "another server is named by endpoint_url:")
+    if not BUCKET_RE.match(bucket) or ".." in bucket:
+        return f"a bucket name of 3-63 lowercase letters, digits, '.' and '-', got {bucket!r}"
+    if any(part in (".", "..") for part in prefix.strip("/").split("/") if part) or "//" in prefix.strip("/"):
+        return f"a prefix without empty, '.' or '..' parts, got {prefix!r}"
+    if len(url) > 512:
+        return "a URL of at most 512 characters"
+    return None
+
+
+def seconds(value: Any) -> float | None:
+    """'10m', '30s', '1h' or a number of seconds; None when it is none of these."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return float(value) if 0 < value < float("inf") else None
+    match = DURATION_RE.match(str(value))
+    if not match:
+        return None
+    return float(match[1]) * {"s": 1, "m": 60, "h": 3600, None: 1}[match[2]]
+
+
+def parse(value: Any, label: str, fail: Callable[[str, str], None]) -> Outputs | None:
+    if value is None or value is False:
+        return None
+    if isinstance(value, str):
+        value = {"url": value}
+    if not isinstance(value, Mapping):
+        fail(label, "an s3://bucket/prefix URL, or a mapping with url: and every: (10m), endpoint_url:, region:")
+    for key in value:
+        if key not in KEYS:
+            fail(f"{label}.{key}", f"unknown key; expected one of {', '.join(sorted(KEYS))}")
+    if problem := url_problem(value.get("url")):
+        fail(f"{label}.url", problem)
+    every = seconds(value.get("every", DEFAULT_EVERY))
+    if every is None or every < 1:
+        fail(f"{label}.every", f"how often to upload: 30s, 10m, 1h or seconds (at least 1), got {value.get('every')!r}")
+    endpoint = value.get("endpoint_url")
+    if endpoint is not None and (not isinstance(endpoint, str) or not re.match(r"^https?://[^\s@]+$", endpoint)):
+        shown = redact_text(endpoint) if isinstance(endpoint, str) else endpoint
+        fail(f"{label}.endpoint_url", f"an http(s):// URL without credentials, got {shown!r}")
+    region = value.get("region")
+    if region is not None and (not isinstance(region, str) or not re.match(r"^[a-z0-9\-]{1,40}$", region)):
+        fail(f"{label}.region", f"a region name (us-east-1), got {region!r}")
+    return Outputs(url=value["url"].rstrip("/"), every=every, endpoint_url=endpoint, region=region)
+
+
+def from_option(url: str, current: Outputs | None) -> Outputs:
+    """`--outputs URL`: the inventory's other settings (every, endpoint_url, region) with another URL."""
+    if problem := url_problem(url):
+        raise UsageError(f"--outputs: {problem}")
+    return replace(current, url=url.rstrip("/")) if current else Outputs(url=url.rstrip("/"))
+
+
+def from_record(record: Any) -> Outputs | None:
+    """A run record's outputs, checked like the inventory's (a record is data, not the user's word)."""
+    def fail(key: str, expected: str) -> None:
+        raise NodectlError(f"the run record's {key}: {expected}")
+    return parse(record, "outputs", fail) if record else None
+
+
+def _module():
+    return load_launcher("nodectl_outputs")
+
+
+def credentials_from(env: Mapping[str, str]) -> dict[str, str]:
+    """The AWS variables among a node's env: (the inventory's secrets), for a client here."""
+    return {name: env[name] for name in CREDENTIALS if env.get(name)}
+
+
+@dataclass(frozen=True)
+class Fetched:
+    node: str
+    files: int
+    bytes: int
+    folder: Path
+
+
+def download_run(outputs: Outputs, run_id: str, nodes: list[str], destination: Path,
+                 env: Mapping[str, str] | None = None) -> list[Fetched]:
+    """What the store's index lists for each node of the run, into destination/<node>/ (collect --from-store).
+    Credentials: the given env (the inventory's), else this machine's environment or AWS profile."""
+    module = _module()
+    saved = {name: os.environ.get(name) for name in CREDENTIALS}
+    os.environ.update(credentials_from(env or {}))
+    try:
+        fetched = []
+        for node in nodes:
+            folder = destination / node
+            folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            try:
+                answer = module.pull(str(folder), {"outputs": outputs.to_json(), "run_id": run_id,
+                                                   "sources": [{"node": node}], "sections": module.SECTIONS})
+            except SystemExit as exc:   # boto3 missing here
+                raise NodectlError(f"collect --from-store needs boto3 here: pip install 'nodectl[s3]' ({exc})") from None
+            except Exception as exc:  # noqa: BLE001 - botocore's errors, said in words
+                raise NodectlError(f"{outputs.run_url(run_id)}{node}/: {module.describe(exc)}") from None
+            if not answer["indexed"].get(node):
+                raise NodectlError(f"{outputs.run_url(run_id)}{node}/ holds no index: the node uploaded nothing "
+                                   f"(nodectl status --run {run_id} shows its upload errors)")
+            fetched.append(Fetched(node, answer["files"], answer["bytes"], folder))
+        return fetched
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value

@@ -1,0 +1,82 @@
+"""`outputs:` as typed: what is refused (exit 2, the key named), what the launch script does with it, and what is
+recorded (the URL, never a credential)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from nodectl.errors import InventoryError
+from nodectl.inventory import parse_inventory
+from nodectl.plan import build_plan
+from nodectl.render import render_plan
+
+SECRET = "wJalrXUtnFEMI-K7MDENG-bPxRfiCY-secret"
+
+
+def inventory(outputs) -> str:
+    return yaml.safe_dump({"defaults": {"device": "cpu", "env": {"AWS_ACCESS_KEY_ID": "AKIAEXAMPLE",
+                                                                 "AWS_SECRET_ACCESS_KEY": SECRET}},
+                           "nodes": [{"host": "10.0.0.11", "name": "node0"}, {"host": "10.0.0.12", "name": "node1"}],
+                           "outputs": outputs})
+
+
+@pytest.mark.parametrize("outputs, key, words", [
+    ("s3://AKIA:secret@bucket/x", "outputs.url", "no credentials"),
+    ("https://bucket.s3.amazonaws.com/x", "outputs.url", "s3://bucket/prefix"),
+    ("s3://Bad_Bucket/x", "outputs.url", "bucket name"),
+    ("s3://bucket/a/../b", "outputs.url", "'..'"),
+    ({"url": "s3://bucket/x", "every": "often"}, "outputs.every", "30s, 10m"),
+    ({"url": "s3://bucket/x", "every": 0}, "outputs.every", "at least 1"),
+    ({"url": "s3://bucket/x", "endpoint_url": "http://key:secret@minio:9000"}, "outputs.endpoint_url", "without"),
+    ({"url": "s3://bucket/x", "bucket": "y"}, "outputs.bucket", "unknown key"),
+])
+def test_a_bad_outputs_setting_names_its_key(outputs, key, words):
+    with pytest.raises(InventoryError) as caught:
+        parse_inventory(inventory(outputs))
+    assert key in str(caught.value) and words in str(caught.value)
+    assert ":secret@" not in str(caught.value), "a credential in a refused value is not echoed"
+
+
+@pytest.mark.parametrize("every, seconds", [("30s", 30), ("10m", 600), ("1h", 3600), (45, 45), ("2.5m", 150)])
+def test_every_reads_as_a_duration(every, seconds):
+    parsed = parse_inventory(inventory({"url": "s3://bucket/runs/", "every": every})).outputs
+    assert parsed.every == seconds and parsed.url == "s3://bucket/runs"
+
+
+def test_the_launch_script_runs_the_uploader_beside_torchrun_and_waits_for_its_last_round(tmp_path):
+    plan = build_plan(parse_inventory(inventory("s3://bucket/team")), gpus=1, command=("train.py",),
+                      sync_dir=str(tmp_path), run_id="20260101-000000-abcd")
+    script = render_plan(replace(plan, created=0.0))[1].launch
+    path = tmp_path / "launch.sh"
+    path.write_text(script)
+    assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
+    uploader = script.index('nodectl_outputs.py" sync "$RUN_DIR"')
+    torchrun = script.index("-m torch.distributed.run")
+    signal_last = script.index('kill -USR1 "$UPLOADER"')
+    assert uploader < torchrun < signal_last and script.rstrip().endswith('exit "$code"')
+    assert SECRET not in script
+    recorded = json.dumps(plan.to_json())
+    assert "s3://bucket/team" in recorded and SECRET not in recorded
+
+
+def test_without_outputs_the_script_has_no_uploader(tmp_path):
+    plan = build_plan(parse_inventory(inventory(None)), gpus=1, command=("train.py",), sync_dir=str(tmp_path))
+    assert "UPLOADER" not in render_plan(plan)[0].launch
+
+
+def test_launch_outputs_option_is_checked_before_any_node_is_touched(tmp_path):
+    (tmp_path / "train.py").write_text("print('x')\n")
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(inventory(None))
+    done = subprocess.run([sys.executable, "-m", "nodectl", "-i", str(hosts), "launch", "--dry-run", "--outputs",
+                           "s3://k:s@bucket/x", "--", "train.py"], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 2 and "--outputs" in done.stderr and "no credentials" in done.stderr
+    shown = subprocess.run([sys.executable, "-m", "nodectl", "-i", str(hosts), "launch", "--dry-run", "--outputs",
+                            "s3://bucket/x", "--", "train.py"], capture_output=True, text=True, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert "nodectl_outputs.py\" sync" in shown.stdout and SECRET not in shown.stdout + shown.stderr
