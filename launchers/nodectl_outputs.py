@@ -168,7 +168,7 @@ class Uploader:
         self.wake, self.final = threading.Event(), threading.Event()
         self.index: dict = {}      # relative -> {"size", "mtime_ns"}: what the store holds consistently
         self.state = {"url": f"{config['url'].rstrip('/')}/{config['run_id']}/{config['node']}/", "rounds": 0,
-                      "files": 0, "bytes": 0, "last": None, "error": None, "error_time": None}
+                      "files": 0, "bytes": 0, "last": None, "error": None, "error_time": None, "pid": os.getpid()}
 
     def _save_state(self) -> None:
         path = os.path.join(self.run_dir, STATE)
@@ -249,6 +249,7 @@ class Uploader:
         # SIGTERM (nodectl stop) reaches every process of the run: the ranks may still be writing their last
         # checkpoint, so the last round waits for launch.sh's SIGUSR1, sent once torchrun has ended.
         signal.signal(signal.SIGTERM, lambda *_: self.wake.set())
+        self._save_state()   # its pid: `status` tells an uploader that was killed from one between rounds
         try:
             stored = self.store.read_index()
             if stored:   # a resumed attempt: what the store already holds is not sent again

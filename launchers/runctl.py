@@ -665,8 +665,21 @@ def cmd_poll(args: list, request: dict) -> dict:
         answer["gpu_sample"] = gpu_sample()
     upload = _read_json(os.path.join(run_dir, "state", "upload.json"))
     if isinstance(upload, dict):
-        answer["upload"] = upload
+        answer["upload"] = _upload_state(upload, now, _markers(run_dir))
     return answer
+
+
+def _upload_state(upload: dict, now: float, markers: tuple) -> dict:
+    """The uploader's own record, with the one thing it cannot say itself: that it is gone before its last round
+    (killed, or the node ran out of memory). Its pid counts only while that process is still this run's."""
+    pid = upload.get("pid")
+    if upload.get("final") or not isinstance(pid, int) or isinstance(pid, bool):
+        return upload
+    if belongs(pid, markers) and not _is_zombie(pid):
+        return upload
+    return dict(upload, error=f"the uploader (pid {pid}) ended before its last round (killed?): what it had not "
+                              f"sent is not in the bucket, and nothing half-sent is taken; `launch --resume` starts "
+                              f"a new one", error_time=upload.get("error_time") or now)
 
 
 def cmd_tail(args: list, request: dict) -> dict:

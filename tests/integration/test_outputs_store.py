@@ -5,7 +5,9 @@ the bucket is the only way a checkpoint gets from one to the other."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 
 import pytest
 import yaml
@@ -177,3 +179,42 @@ def test_bad_credentials_fail_preflight_an_unreachable_store_does_not_stop_the_r
     status = run_nodectl(["status", "--run", run_id], env=env, cwd=project)
     assert "upload error" in status.stdout and "cannot be reached" in status.stdout, status.stdout
     no_secret_anywhere(store, project, refused.output, ran.output, status.output)
+
+
+BIG = '''\
+import os, time
+out = os.environ["NODECTL_OUTPUT_DIR"]
+if int(os.environ["RANK"]) == 0:
+    os.makedirs(os.path.join(out, "ckpt-1"))
+    with open(os.path.join(out, "ckpt-1", "model.bin"), "wb") as handle:
+        block = os.urandom(1 << 20)
+        for _ in range(400):
+            handle.write(block)
+print("written", flush=True)
+time.sleep(120)   # stopped by the test
+'''
+
+
+def test_an_uploader_killed_mid_file_leaves_the_run_going_says_so_and_vouches_for_nothing(cluster, store, tmp_path):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(BIG)
+    hosts = write_inventory(cluster, store, tmp_path / "hosts.yaml", indices=(2, 3), every="1s")
+    env = cluster.env(NODECTL_INVENTORY=str(hosts))
+    started = run_nodectl(["launch", "--skip-preflight", "--detach", "--", "train.py"], env=env, cwd=project)
+    assert started.exit_code == 0, started.output
+    run_id = latest_run_id(project)
+    client, prefix = store.client(), f"team/exp1/{run_id}/node0/"
+    wait_for(lambda: client.list_multipart_uploads(Bucket=BUCKET, Prefix=prefix).get("Uploads"), timeout=90,
+             interval=0.05)
+    state = cluster.nodes[2].workdir / "runs" / run_id / "state" / "upload.json"
+    os.kill(json.loads(state.read_text())["pid"], signal.SIGKILL)   # the node's OOM killer, say
+
+    status = run_nodectl(["status", "--run", run_id], env=env, cwd=project)
+    assert status.stdout.count("running") >= 2, status.stdout
+    assert "node0" in status.stdout and "ended before its last round (killed?)" in status.stdout, status.stdout
+    index = json.loads(client.get_object(Bucket=BUCKET, Key=prefix + "nodectl-index.json")["Body"].read())["files"] \
+        if prefix + "nodectl-index.json" in store.objects(BUCKET, prefix) else {}
+    assert "output/ckpt-1/model.bin" not in index, "a file half sent is never vouched for"
+    stopped = run_nodectl(["stop", "--run", run_id], env=env, cwd=project)
+    assert stopped.exit_code == 0, stopped.output
