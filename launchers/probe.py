@@ -637,9 +637,38 @@ def probe_disk(workdir: str) -> dict:
     shm = os.statvfs("/dev/shm") if os.path.exists("/dev/shm") else None
     return {"workdir": os.path.expanduser(workdir), "checked_path": path, "free_bytes": stat.f_bavail * stat.f_frsize,
             "shm_bytes": shm.f_blocks * shm.f_frsize if shm else None, **_try_write(os.path.expanduser(workdir)),
+            "unsafe": _unsafe(os.path.expanduser(workdir)),
             "scratch": {"tmp": _scratch(os.environ.get("TMPDIR") or "/tmp"),
                         "cache": _scratch(os.environ.get("HF_HOME") or os.environ.get("XDG_CACHE_HOME")
                                           or os.path.expanduser("~/.cache"))}}
+
+
+def _unsafe(workdir: str):
+    """runctl's node-side trust rule, read (nothing made): {"path", "why"} of the first folder it would refuse
+    (a workdir another user owns, or others may write without the sticky bit; a .nodectl or runs that is a link,
+    or another user's), or None."""
+    import stat as modes
+
+    uid = os.getuid()
+    try:
+        info = os.stat(workdir)
+    except OSError:
+        return None
+    if info.st_uid not in (uid, 0):
+        return {"path": workdir, "why": f"owned by uid {info.st_uid}, not by you (uid {uid}) or root"}
+    if info.st_mode & 0o022 and not info.st_mode & modes.S_ISVTX:
+        return {"path": workdir, "why": "writable by other users without the sticky bit"}
+    for name in (".nodectl", "runs"):
+        path = os.path.join(workdir, name)
+        try:
+            info = os.lstat(path)
+        except OSError:
+            continue
+        if modes.S_ISLNK(info.st_mode):
+            return {"path": path, "why": f"a symbolic link (to {os.readlink(path)}), not a folder nodectl made"}
+        if info.st_uid != uid:
+            return {"path": path, "why": f"owned by uid {info.st_uid}, not by you (uid {uid}): another user made it"}
+    return None
 
 
 def _scratch(folder: str) -> dict:

@@ -28,6 +28,114 @@ STATE_DIRS = ("code", "lib", "logs", "state", "heartbeat", "stacks", "output", "
 READ_LIMIT = 256 * 1024
 
 
+# The node-side trust rule, in this one place: runctl acts as the login user (often root) on what it finds under
+# the workdir, so every folder it keeps there (.nodectl/ and its store, venvs and tools; runs/, each run folder)
+# is made by it with mode 0700, is never reached through a link, and is the login user's, writable by nobody
+# else. The workdir itself (a folder the user named, perhaps through a link) is the login user's or root's, and
+# where others may write in it (a shared /scratch), it has the sticky bit, so nobody else can rename or remove
+# what nodectl keeps there. Inside folders that hold, no other user can plant, swap or link a file, so what a run
+# folder holds (node.json, state/, flight/, logs/) was written by this user's runs. Anything else is refused,
+# before it is used, naming the folder, its owner and the fix.
+class Unsafe(Exception):
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path} is {why}")
+        self.path, self.why = path, why
+
+
+class NotARun(Exception):
+    """A path that is not shaped as a run folder: runctl acts on none (a record may name any path)."""
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def trusted_workdir(workdir: str, create: bool = True) -> bool:
+    """Whether the workdir exists (made 0700 when missing and `create`); Unsafe when another user could swap what
+    nodectl keeps in it."""
+    if create:
+        os.makedirs(workdir, mode=0o700, exist_ok=True)
+    try:
+        info = os.stat(workdir)   # the workdir may be reached through a link the user chose
+    except FileNotFoundError:
+        return False
+    if info.st_uid not in (os.getuid(), 0):
+        raise Unsafe(workdir, f"owned by {_owner(info.st_uid)}, not by you ({_owner(os.getuid())}) or root: that user "
+                              f"could rename or replace what nodectl keeps in it")
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise Unsafe(workdir, f"writable by other users (mode {oct(info.st_mode & 0o7777)}) without the sticky bit: "
+                              f"they could rename or replace what nodectl keeps in it")
+    return True
+
+
+def own_folder(path: str, create: bool = True) -> bool:
+    """A folder nodectl keeps: made 0700 when missing (and `create`), else checked. False when it is missing."""
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(info.st_mode):
+        raise Unsafe(path, f"a symbolic link (to {os.readlink(path)}), not a folder nodectl made: another user may "
+                           f"have planted it")
+    if not stat.S_ISDIR(info.st_mode):
+        raise Unsafe(path, "not a folder")
+    if info.st_uid != os.getuid():
+        raise Unsafe(path, f"owned by {_owner(info.st_uid)}, not by you ({_owner(os.getuid())}): another user made it "
+                           f"first")
+    if info.st_mode & 0o022:   # the user's own, made wider by a umask of 002 (an older nodectl's): narrowed
+        os.chmod(path, 0o700)
+    return True
+
+
+def trusted_path(workdir: str, parts: tuple, create: bool = True) -> str:
+    """<workdir>/<parts...>, the workdir and each folder below it checked (and made, with `create`)."""
+    workdir = os.path.expanduser(workdir)
+    path = workdir
+    if trusted_workdir(workdir, create):
+        for part in parts:
+            path = os.path.join(path, part)
+            if not own_folder(path, create):
+                break
+    return os.path.join(workdir, *parts)
+
+
+def trusted_run_dir(run_dir: str, create: bool = False) -> str:
+    """A run folder, <workdir>/runs/<run id>[/<node>], with the rule applied from the workdir down."""
+    run_dir = os.path.expanduser(run_dir).rstrip("/")
+    parts = run_dir.split("/")
+    for depth in (1, 2):   # <run id>, or <run id>/<node> where nodes share a workdir's disk
+        if len(parts) > depth + 1 and parts[-depth - 1] == "runs" and all(p not in ("", ".", "..") for p in parts[-depth:]):
+            workdir = "/".join(parts[:-depth - 1]) or "/"
+            return trusted_path(workdir, ("runs", *parts[-depth:]), create)
+    raise NotARun(run_dir)
+
+
+def _guard(name: str, args: list, request: dict) -> None:
+    """Apply the trust rule to the folders `name` is about to use, before it uses them."""
+    if name in ("have", "receive"):
+        trusted_path(args[0], (".nodectl", "objects"))
+        if name == "receive" and isinstance(request.get("prepare"), dict):   # the run folder, in the same call
+            _guard("prepare", [], request["prepare"])
+    elif name == "prepare":
+        trusted_path(request["workdir"], (".nodectl", "objects"))
+        trusted_run_dir(request["run_dir"], create=True)
+    elif name in ("identity", "env_status"):
+        trusted_path(args[0], (".nodectl",))
+    elif name == "env_build":
+        trusted_path(args[0], (".nodectl", "envs"))
+    elif name in ("start", "poll", "tail", "stop", "stacks", "diagnose", "pack", "fill", "pull"):
+        trusted_run_dir(args[0])
+
+
 def _read_json(path: str, default=None):
     try:
         with open(path, encoding="utf-8") as handle:
@@ -407,9 +515,18 @@ def _in_group(pid: int, group: dict) -> bool:
 
 
 def _group_of(run_dir: str):
+    """The run's cgroup as start recorded it, only when it is one runctl makes: <mount>/nodectl/<run id>-<node
+    rank> of a hierarchy mounted here, its path that group's own (never empty: "" would match every process)."""
     group = _read_json(os.path.join(run_dir, "state", "cgroup"))
-    ok = isinstance(group, dict) and all(isinstance(group.get(k), str) for k in ("dir", "key", "path"))
-    return group if ok and os.path.basename(os.path.dirname(group["dir"])) == GROUPS_FOLDER else None
+    node = _read_json(os.path.join(run_dir, "node.json"))
+    if not (isinstance(group, dict) and all(isinstance(group.get(k), str) for k in ("dir", "key", "path"))
+            and isinstance(node, dict)):
+        return None
+    name = f"{node.get('run_id')}-{node.get('node_rank')}"
+    made = {(os.path.join(mount, GROUPS_FOLDER, name), key) for mount, key in _hierarchies()}
+    if (group["dir"], group["key"]) in made and group["path"] == f"/{GROUPS_FOLDER}/{name}":
+        return group
+    return None
 
 
 def _group_members(group) -> set:
@@ -1454,7 +1571,12 @@ def main() -> None:
         sys.stdout.write(json.dumps({"error": f"{name}: malformed request ({exc.__class__.__name__})"}) + "\n")
         return
     try:
+        _guard(name, args, request)
         answer = COMMANDS[name](args, request)
+    except Unsafe as exc:
+        answer = {"error": str(exc), "unsafe": {"path": exc.path, "why": exc.why}}
+    except NotARun as exc:
+        answer = {"error": f"no run at {exc} (not a run folder: <workdir>/runs/<run id>[/<node>])"}
     except Exception as exc:  # reported to the controller, which shows it with the node's name
         answer = {"error": f"{name}: {exc.__class__.__name__}: {exc}"}
     sys.stdout.write(json.dumps(answer) + "\n")

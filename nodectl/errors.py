@@ -20,10 +20,13 @@ EXIT_INTERRUPTED = 130
 
 def exit_code_for(results) -> int:
     """The one rule from per-node outcomes (NodeResults) to a command's exit code: 3 when any node could not be
-    reached, 1 when a node answered with an error, else 0."""
+    reached, 2 when a node refused a folder the inventory points at as unsafe (the node-side trust rule), 1 when a
+    node answered with another error, else 0."""
     results = list(results)
     if any(r.unreachable for r in results):
         return EXIT_UNREACHABLE
+    if any(getattr(r.failure, "kind", None) == "unsafe" for r in results):
+        return EXIT_USAGE
     return EXIT_FAILED if any(not r.ok for r in results) else EXIT_OK
 
 

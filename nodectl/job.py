@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, ContextManager, Mapping
 
 from nodectl.remote import sync
-from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE, INTERRUPTED, NodectlError
+from nodectl.errors import INTERRUPTED, NodectlError, exit_code_for
 from nodectl.inventory import Inventory
 from nodectl.remote.start import NodeStart, settle_master_port, start_run, survey
 from nodectl.plan import LaunchPlan, build_plan
@@ -83,7 +83,7 @@ class StartFailed(NodectlError):
     def __init__(self, run_id: str, problems: list[NodeResult]) -> None:
         self.run_id, self.problems = run_id, problems
         super().__init__("; ".join(f"{r.node.name}: {r.error}" for r in problems))
-        self.exit_code = EXIT_UNREACHABLE if any(r.unreachable for r in problems) else EXIT_FAILED
+        self.exit_code = exit_code_for(problems)
 
 
 def plan_job(spec: JobSpec) -> Job:

@@ -1,7 +1,8 @@
 """The quick preflight `launch` runs first: refuse to start on a failure, reuse a recent passing report."""
 from __future__ import annotations
 
-from nodectl.errors import RunFailed, UnreachableError
+from nodectl.errors import RunFailed, UnreachableError, UsageError
+from nodectl.preflight.host import UNSAFE_FIX
 from nodectl.inventory import Inventory
 from nodectl.preflight.table import print_report
 from nodectl.preflight.run import reusable, run_preflight, save
@@ -22,6 +23,7 @@ def quick_gate(app, inventory: Inventory, gpus: int | None) -> tuple[dict, dict]
     if report.unreachable or report.failed:
         print_report(app.err, report)
         problem = "; ".join(f"{r.node} {r.check}: {r.detail}" for r in report.failed[:3])
-        error = UnreachableError if report.unreachable else RunFailed
+        unsafe = any(r.check == "workdir" and r.hint == UNSAFE_FIX for r in report.failed)
+        error = UnreachableError if report.unreachable else UsageError if unsafe else RunFailed
         raise error(f"preflight failed, nothing was started ({problem}). Fix it, or --skip-preflight")
     return report.reports, report.to_json()

@@ -243,7 +243,16 @@ def check_workdir(node: str, report: Mapping) -> CheckResult:
         return CheckResult("workdir", node, FAIL, f"{where} cannot be written ({disk.get('write_error')})",
                            "set workdir: in hosts.yaml to a folder the login user owns (e.g. ~/nodectl or a local "
                            "scratch disk), or fix its owner and mode")
+    unsafe = disk.get("unsafe")
+    if isinstance(unsafe, Mapping):
+        return CheckResult("workdir", node, FAIL, f"{unsafe.get('path')} is {unsafe.get('why')}: runs there could be "
+                           f"steered by another user", UNSAFE_FIX)
     return CheckResult("workdir", node, PASS, f"{where} writable")
+
+
+UNSAFE_FIX = ("nodectl keeps its files only in folders the login user owns (mode 0700, no links), under a workdir "
+              "that is that user's or root's (sticky where others may write): remove what another user made there, "
+              "or set workdir: in hosts.yaml to a folder of your own")
 
 
 def check_clock(node: str, report: Mapping) -> CheckResult:

@@ -68,6 +68,8 @@ def _answer(node, command: str, result):
     if answer is None:
         raise AgentError(explain_failure(node, f"`{what}`", result), kind="exited", command=what,
                          exit_code=result.exit_code, last_lines=_printable(result.tail(8)))
+    if answer.get("unsafe"):
+        raise unsafe_error(node, answer)
     if answer.get("error"):
         raise AgentError(f"{node.name}: {_printable(answer['error'])}", command=what, exit_code=result.exit_code)
     try:
@@ -82,13 +84,31 @@ def _printable(text) -> str:
     return visible(str(text)[:2000], colour=False)
 
 
+# The node-side trust rule (runctl.py's `trusted_workdir` and `own_folder`) for the one folder runctl is installed
+# in, before anything is written or run there: the workdir is the login user's or root's (and sticky where others
+# may write), <workdir>/.nodectl is a folder of the login user's, made 0700, not a link. Otherwise one JSON line
+# {"unsafe": {...}} and nothing else happens (a `.nodectl` another user planted as a link to /etc is never chmod-ed
+# or written through). One line, no backslash, no single quote.
+SAFE_FOLDER = ('import os,stat,sys,json;p=sys.argv[1];d=os.path.dirname(p);w=os.path.dirname(d);u=os.getuid();'
+               'r=lambda e:e and (print(json.dumps({"error":" is ".join(e),"unsafe":{"path":e[0],"why":e[1]}})),'
+               'sys.exit(0));os.makedirs(w,0o700,exist_ok=True);W=os.stat(w);'
+               'r(W.st_uid not in (u,0) and [w,"owned by uid %d, not by you (uid %d) or root" % (W.st_uid,u)] or '
+               'W.st_mode&18 and not W.st_mode&512 and [w,"writable by other users without the sticky bit"]);'
+               'os.path.lexists(d) or os.mkdir(d,0o700);s=os.lstat(d);'
+               'r(stat.S_ISLNK(s.st_mode) and [d,"a symbolic link (to %s), not a folder nodectl made" % os.readlink(d)] '
+               'or not stat.S_ISDIR(s.st_mode) and [d,"not a folder"] '
+               'or s.st_uid!=u and [d,"owned by uid %d, not by you (uid %d): another user made it first" % (s.st_uid,u)]);'
+               'os.chmod(d,0o700);')
+
 # Installs runctl (its source comes first on stdin, N bytes) unless this version is there, then runs it in the
-# same process: the first call to a node is one round trip whether runctl was there or not. One line, no
-# backslash, so any login shell passes it through as it is.
-BOOTSTRAP = ('import os,sys;p=sys.argv[1];b=sys.stdin.buffer.read(int(sys.argv[2]));d=os.path.dirname(p);'
-             'os.makedirs(d,0o700,exist_ok=True);os.chmod(d,0o700);t=p+".tmp%d"%os.getpid();'
-             'os.path.exists(p) or (f:=open(t,"wb"),f.write(b),f.close(),os.replace(t,p));'
-             'sys.argv=[p]+sys.argv[3:];exec(compile(b,p,"exec"),{"__name__":"__main__","__file__":p})')
+# same process: the first call to a node is one round trip whether runctl was there or not.
+BOOTSTRAP = SAFE_FOLDER + (
+    'b=sys.stdin.buffer.read(int(sys.argv[2]));t=p+".tmp%d"%os.getpid();'
+    'os.path.exists(p) or (f:=open(t,"wb"),f.write(b),f.close(),os.replace(t,p));'
+    'sys.argv=[p]+sys.argv[3:];exec(compile(b,p,"exec"),{"__name__":"__main__","__file__":p})')
+# Installs runctl anew (the file was missing, or failed VERIFIED's check), under the same rule.
+INSTALL = SAFE_FOLDER + ('b=sys.stdin.buffer.read();t=p+".tmp%d"%os.getpid();f=open(t,"wb");f.write(b);f.close();'
+                         'os.chmod(t,0o600);os.replace(t,p);print(json.dumps({"installed":p}))')
 
 
 def call(transport: Transport, command: str, *args: str, request: dict | None = None,
@@ -132,14 +152,26 @@ def call_stream(transport: Transport, command: str, *args: str, produce, request
 
 
 def _install(transport: Transport, path: str, timeout: float) -> None:
-    folder = quote_path(path.rsplit("/", 1)[0])
-    install = (f"mkdir -p {folder} && chmod 700 {folder} && cat > {quote_path(path)}.tmp$$ && "
-               f"mv {quote_path(path)}.tmp$$ {quote_path(path)}")
-    installed = transport.run(install, stdin=_runctl()[0], timeout=timeout)
-    if not installed.ok:
-        raise AgentError(explain_failure(transport.node, "installing runctl", installed), kind="exited",
+    node = transport.node
+    command = " ".join([quote_path(node.python), "-S", "-c", shlex.quote(INSTALL), quote_path(path)])
+    installed = transport.run(command, stdin=_runctl()[0], timeout=timeout)
+    answer = last_json(installed.stdout)
+    if answer and answer.get("unsafe"):
+        raise unsafe_error(node, answer)
+    if not installed.ok or not answer or "installed" not in answer:
+        raise AgentError(explain_failure(node, "installing runctl", installed), kind="exited",
                          command="installing runctl", exit_code=installed.exit_code,
                          last_lines=_printable(installed.tail(8)))
+
+
+def unsafe_error(node, answer: dict) -> AgentError:
+    """A folder the node-side trust rule refused, with the fix (exit 2: the inventory names an unsafe place)."""
+    unsafe = answer.get("unsafe") if isinstance(answer.get("unsafe"), dict) else {}
+    path, why = _printable(unsafe.get("path", "?")), _printable(unsafe.get("why", answer.get("error", "")))
+    return AgentError(f"{node.name}: refusing to use {path}: it is {why}. nodectl keeps its files only in folders "
+                      f"the login user owns (mode 0700, no links), under a workdir that is that user's or root's (and "
+                      f"sticky where others may write). Remove {path} if it is not yours, or set workdir: in the "
+                      f"inventory to a folder of your own", kind="unsafe")
 
 
 def last_json(stdout: str) -> dict | None:

@@ -15,7 +15,7 @@ from nodectl.container import container_name
 from nodectl.remote import agent
 from nodectl.remote import sync
 from nodectl.remote.collect import share_output
-from nodectl.errors import Cancelled, NodectlError, UnreachableError
+from nodectl.errors import Cancelled, NodectlError, UnreachableError, UsageError
 from nodectl.runs import live_runs_on
 from nodectl.plan import LaunchPlan, NodePlan, with_port
 from nodectl.render import RenderedNode
@@ -74,6 +74,8 @@ def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None
         detail = "; ".join(f"{r.node.name}: {r.error}" for r in failed)
         if any(r.unreachable for r in failed):
             raise UnreachableError(detail)
+        if any(r.failure.kind == "unsafe" for r in failed):
+            raise UsageError(detail)
         raise NodectlError(f"cannot tell whether the nodes share their workdir: {detail}")
     seen: dict[str, list[str]] = {}
     for result in results.values():
