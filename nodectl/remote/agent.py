@@ -1,10 +1,13 @@
-"""Calling launchers/runctl.py on a node: installed once per version under <workdir>/.nodectl/, then called
-with argv and a JSON request on stdin, answering one JSON document."""
+"""Calling runctl (launchers/runctl/) on a node: shipped as one artifact, installed once per version under
+<workdir>/.nodectl/, checked before every call, then called with argv and a JSON request on stdin, answering one
+JSON document."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import shlex
+import zipfile
 from functools import lru_cache
 
 from nodectl.resources import resource_dir
@@ -19,24 +22,38 @@ class AgentError(NodeError):
     """runctl answered with an error, or not with JSON."""
 
 
+MAIN = b"from runctl.dispatch import main\n\nmain()\n"
+
+
 @lru_cache(maxsize=1)
-def _runctl() -> tuple[str, str, str]:
-    """runctl's source, the short hash that names its file on the nodes, and its full sha256."""
-    source = (resource_dir("launchers") / "runctl.py").read_text(encoding="utf-8")
-    digest = hashlib.sha256(source.encode()).hexdigest()
-    return source, digest[:16], digest
+def _runctl() -> tuple[bytes, str, str]:
+    """runctl's artifact: the package launchers/runctl/ as one zip with a __main__ (`python -S FILE` runs it), the
+    short hash that names it on the nodes, and its full sha256. Every controller of one version builds the same
+    bytes: entries in order, fixed times and modes, stored uncompressed."""
+    package = resource_dir("launchers") / "runctl"
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        for name, data in [("__main__.py", MAIN), *((f"runctl/{path.name}", path.read_bytes())
+                                                     for path in sorted(package.glob("*.py")))]:
+            info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+            info.external_attr = 0o644 << 16
+            archive.writestr(info, data)
+    artifact = buffer.getvalue()
+    digest = hashlib.sha256(artifact).hexdigest()
+    return artifact, digest[:16], digest
 
 
 def agent_path(workdir: str) -> str:
-    return f"{workdir.rstrip('/')}/.nodectl/runctl-{_runctl()[1]}.py"
+    return f"{workdir.rstrip('/')}/.nodectl/runctl-{_runctl()[1]}.pyz"
 
 
 MISSING = "NODECTL-RUNCTL-MISSING"
 
 
 # Runs the installed runctl only after checking it, in the same process: the folder and the file are the login
-# user's and writable by nobody else, and the bytes hash to this version's sha256; the bytes checked are the bytes
-# run. A file planted by another user in a shared workdir (a world-writable /tmp/scratch) is never executed: the
+# user's and writable by nobody else, and the bytes hash to this version's sha256. Python's zip import then reads
+# the same file again; between the check and that read only the login user (or root) can change it, since nobody
+# else may write in that folder or to that file. A file planted by another user in a shared workdir (a world-writable /tmp/scratch) is never executed: the
 # marker comes back and runctl is installed anew (or, in a folder that user owns, installing fails and says so).
 # One line without a backslash or a single quote, so any login shell passes it through as it is.
 VERIFIED = ('import hashlib,os,stat,sys;p=sys.argv[1];u=os.getuid();d=os.path.dirname(p);'
@@ -45,7 +62,7 @@ VERIFIED = ('import hashlib,os,stat,sys;p=sys.argv[1];u=os.getuid();d=os.path.di
             'mine=lambda x:x.st_uid==u and not x.st_mode&18;'
             'ok=ok and mine(os.lstat(d)) and mine(s) and hashlib.sha256(b).hexdigest()==sys.argv[2];'
             'ok or (print("' + MISSING + '"),sys.exit(0));'
-            'sys.argv=[p]+sys.argv[3:];exec(compile(b,p,"exec"),{"__name__":"__main__","__file__":p})')
+            'sys.argv=[p]+sys.argv[3:];import runpy;runpy.run_path(p,run_name="__main__")')
 
 
 def _invocation(node, command: str, args: tuple[str, ...]) -> str:
@@ -84,7 +101,7 @@ def _printable(text) -> str:
     return visible(str(text)[:2000], colour=False)
 
 
-# The node-side trust rule (runctl.py's `trusted_workdir` and `own_folder`) for the one folder runctl is installed
+# The node-side trust rule (runctl/common.py's `trusted_workdir` and `own_folder`) for the one folder runctl is installed
 # in, before anything is written or run there: the workdir is the login user's or root's (and sticky where others
 # may write), <workdir>/.nodectl is a folder of the login user's, made 0700, not a link. Otherwise one JSON line
 # {"unsafe": {...}} and nothing else happens (a `.nodectl` another user planted as a link to /etc is never chmod-ed
@@ -100,12 +117,13 @@ SAFE_FOLDER = ('import os,stat,sys,json;p=sys.argv[1];d=os.path.dirname(p);w=os.
                'or s.st_uid!=u and [d,"owned by uid %d, not by you (uid %d): another user made it first" % (s.st_uid,u)]);'
                'os.chmod(d,0o700);')
 
-# Installs runctl (its source comes first on stdin, N bytes) unless this version is there, then runs it in the
-# same process: the first call to a node is one round trip whether runctl was there or not.
+# Installs runctl (the artifact comes first on stdin, N bytes) unless the file there holds exactly those bytes,
+# then runs it in the same process: the first call to a node is one round trip whether runctl was there or not.
 BOOTSTRAP = SAFE_FOLDER + (
     'b=sys.stdin.buffer.read(int(sys.argv[2]));t=p+".tmp%d"%os.getpid();'
-    'os.path.exists(p) or (f:=open(t,"wb"),f.write(b),f.close(),os.replace(t,p));'
-    'sys.argv=[p]+sys.argv[3:];exec(compile(b,p,"exec"),{"__name__":"__main__","__file__":p})')
+    'os.path.isfile(p) and not os.path.islink(p) and open(p,"rb").read()==b or '
+    '(f:=open(t,"wb"),f.write(b),f.close(),os.chmod(t,0o600),os.replace(t,p));'
+    'sys.argv=[p]+sys.argv[3:];import runpy;runpy.run_path(p,run_name="__main__")')
 # Installs runctl anew (the file was missing, or failed VERIFIED's check), under the same rule.
 INSTALL = SAFE_FOLDER + ('b=sys.stdin.buffer.read();t=p+".tmp%d"%os.getpid();f=open(t,"wb");f.write(b);f.close();'
                          'os.chmod(t,0o600);os.replace(t,p);print(json.dumps({"installed":p}))')
@@ -118,7 +136,7 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
     path = agent_path(node.workdir)
     body = json.dumps(request or {})
     if not getattr(transport, "runctl_seen", False):  # first call on this connection: install on the way
-        source = _runctl()[0].encode()
+        source = _runctl()[0]
         bootstrap = " ".join([quote_path(node.python), "-S", "-c", shlex.quote(BOOTSTRAP), quote_path(path),
                               str(len(source)), shlex.quote(command), *_quoted(args)])
         result = transport.run(bootstrap, stdin=source + body.encode(), timeout=timeout)

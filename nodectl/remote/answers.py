@@ -1,6 +1,6 @@
 """What a node answers, parsed once into types.
 
-runctl (launchers/runctl.py) answers each subcommand with one JSON object. `parse(command, raw)` turns it into
+runctl (launchers/runctl/) answers each subcommand with one JSON object. `parse(command, raw)` turns it into
 the dataclass below or raises `AnswerError` naming the field: a node that answers garbage (a broken or a
 hostile one) costs the user one clear error, never a traceback deep in `status` or `top`. The contract test
 (tests/contract/test_node_answers.py) runs the real runctl and probe and parses every answer.

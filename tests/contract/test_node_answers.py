@@ -1,4 +1,4 @@
-"""The contract between the two sides: the real node-side programs (launchers/runctl.py, launchers/probe.py) run
+"""The contract between the two sides: the real node-side programs (launchers/runctl/, launchers/probe.py) run
 here on a local node, and every answer is parsed by the controller's types (nodectl/remote/answers.py) and judged
 by the preflight checks. A key renamed on one side fails here, not silently on a user's cluster."""
 from __future__ import annotations
@@ -125,7 +125,8 @@ def _until(ask, done, timeout: float = 60):
 
 
 def test_every_runctl_command_has_an_answer_type():
-    source = (Path(__file__).resolve().parents[2] / "launchers" / "runctl.py").read_text()
+    source = "".join(path.read_text() for path in (Path(__file__).resolve().parents[2] / "launchers" / "runctl")
+                     .glob("*.py"))
     commands = {line.split("def cmd_", 1)[1].split("(")[0] for line in source.splitlines()
                 if line.startswith("def cmd_")}
     assert commands == set(answers.ANSWERS)

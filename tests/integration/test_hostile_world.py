@@ -57,7 +57,7 @@ def test_run_records_are_private_and_collect_brings_back_no_script_nor_special_f
 
 
 def test_a_runctl_planted_in_a_shared_workdir_is_never_run(tmp_path):
-    """Another user (here: a world-writable folder and foreign bytes) plants runctl-<hash>.py where nodectl will
+    """Another user (here: a world-writable folder and foreign bytes) plants runctl-<hash>.pyz where nodectl will
     look; nodectl replaces it and never executes it."""
     workdir = tmp_path / "scratch"
     inventory = parse_inventory(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
@@ -72,7 +72,7 @@ def test_a_runctl_planted_in_a_shared_workdir_is_never_run(tmp_path):
             [first, second] = [cluster.fan_out(lambda t: agent.call(t, "port", "0"))[0] for _ in range(2)]
         assert first.ok and second.ok and second.value.port > 0, (first, second)
     assert not marker.exists()
-    assert planted.read_bytes() == agent._runctl()[0].encode() and mode(planted.parent) == 0o700
+    assert planted.read_bytes() == agent._runctl()[0] and mode(planted.parent) == 0o700
 
 
 ESCAPER = """\

@@ -71,7 +71,7 @@ def test_top_reads_the_gpus_through_nvidia_smi(tmp_path):
     fake.write_text("#!/bin/sh\necho '0, 97, 70123, 143771, 61, 512.30'\necho '1, 0, 5, 143771, 30, [N/A]'\n")
     fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
-    code = "import sys, json; sys.path.insert(0, sys.argv[1]); import runctl; print(json.dumps(runctl.gpu_sample()))"
+    code = "import sys, json; sys.path.insert(0, sys.argv[1]); from runctl.watch import gpu_sample; print(json.dumps(gpu_sample()))"
     out = subprocess.run([sys.executable, "-c", code, str(REPO / "launchers")], env=env, capture_output=True,
                          text=True, check=True)
     gpus = json.loads(out.stdout)["gpus"]

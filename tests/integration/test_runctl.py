@@ -22,7 +22,7 @@ import runctl  # noqa: E402
 
 def make_run(tmp_path, run_id="20260101-000000-abcd", node_rank=0):
     run_dir = tmp_path / "run"
-    for name in runctl.STATE_DIRS:
+    for name in runctl.common.STATE_DIRS:
         (run_dir / name).mkdir(parents=True, exist_ok=True)
     (run_dir / "node.json").write_text(json.dumps({"run_id": run_id, "node_rank": node_rank, "ranks": [0]}))
     return run_dir
@@ -41,12 +41,12 @@ def test_only_processes_carrying_the_run_id_belong_and_a_reused_group_is_left_al
     try:
         # As after a reboot: the recorded group number now names a stranger's group, launch.sh never exited.
         (run_dir / "state" / "pgid").write_text(str(os.getpgid(stranger.pid)))
-        assert runctl.run_processes(str(run_dir)) == [ours.pid]
-        answer = runctl.cmd_stop([str(run_dir)], {"grace": 2})
+        assert runctl.processes.run_processes(str(run_dir)) == [ours.pid]
+        answer = runctl.stop.cmd_stop([str(run_dir)], {"grace": 2})
         assert answer["terminated"] == 1 and answer["left"] == 0
         assert ours.wait(5) is not None
         assert stranger.poll() is None and other_rank.poll() is None
-        assert not runctl.signal_run_process(stranger.pid, 15, runctl._markers(str(run_dir)))
+        assert not runctl.processes.signal_run_process(stranger.pid, 15, runctl.processes.run_markers(str(run_dir)))
         assert stranger.poll() is None
     finally:
         for proc in (ours, other_rank, stranger):
@@ -83,7 +83,7 @@ def test_pack_survives_checkpoints_rotating_underneath(tmp_path):
     thread.start()
     try:
         for _ in range(40):
-            answer = runctl.cmd_pack([str(run_dir)], {})
+            answer = runctl.collect.cmd_pack([str(run_dir)], {})
             assert answer["entries"] > 0
     finally:
         stop.set()
@@ -96,11 +96,11 @@ def test_pack_survives_checkpoints_rotating_underneath(tmp_path):
 
 
 def test_one_identity_per_workdir_storage(tmp_path):
-    first = runctl.cmd_identity([str(tmp_path / "work")], {})["identity"]
-    assert runctl.cmd_identity([str(tmp_path / "work")], {})["identity"] == first
+    first = runctl.store.cmd_identity([str(tmp_path / "work")], {})["identity"]
+    assert runctl.store.cmd_identity([str(tmp_path / "work")], {})["identity"] == first
     os.symlink(tmp_path / "work", tmp_path / "link")
-    assert runctl.cmd_identity([str(tmp_path / "link")], {})["identity"] == first  # the same disk, other path
-    assert runctl.cmd_identity([str(tmp_path / "other")], {})["identity"] != first
+    assert runctl.store.cmd_identity([str(tmp_path / "link")], {})["identity"] == first  # the same disk, other path
+    assert runctl.store.cmd_identity([str(tmp_path / "other")], {})["identity"] != first
 
 
 def test_port_in_time_wait_counts_as_free_like_for_the_tcp_store():
@@ -114,7 +114,7 @@ def test_port_in_time_wait_counts_as_free_like_for_the_tcp_store():
         accepted.close()  # the server side closes first: its end sits in TIME_WAIT
         client.close()
     time.sleep(0.1)
-    assert runctl.cmd_port([str(port)], {})["free"]
+    assert runctl.net.cmd_port([str(port)], {})["free"]
 
 
 
@@ -135,11 +135,11 @@ def test_store_and_run_files_are_private_whatever_the_source_mode(tmp_path, monk
     if unpacker == "tarfile":
         monkeypatch.setenv("NODECTL_NO_TAR", "1")
     monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=io.BytesIO(upload.getvalue())))
-    assert runctl.cmd_receive([str(workdir)], {}) == {"received": 2, "bytes": len(secret) + len(script)}
+    assert runctl.store.cmd_receive([str(workdir)], {}) == {"received": 2, "bytes": len(secret) + len(script)}
     request = {"workdir": str(workdir), "run_dir": str(run_dir), "rendered": {},
                "files": [{"path": "code/credentials.ini", "sha256": hashlib.sha256(secret).hexdigest(), "mode": 0o644},
                          {"path": "code/bin/run.sh", "sha256": hashlib.sha256(script).hexdigest(), "mode": 0o755}]}
-    runctl.cmd_prepare([], request)
+    runctl.runfolder.cmd_prepare([], request)
     store = workdir / ".nodectl" / "objects"
     assert oct(store.stat().st_mode & 0o777) == "0o700"
     assert {oct(p.stat().st_mode & 0o777) for p in store.iterdir()} == {"0o600"}
@@ -166,23 +166,23 @@ def test_a_code_file_changed_in_place_by_its_run_never_reaches_the_next_run(tmp_
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
         monkeypatch.setattr(sys, "stdin", types.SimpleNamespace(buffer=io.BytesIO(upload.getvalue())))
-        runctl.cmd_receive([str(workdir)], {})
+        runctl.store.cmd_receive([str(workdir)], {})
 
     def prepare(run):
-        runctl.cmd_prepare([], {"workdir": str(workdir), "run_dir": str(workdir / "runs" / run), "rendered": {},
+        runctl.runfolder.cmd_prepare([], {"workdir": str(workdir), "run_dir": str(workdir / "runs" / run), "rendered": {},
                                 "files": [{"path": "code/config.py", "sha256": sha, "mode": 0o644}]})
         return workdir / "runs" / run / "code" / "config.py"
 
     workdir = tmp_path / "work"
     have = {"hashes": [sha], "sizes": {sha: len(data)}}
-    assert runctl.cmd_have([str(workdir)], have)["missing"] == [sha]
+    assert runctl.store.cmd_have([str(workdir)], have)["missing"] == [sha]
     receive()
-    assert runctl.cmd_have([str(workdir)], have)["missing"] == []
+    assert runctl.store.cmd_have([str(workdir)], have)["missing"] == []
     first = prepare("r1")
     assert first.read_bytes() == data
     with open(first, "r+b") as handle:  # the run edits its own file in place, same size
         handle.write(b"LEARNING_RATE = 9e-9")
-    assert runctl.cmd_have([str(workdir)], have)["missing"] == [sha]  # the store's object is no longer trusted
+    assert runctl.store.cmd_have([str(workdir)], have)["missing"] == [sha]  # the store's object is no longer trusted
     receive()
     assert prepare("r2").read_bytes() == data
     assert first.read_bytes().startswith(b"LEARNING_RATE = 9e-9")  # r1 keeps what it wrote
@@ -210,23 +210,23 @@ def test_a_venv_from_wheels_with_pip_then_from_a_node_index_and_drift_is_caught(
     workdir = tmp_path / "work"
     store = workdir / ".nodectl" / "objects"
     store.mkdir(parents=True)
-    sha = runctl._hash_file(str(six_wheel))
+    sha = runctl.store._hash_file(str(six_wheel))
     (store / sha).write_bytes(six_wheel.read_bytes())
     request = {"lock_sha": "1" * 64, "wheels": [{"name": six_wheel.name, "sha256": sha}]}
-    built = runctl.cmd_env_build([str(workdir)], request)
+    built = runctl.envs.cmd_env_build([str(workdir)], request)
     assert built["installer"] == "pip" and built["intact"] and built["reused"] is False
     assert _import_six(built) == "1.17.0"
-    assert runctl.cmd_env_build([str(workdir)], request)["reused"] is True
+    assert runctl.envs.cmd_env_build([str(workdir)], request)["reused"] is True
 
     site = next(Path(built["python_path"]).parent.parent.glob("lib/python3*/site-packages"))
     (site / "six.py").write_text((site / "six.py").read_text() + "\n# by hand\n")
     (site / "extra.py").write_text("")
-    status = runctl.cmd_env_status([str(workdir)], {"lock_sha": "1" * 64})
+    status = runctl.envs.cmd_env_status([str(workdir)], {"lock_sha": "1" * 64})
     assert status["present"] and not status["intact"]
     env_path = Path(status["path"])
     assert status["changed"] == [str((site / "six.py").relative_to(env_path))]
     assert status["added"] == [str((site / "extra.py").relative_to(env_path))]
-    again = runctl.cmd_env_build([str(workdir)], request)
+    again = runctl.envs.cmd_env_build([str(workdir)], request)
     assert again["reused"] is False and again["replaced"].endswith(".drifted") and again["intact"]
     assert "# by hand" not in (site / "six.py").read_text()
 
@@ -234,7 +234,7 @@ def test_a_venv_from_wheels_with_pip_then_from_a_node_index_and_drift_is_caught(
     index.mkdir(parents=True)
     (index / six_wheel.name).write_bytes(six_wheel.read_bytes())
     (index / "index.html").write_text(f'<a href="{six_wheel.name}">{six_wheel.name}</a>\n')
-    online = runctl.cmd_env_build([str(workdir)], {"lock_sha": "2" * 64, "index": f"file://{tmp_path}/simple",
+    online = runctl.envs.cmd_env_build([str(workdir)], {"lock_sha": "2" * 64, "index": f"file://{tmp_path}/simple",
                                                    "requirements": "six==1.17.0\n"})
     assert online["installer"] == "pip (node's index)" and _import_six(online) == "1.17.0"
     assert online["key"] != built["key"]

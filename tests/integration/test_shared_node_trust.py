@@ -123,7 +123,7 @@ def test_a_crafted_cgroup_record_never_makes_stop_signal_another_process(tmp_pat
     (run_dir / "state" / "cgroup").write_text(json.dumps({"dir": "/sys/fs/cgroup", "key": "", "path": ""}))
     victim = subprocess.Popen(["sleep", "60"])
     try:
-        answer = subprocess.run([sys.executable, str(REPO / "launchers" / "runctl.py"), "stop", str(run_dir)],
+        answer = subprocess.run([sys.executable, "-m", "runctl", "stop", str(run_dir)], cwd=REPO / "launchers",
                                 input='{"grace": 1}', capture_output=True, text=True, timeout=60)
         reply = json.loads(answer.stdout.strip().splitlines()[-1])
         assert reply.get("terminated") == 0 and reply.get("left") == 0, reply

@@ -88,11 +88,12 @@ def test_no_import_cycle_among_nodectl_modules():
 
 
 def test_no_private_name_is_imported_across_modules():
-    for package in ("nodectl", "trainer"):
+    for package in ("nodectl", "trainer", "launchers/runctl"):
         for name, path in package_modules(package).items():
             tree = ast.parse(path.read_text())
             for node in ast.walk(tree):
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(package):
+                if isinstance(node, ast.ImportFrom) and node.module and \
+                        node.module.startswith(package.rsplit("/", 1)[-1]):
                     private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
                     assert not private, f"{name} imports private {private} from {node.module}"
 

@@ -17,7 +17,7 @@ def drain(path, stream: LogStream, rank: int = 0, polls: int = 500) -> None:
     """Poll the way `launch` does: runctl reads from the stream's offset, the stream takes what came back."""
     for _ in range(polls):
         offset = stream.offsets[rank]
-        new, text = runctl._read_from(str(path), offset)
+        new, text = runctl.watch._read_from(str(path), offset)
         if new == offset:
             return
         stream.feed({"n": NodeResult(None, value=poll_answer({"logs": {str(rank): {"from": offset, "offset": new, "text": text}}}))})

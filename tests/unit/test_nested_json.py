@@ -14,7 +14,7 @@ from nodectl.remote.agent import last_json
 from nodectl.runs import Run
 
 DEEP = "[" * 100_000 + "]" * 100_000
-RUNCTL = Path(__file__).resolve().parents[2] / "launchers" / "runctl.py"
+LAUNCHERS = Path(__file__).resolve().parents[2] / "launchers"
 
 
 def test_a_node_answer_nested_too_deep_is_no_answer():
@@ -31,8 +31,8 @@ def test_a_run_record_nested_too_deep_is_unreadable_not_a_traceback(tmp_path):
 
 @pytest.mark.parametrize("request_text", ['{"a": ' + DEEP + "}", "[1, 2]"])
 def test_runctl_answers_a_malformed_request_with_an_error(tmp_path, request_text):
-    proc = subprocess.run([sys.executable, str(RUNCTL), "poll", str(tmp_path)], input=request_text,
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-m", "runctl", "poll", str(tmp_path)], input=request_text,
+                          capture_output=True, text=True, timeout=60, cwd=LAUNCHERS)
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-500:]
     assert json.loads(proc.stdout.splitlines()[-1]) == {"error": "poll: malformed request ("
                                                        f"{'RecursionError' if 'a' in request_text else 'ValueError'})"}

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # nodectl launch script for run 20260101-000000-abcd, node 1 of 2 (node1).
-# Rendered by nodectl 0.1.0. Started by runctl.py in a session of its own; every value below is quoted.
+# Rendered by nodectl 0.1.0. Started by runctl in a session of its own; every value below is quoted.
 set -uo pipefail
 RUN_DIR="$HOME"/nodectl/runs/20260101-000000-abcd
-# Every process still below this script: runctl.py made it a subreaper, so the run's orphans (a rank's child
+# Every process still below this script: runctl made it a subreaper, so the run's orphans (a rank's child
 # that double-forked, called setsid and shed its environment) come here, and so do their own children.
 # Called as $(run_tree "$BASHPID"): the command substitution's own shell, and its ps and awk, are left out.
 run_tree() {

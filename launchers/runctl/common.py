@@ -1,0 +1,140 @@
+"""What every job shares: reading and writing the run folder's files, the node-side trust rule, quiet subprocesses."""
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+
+
+STATE_DIRS = ("code", "lib", "logs", "state", "heartbeat", "stacks", "output", "flight", "timing", "metrics")
+READ_LIMIT = 256 * 1024
+
+
+# The node-side trust rule, in this one place: runctl acts as the login user (often root) on what it finds under
+# the workdir, so every folder it keeps there (.nodectl/ and its store, venvs and tools; runs/, each run folder)
+# is made by it with mode 0700, is never reached through a link, and is the login user's, writable by nobody
+# else. The workdir itself (a folder the user named, perhaps through a link) is the login user's or root's, and
+# where others may write in it (a shared /scratch), it has the sticky bit, so nobody else can rename or remove
+# what nodectl keeps there. Inside folders that hold, no other user can plant, swap or link a file, so what a run
+# folder holds (node.json, state/, flight/, logs/) was written by this user's runs. Anything else is refused,
+# before it is used, naming the folder, its owner and the fix.
+class Unsafe(Exception):
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path} is {why}")
+        self.path, self.why = path, why
+
+
+class NotARun(Exception):
+    """A path that is not shaped as a run folder: runctl acts on none (a record may name any path)."""
+
+
+def _owner(uid: int) -> str:
+    try:
+        import pwd
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def trusted_workdir(workdir: str, create: bool = True) -> bool:
+    """Whether the workdir exists (made 0700 when missing and `create`); Unsafe when another user could swap what
+    nodectl keeps in it."""
+    if create:
+        os.makedirs(workdir, mode=0o700, exist_ok=True)
+    try:
+        info = os.stat(workdir)   # the workdir may be reached through a link the user chose
+    except FileNotFoundError:
+        return False
+    if info.st_uid not in (os.getuid(), 0):
+        raise Unsafe(workdir, f"owned by {_owner(info.st_uid)}, not by you ({_owner(os.getuid())}) or root: that user "
+                              f"could rename or replace what nodectl keeps in it")
+    if info.st_mode & 0o022 and not info.st_mode & stat.S_ISVTX:
+        raise Unsafe(workdir, f"writable by other users (mode {oct(info.st_mode & 0o7777)}) without the sticky bit: "
+                              f"they could rename or replace what nodectl keeps in it")
+    return True
+
+
+def own_folder(path: str, create: bool = True) -> bool:
+    """A folder nodectl keeps: made 0700 when missing (and `create`), else checked. False when it is missing."""
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if stat.S_ISLNK(info.st_mode):
+        raise Unsafe(path, f"a symbolic link (to {os.readlink(path)}), not a folder nodectl made: another user may "
+                           f"have planted it")
+    if not stat.S_ISDIR(info.st_mode):
+        raise Unsafe(path, "not a folder")
+    if info.st_uid != os.getuid():
+        raise Unsafe(path, f"owned by {_owner(info.st_uid)}, not by you ({_owner(os.getuid())}): another user made it "
+                           f"first")
+    if info.st_mode & 0o022:   # the user's own, made wider by a umask of 002 (an older nodectl's): narrowed
+        os.chmod(path, 0o700)
+    return True
+
+
+def trusted_path(workdir: str, parts: tuple, create: bool = True) -> str:
+    """<workdir>/<parts...>, the workdir and each folder below it checked (and made, with `create`)."""
+    workdir = os.path.expanduser(workdir)
+    path = workdir
+    if trusted_workdir(workdir, create):
+        for part in parts:
+            path = os.path.join(path, part)
+            if not own_folder(path, create):
+                break
+    return os.path.join(workdir, *parts)
+
+
+def trusted_run_dir(run_dir: str, create: bool = False) -> str:
+    """A run folder, <workdir>/runs/<run id>[/<node>], with the rule applied from the workdir down."""
+    run_dir = os.path.expanduser(run_dir).rstrip("/")
+    parts = run_dir.split("/")
+    for depth in (1, 2):   # <run id>, or <run id>/<node> where nodes share a workdir's disk
+        if len(parts) > depth + 1 and parts[-depth - 1] == "runs" and all(p not in ("", ".", "..") for p in parts[-depth:]):
+            workdir = "/".join(parts[:-depth - 1]) or "/"
+            return trusted_path(workdir, ("runs", *parts[-depth:]), create)
+    raise NotARun(run_dir)
+
+
+def read_json(path: str, default=None):
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except (OSError, ValueError, RecursionError):   # deeply nested JSON is malformed, not a crash
+        return default
+
+
+def write_file(path: str, text: str, mode: int = 0o644) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.write(text)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def quiet(argv: list, timeout: float, stdin: str | None = None) -> tuple:
+    """(exit code, stdout, stderr) of a command run without a shell; 127 when it is missing, 124 on timeout."""
+    try:
+        proc = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=timeout)
+    except FileNotFoundError:
+        return 127, "", f"{argv[0]}: not found"
+    except subprocess.TimeoutExpired:
+        return 124, "", f"{' '.join(argv[:3])} did not answer within {timeout:.0f} s"
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def last_json(text: str):
+    for line in reversed(text.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except (ValueError, RecursionError):
+                continue
+    return None

@@ -1,0 +1,181 @@
+"""Locked environments: venvs built from wheels in the store, their drift found."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from runctl.common import read_json, write_file
+from runctl.runfolder import place_file
+from runctl.store import STREAM_BUFFER
+
+
+# Locked environments (hosts.yaml `environment:`, nodectl/environment.py): one venv per node per lock, built from
+# wheels the controller fetched and sent through the object store, under <workdir>/.nodectl/envs/<key>/, where the
+# key is the lock's hash with this interpreter's version and platform. Its manifest (every file's size and mtime,
+# bytecode caches aside) is what later launches compare against: a changed, added or removed file is drift.
+ENV_INFO, ENV_MANIFEST = "nodectl-env.json", "nodectl-manifest.json"
+
+
+def _platform() -> dict:
+    import platform
+
+    libc, version = platform.libc_ver()
+    return {"python": "{}.{}".format(*sys.version_info[:2]), "implementation": sys.implementation.name,
+            "machine": platform.machine(), "libc": libc or "", "libc_version": version or "",
+            "executable": sys.executable}
+
+
+def _env_key(lock_sha: str, facts: dict) -> str:
+    ident = "|".join([lock_sha, facts["implementation"], facts["python"], facts["machine"], facts["libc"],
+                      facts["libc_version"]])
+    return hashlib.sha256(ident.encode()).hexdigest()[:16]
+
+
+def _env_files(env_dir: str) -> dict:
+    """relative path -> [size, mtime_ns] of every file and link of a venv, bytecode caches aside (Python writes
+    them on first import) and nodectl's own two files aside."""
+    found = {}
+    for folder, dirs, names in os.walk(env_dir):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in names:
+            if name.endswith(".pyc") or folder == env_dir and name in (ENV_INFO, ENV_MANIFEST):
+                continue
+            path = os.path.join(folder, name)
+            info = os.lstat(path)
+            found[os.path.relpath(path, env_dir)] = [info.st_size, info.st_mtime_ns]
+    return found
+
+
+def _env_state(env_dir: str) -> dict:
+    info = read_json(os.path.join(env_dir, ENV_INFO))
+    if not isinstance(info, dict):
+        return {"present": False}
+    built = read_json(os.path.join(env_dir, ENV_MANIFEST), {}) or {}
+    now = _env_files(env_dir)
+    changed = sorted(p for p in built if p in now and now[p] != built[p])
+    added, removed = sorted(set(now) - set(built)), sorted(set(built) - set(now))
+    return {"present": True, "intact": not (changed or added or removed), "built": info.get("built"),
+            "packages": info.get("packages"), "installer": info.get("installer"), "seconds": info.get("seconds"),
+            "changed": changed[:5], "added": added[:5], "removed": removed[:5],
+            "drift": len(changed) + len(added) + len(removed)}
+
+
+def cmd_env_status(args: list, request: dict) -> dict:
+    """This node's interpreter and platform, the key of the lock's venv here, and that venv's state."""
+    facts = _platform()
+    key = _env_key(request["lock_sha"], facts)
+    env_dir = os.path.join(os.path.expanduser(args[0]), ".nodectl", "envs", key)
+    return dict(facts, key=key, path=env_dir, python_path=os.path.join(env_dir, "bin", "python"),
+                **_env_state(env_dir))
+
+
+def _uv_cache(workdir: str) -> str:
+    return os.path.join(workdir, ".nodectl", "uv-cache")
+
+
+def _uv_binary(workdir: str, store: str, wheel: dict) -> str:
+    """uv's executable, taken once from its wheel (a zip; the controller sent it for this platform)."""
+    import zipfile
+
+    tools = os.path.join(workdir, ".nodectl", "tools")
+    target = os.path.join(tools, "uv-" + wheel["sha256"][:16])
+    if os.path.isfile(target):
+        return target
+    os.makedirs(tools, mode=0o700, exist_ok=True)
+    with zipfile.ZipFile(os.path.join(store, wheel["sha256"])) as archive:
+        name = next(n for n in archive.namelist() if n.endswith(".data/scripts/uv"))
+        tmp = f"{target}.{os.getpid()}.tmp"
+        with archive.open(name) as source, open(tmp, "wb") as sink:
+            shutil.copyfileobj(source, sink, STREAM_BUFFER)
+    os.chmod(tmp, 0o700)
+    os.replace(tmp, target)
+    return target
+
+
+def cmd_env_build(args: list, request: dict) -> dict:
+    """The lock's venv on this node: reused when present and unchanged; else (re)built from the wheels in the
+    object store with uv (sent by the controller) or the interpreter's own venv and pip, offline. `index` installs
+    from the node's own package index instead. One build at a time per key (a lock file), in place (a venv is not
+    relocatable) with its info file written last, so a build cut midway is never taken for a finished one."""
+    import fcntl
+
+    workdir = os.path.expanduser(args[0])
+    facts = _platform()
+    key = _env_key(request["lock_sha"], facts)
+    envs = os.path.join(workdir, ".nodectl", "envs")
+    env_dir = os.path.join(envs, key)
+    os.makedirs(envs, mode=0o700, exist_ok=True)
+    with open(os.path.join(envs, key + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = _env_state(env_dir)
+        if state.get("present") and state.get("intact"):
+            return dict(facts, **state, key=key, python_path=os.path.join(env_dir, "bin", "python"), reused=True)
+        replaced = None
+        if state.get("present"):   # drifted: kept aside for a look (the last one only), never used again
+            replaced = f"{env_dir}.drifted"
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(env_dir, replaced)
+            shutil.rmtree(_uv_cache(workdir), ignore_errors=True)   # it may hold the changed bytes (hard links)
+        shutil.rmtree(env_dir, ignore_errors=True)   # a build cut midway (no info file)
+        started = time.time()
+        try:
+            installer, packages = _build_env(workdir, env_dir, request)
+        except Exception:
+            shutil.rmtree(env_dir, ignore_errors=True)
+            raise
+        seconds = round(time.time() - started, 2)
+        write_file(os.path.join(env_dir, ENV_MANIFEST), json.dumps(_env_files(env_dir)))
+        write_file(os.path.join(env_dir, ENV_INFO), json.dumps({"key": key, "lock_sha": request["lock_sha"],
+                                                            "built": time.time(), "installer": installer,
+                                                            "packages": packages, "seconds": seconds, **facts}))
+    return dict(facts, **_env_state(env_dir), key=key, python_path=os.path.join(env_dir, "bin", "python"),
+                reused=False, replaced=replaced)
+
+
+def _build_env(workdir: str, env_dir: str, request: dict) -> tuple:
+    store = os.path.join(workdir, ".nodectl", "objects")
+    python = os.path.join(env_dir, "bin", "python")
+    wheels = request.get("wheels") or []
+    folder = os.path.join(workdir, ".nodectl", "wheels")
+    os.makedirs(folder, mode=0o700, exist_ok=True)
+    paths = []
+    for wheel in wheels:   # the store names objects by hash; installers need the wheel's file name
+        path = os.path.join(folder, wheel["name"])
+        if not (os.path.exists(path) and os.path.samefile(path, os.path.join(store, wheel["sha256"]))):
+            place_file(os.path.join(store, wheel["sha256"]), path, 0o600)
+        paths.append(path)
+    uv = _uv_binary(workdir, store, request["uv"]) if request.get("uv") else None
+    # uv unpacks each wheel once into its cache on the node and hard-links the venv's files from there: a venv
+    # for a changed lock costs the changed packages only, and no second copy of the disk. A file edited in place
+    # in one venv is then edited in the cache too, so a drifted venv empties the cache first (cmd_env_build).
+    env = dict(os.environ, UV_CACHE_DIR=_uv_cache(workdir), UV_LINK_MODE="hardlink", UV_NO_PROGRESS="1",
+               PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_CACHE_DIR="1")
+    env.pop("VIRTUAL_ENV", None)
+    if request.get("index"):
+        if request["index"] != "default":   # in pip's environment, never its argv (`ps` shows argv to every user)
+            env["PIP_INDEX_URL"] = request["index"]
+        requirements = os.path.join(folder, "requirements-" + request["lock_sha"][:16] + ".txt")
+        write_file(requirements, request["requirements"], 0o600)
+        steps = [[sys.executable, "-m", "venv", env_dir],
+                 [python, "-m", "pip", "install", "-q",
+                  "-r", requirements]]
+        installer = "pip (node's index)"
+    elif uv:
+        steps = [[uv, "venv", "-q", "--python", sys.executable, env_dir],
+                 [uv, "pip", "install", "-q", "--python", python, "--offline", "--no-index", "--no-deps", *paths]]
+        installer = "uv"
+    else:
+        steps = [[sys.executable, "-m", "venv", env_dir],
+                 [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", *paths]]
+        installer = "pip"
+    for argv in steps:
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{os.path.basename(argv[0])} {argv[1]} failed ({proc.returncode}): "
+                               f"{(proc.stderr or proc.stdout).strip()[-800:]}")
+    return installer, len(wheels) or None

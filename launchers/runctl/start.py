@@ -1,0 +1,38 @@
+"""Starting launch.sh detached, in a session and a cgroup of its own."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+from runctl.common import read_json, write_file
+from runctl.processes import become_subreaper, in_group, join_group, new_run_group, remove_group
+
+
+def cmd_start(args: list, request: dict) -> dict:
+    """Start launch.sh detached in its own session; it survives the SSH connection that started it."""
+    run_dir = os.path.expanduser(args[0])
+    node = read_json(os.path.join(run_dir, "node.json"))
+    if os.path.exists(os.path.join(run_dir, "state", "pgid")):
+        return {"error": f"{run_dir} was already started"}
+    env = dict(os.environ, NODECTL_RUN_ID=node["run_id"], NODECTL_NODE_RANK=str(node["node_rank"]))
+    group = new_run_group(f"{node['run_id']}-{node['node_rank']}")
+
+    def enter() -> None:
+        become_subreaper()
+        if group:
+            join_group(group)
+
+    with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as log:
+        proc = subprocess.Popen(["/bin/bash", os.path.join(run_dir, "launch.sh")], cwd=run_dir, env=env,
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, preexec_fn=enter)
+    tracked = bool(group) and in_group(proc.pid, group)
+    if tracked:
+        write_file(os.path.join(run_dir, "state", "cgroup"), json.dumps(group), 0o600)
+    else:
+        remove_group(group)
+    write_file(os.path.join(run_dir, "state", "pgid"), str(proc.pid))
+    write_file(os.path.join(run_dir, "state", "started"), str(time.time()))
+    return {"pgid": proc.pid, "tracked_by": "cgroup" if tracked else "subreaper"}

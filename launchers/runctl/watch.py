@@ -1,0 +1,157 @@
+"""A run's state and its logs: poll, tail, a GPU sample, the uploader's record."""
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from runctl.common import READ_LIMIT, read_json
+from runctl.processes import belongs, is_zombie, run_markers, run_processes
+
+
+def rank_state(run_dir: str, rank: int, now: float, markers: tuple) -> dict:
+    state = {"rank": rank, "exit": read_json(os.path.join(run_dir, "state", f"rank{rank}.exit"))}
+    try:
+        with open(os.path.join(run_dir, "state", f"rank{rank}.pid"), encoding="utf-8") as handle:
+            pid = int(handle.read())
+        state["pid"], state["alive"] = pid, belongs(pid, markers) and not is_zombie(pid)
+    except (OSError, ValueError):
+        state["pid"], state["alive"] = None, False
+    heartbeat = read_json(os.path.join(run_dir, "heartbeat", f"rank{rank}.json"))
+    if isinstance(heartbeat, dict):
+        state["heartbeat"] = heartbeat
+        state["heartbeat_age"] = round(now - float(heartbeat.get("time", now)), 1)
+    log = os.path.join(run_dir, "logs", f"rank{rank}.log")
+    state["log_size"] = os.path.getsize(log) if os.path.exists(log) else 0
+    return state
+
+
+LINE_MAX = 16 * 1024
+
+
+def _read_from(path: str, offset: int) -> tuple:
+    """(new offset, text) of a log from `offset`: whole lines, up to READ_LIMIT bytes, or what there is at the
+    end of the file. A line longer than READ_LIMIT is never waited for (that stalled the stream for good): it is
+    shortened to LINE_MAX characters with a marker, keeping its latest \\r state (a progress bar), else its start."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(offset)
+            data = handle.read(READ_LIMIT)
+            if len(data) < READ_LIMIT:
+                return offset + len(data), data.decode("utf-8", errors="replace")
+            cut = data.rfind(b"\n") + 1
+            if cut:
+                return offset + cut, data[:cut].decode("utf-8", errors="replace")
+            end = _next_newline(handle, offset + len(data))
+            stop = end if end is not None else os.fstat(handle.fileno()).st_size
+            handle.seek(max(offset, stop - LINE_MAX))
+            tail = handle.read(stop - max(offset, stop - LINE_MAX))
+    except OSError:
+        return offset, ""
+    if b"\r" in tail:
+        kept = tail.rsplit(b"\r", 1)[-1]  # a progress bar: its latest state
+    elif b"\r" in data:
+        kept = tail
+    else:
+        kept = data[:LINE_MAX]
+    marker = f" [line cut by nodectl: {stop - offset} bytes]"
+    text = kept[:LINE_MAX].decode("utf-8", errors="replace") + marker
+    return (end + 1, text + "\n") if end is not None else (stop, text)
+
+
+def _next_newline(handle, position: int):
+    """The offset of the next newline at or after `position`, or None at the end of the file."""
+    handle.seek(position)
+    while True:
+        block = handle.read(1 << 20)
+        if not block:
+            return None
+        found = block.find(b"\n")
+        if found >= 0:
+            return position + found
+        position += len(block)
+
+
+GPU_FIELDS = ("index", "utilization.gpu", "memory.used", "memory.total", "temperature.gpu", "power.draw")
+GPU_KEYS = ("index", "util", "mem_used_mib", "mem_total_mib", "temp_c", "power_w")
+
+
+def gpu_sample() -> dict:
+    """Every GPU of the node through nvidia-smi (part of every driver install): {"gpus": [...]} or {"error": ...}."""
+    try:
+        proc = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_FIELDS)}", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=10)
+    except FileNotFoundError:
+        return {"error": "nvidia-smi not found (no NVIDIA driver on this node)"}
+    except subprocess.TimeoutExpired:
+        return {"error": "nvidia-smi did not answer within 10 s"}
+    if proc.returncode != 0:
+        return {"error": f"nvidia-smi failed: {(proc.stderr or proc.stdout).strip()[:200]}"}
+    gpus = []
+    for line in proc.stdout.splitlines():
+        cells = [cell.strip() for cell in line.split(",")]
+        if len(cells) != len(GPU_KEYS):
+            continue
+        row = {}
+        for key, cell in zip(GPU_KEYS, cells):
+            try:
+                row[key] = int(cell) if key == "index" else float(cell)
+            except ValueError:  # [N/A], [Not Supported]
+                row[key] = None
+        gpus.append(row)
+    return {"gpus": gpus}
+
+
+def cmd_poll(args: list, request: dict) -> dict:
+    """The node's state for one run, plus new log text for the ranks asked for (from their offsets)."""
+    run_dir, now = os.path.expanduser(args[0]), time.time()
+    node = read_json(os.path.join(run_dir, "node.json"))
+    if node is None:
+        return {"error": f"no run at {run_dir}"}
+    pids = run_processes(run_dir)
+    answer = {"now": now, "node_rank": node["node_rank"], "alive": len(pids),
+              "launcher_exit": read_json(os.path.join(run_dir, "state", "launcher.exit")),
+              "started": os.path.exists(os.path.join(run_dir, "state", "pgid")),
+              "stopped": os.path.exists(os.path.join(run_dir, "state", "stopped")),
+              "ranks": [rank_state(run_dir, rank, now, run_markers(run_dir)) for rank in node["ranks"]], "logs": {}}
+    for rank, offset in (request.get("offsets") or {}).items():
+        new_offset, text = _read_from(os.path.join(run_dir, "logs", f"rank{rank}.log"), int(offset))
+        answer["logs"][rank] = {"from": int(offset), "offset": new_offset, "text": text}
+    if request.get("gpus"):
+        answer["gpu_sample"] = gpu_sample()
+    upload = read_json(os.path.join(run_dir, "state", "upload.json"))
+    if isinstance(upload, dict):
+        answer["upload"] = _upload_state(upload, now, run_markers(run_dir))
+    return answer
+
+
+def _upload_state(upload: dict, now: float, markers: tuple) -> dict:
+    """The uploader's own record, with the one thing it cannot say itself: that it is gone before its last round
+    (killed, or the node ran out of memory). Its pid counts only while that process is still this run's."""
+    pid = upload.get("pid")
+    if upload.get("final") or not isinstance(pid, int) or isinstance(pid, bool):
+        return upload
+    if belongs(pid, markers) and not is_zombie(pid):
+        return upload
+    return dict(upload, error=f"the uploader (pid {pid}) ended before its last round (killed?): what it had not "
+                              f"sent is not in the bucket, and nothing half-sent is taken; `launch --resume` starts "
+                              f"a new one", error_time=upload.get("error_time") or now)
+
+
+def cmd_tail(args: list, request: dict) -> dict:
+    """The last `lines` lines of each rank's log, with the offset a follower continues from."""
+    run_dir = os.path.expanduser(args[0])
+    lines, out = int(request.get("lines", 20)), {}
+    for rank in request["ranks"]:   # "launcher": torchrun's own log (launch.sh's output)
+        name = "launcher.log" if rank == "launcher" else f"rank{int(rank)}.log"
+        path = os.path.join(run_dir, "logs", name)
+        try:
+            size = os.path.getsize(path)
+            with open(path, "rb") as handle:
+                handle.seek(max(0, size - 64 * 1024 * max(1, lines // 100 + 1)))
+                text = handle.read().decode("utf-8", errors="replace")
+        except OSError:
+            size, text = 0, ""
+        kept = text.splitlines()[-lines:] if lines > 0 else []
+        out[str(rank)] = {"offset": size, "text": "\n".join(kept) + ("\n" if kept else "")}
+    return {"logs": out}
