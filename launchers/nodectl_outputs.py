@@ -262,6 +262,7 @@ class Uploader:
             self._attempt_round(final=False)
             self.wake.wait(self.every)
             self.wake.clear()
+        self.state["ended"] = True   # its last round was tried (its error, if any, says how it went)
         self._attempt_round(final=True)
         return 0
 
