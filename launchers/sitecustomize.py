@@ -170,8 +170,12 @@ def _chain() -> None:
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
         return
+    module = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+        spec.loader.exec_module(module)
+        # `import sitecustomize` in the program now gives the program's own module, not this one (the import
+        # system takes what sys.modules holds once this file has run)
+        sys.modules["sitecustomize"] = module
     except Exception as exc:  # noqa: BLE001 - what site.py does with a failing sitecustomize
         print(f"Error in sitecustomize ({spec.origin}); set PYTHONVERBOSE for traceback:\n"
               f"{type(exc).__name__}: {exc}", file=sys.stderr)

@@ -19,7 +19,15 @@ from typing import Any, Callable
 
 RUNTIMES = ("docker", "podman", "apptainer", "enroot")
 NAMED = ("docker", "podman", "enroot")     # runtimes whose containers have names, and are removed by name
-KEYS = {"image", "runtime", "python", "mounts", "options"}
+KEYS = {"image", "runtime", "python", "mounts", "options", "allow_privileged"}
+# Options that widen what the container may do to the node beyond what nodectl renders (host network, IPC and
+# process table, the GPUs, /dev/infiniband): refused unless the inventory says allow_privileged: true.
+PRIVILEGED = ("--privileged", "--cap-add", "--security-opt", "--device", "--device-cgroup-rule", "--userns", "--uts",
+              "--cgroupns", "--cgroup-parent", "--volume", "-v", "--mount", "--volumes-from", "--user", "-u",
+              "--group-add", "--add-host", "--sysctl", "--fakeroot", "--writable", "--rw", "--root")
+# Mount sources that hand the container the node itself: its root, its system folders, a runtime's socket.
+PRIVILEGED_SOURCES = ("/", "/etc", "/root", "/boot", "/proc", "/sys", "/dev", "/var/run", "/run", "/usr", "/bin",
+                      "/sbin", "/lib", "/var/lib/docker", "/var/lib/containers")
 CONTAINER_NAME_MAX = 200
 
 
@@ -30,6 +38,7 @@ class Container:
     python: str = "python3"                # the interpreter inside the image
     mounts: tuple[str, ...] = ()           # extra SOURCE:TARGET[:OPTIONS], as the runtime writes them
     options: tuple[str, ...] = ()          # extra words for the runtime's run command, before the image
+    allow_privileged: bool = False         # options and mounts that widen the container's reach are allowed
 
     @property
     def gpu_options(self) -> tuple[str, ...]:
@@ -40,7 +49,7 @@ class Container:
 
     def to_json(self) -> dict:
         return {"image": self.image, "runtime": self.runtime, "python": self.python, "mounts": list(self.mounts),
-                "options": list(self.options)}
+                "options": list(self.options), "allow_privileged": self.allow_privileged}
 
 
 def container_name(run_id: str, node_name: str) -> str:
@@ -80,7 +89,25 @@ def parse(value: Any, label: str, fail: Callable[[str, str], None]) -> Container
     for mount in lists["mounts"]:
         if ":" not in mount or not mount.split(":", 1)[0].startswith("/"):
             fail(f"{label}.mounts", f"SOURCE:TARGET[:OPTIONS] with an absolute SOURCE, got {mount!r}")
-    return Container(image=value["image"], runtime=runtime, python=value.get("python", "python3"), **lists)
+    allowed = value.get("allow_privileged", False)
+    if not isinstance(allowed, bool):
+        fail(f"{label}.allow_privileged", f"true or false, got {allowed!r}")
+    if not allowed:
+        for option in lists["options"]:
+            name = option.split("=", 1)[0]
+            if name in PRIVILEGED or (name[:2] in ("-v", "-u") and not name.startswith("--")):   # -v/:/host too
+                fail(f"{label}.options", f"no {name}: it widens what the container may do to the node (its "
+                                         f"devices, capabilities, namespaces or files; mounts go under mounts:); "
+                                         f"set allow_privileged: true for this container if you mean it")
+        for mount in lists["mounts"]:
+            source = "/" + mount.split(":", 1)[0].strip("/")
+            if any(source == p or (p != "/" and source.startswith(p + "/")) for p in PRIVILEGED_SOURCES) or \
+                    source.endswith((".sock", "/docker.sock", "/podman.sock")):
+                fail(f"{label}.mounts", f"not {mount.split(':', 1)[0]!r}: it hands the container the node's own "
+                                        f"system (root, system folders or a runtime's socket); mount your data "
+                                        f"folders, or set allow_privileged: true if you mean it")
+    return Container(image=value["image"], runtime=runtime, python=value.get("python", "python3"),
+                     allow_privileged=allowed, **lists)
 
 
 def merge(defaults: Any, node: Any) -> Any:

@@ -82,7 +82,7 @@ class StartFailed(NodectlError):
 
     def __init__(self, run_id: str, problems: list[NodeResult]) -> None:
         self.run_id, self.problems = run_id, problems
-        super().__init__("; ".join(f"{r.node.name}: {r.error}" for r in problems))
+        super().__init__("; ".join(r.said for r in problems))
         self.exit_code = exit_code_for(problems)
 
 
@@ -168,7 +168,7 @@ def start_job(job: Job, run: Run, cluster: Cluster, *, grace: float, cancel: thr
         return [r.value for r in results]
     run.set_node_states(started)
     stop_run(run, cluster, grace, RunState.FAILED_TO_START, progress=progress, remove_unstarted=True,
-             failure={"kind": "start", "description": "; ".join(f"{r.node.name}: {r.error}" for r in problems)})
+             failure={"kind": "start", "description": "; ".join(r.said for r in problems)})
     raise StartFailed(job.run_id, problems)
 
 

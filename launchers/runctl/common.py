@@ -102,17 +102,40 @@ def trusted_run_dir(run_dir: str, create: bool = False) -> str:
     raise NotARun(run_dir)
 
 
+def open_run_file(path: str, text: bool = True):
+    """A file of a run folder, opened for reading only when it is a regular file reached without a link: what a
+    rank (or a container's root) leaves in its folder is never a way to make runctl read /etc/shadow or hang on a
+    FIFO. OSError otherwise."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file")
+    return os.fdopen(fd, "r", encoding="utf-8") if text else os.fdopen(fd, "rb")
+
+
+def boot_id() -> str | None:
+    """This boot of the node's kernel: a run whose ranks vanished in the same boot was killed; in another, the
+    node restarted under it."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="utf-8") as handle:
+            return handle.read().strip() or None
+    except OSError:
+        return None
+
+
 def read_json(path: str, default=None):
     try:
-        with open(path, encoding="utf-8") as handle:
+        with open_run_file(path) as handle:
             return json.load(handle)
     except (OSError, ValueError, RecursionError):   # deeply nested JSON is malformed, not a crash
         return default
 
 
 def write_file(path: str, text: str, mode: int = 0o644) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    """Written whole under a new name, then renamed over `path` (a link planted at either name is replaced, never
+    written through)."""
+    tmp = f"{path}.tmp{os.getpid()}.{os.urandom(4).hex()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)
     os.chmod(tmp, mode)

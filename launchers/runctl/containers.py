@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
 import shutil
 
@@ -58,13 +59,30 @@ def _hard_limit(kind: int) -> int:
     return -1 if hard == resource.RLIM_INFINITY else hard
 
 
+def container_name(run_id: str, node: str) -> str:
+    """The name launch.sh gives the run's container (nodectl/container.py's rule)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", f"nodectl-{run_id}-{node}")[:200]
+
+
 def remove_container(run_dir: str) -> dict:
-    """The run's container on this node (named in node.json), removed with whatever still runs in it; what the
-    runtime said, or {} when the run has none."""
-    container = (read_json(os.path.join(run_dir, "node.json"), {}) or {}).get("container")
-    if not container or container.get("runtime") not in ("docker", "podman", "enroot"):
+    """The run's container on this node, removed with whatever still runs in it; what the runtime said, or {} when
+    the run has none. Only the container nodectl named for this run, and (docker, podman) only while it still
+    carries this run's label: a rewritten node.json never names another container to remove."""
+    node = read_json(os.path.join(run_dir, "node.json"), {}) or {}
+    container = node.get("container") if isinstance(node, dict) else None
+    if not isinstance(container, dict) or container.get("runtime") not in ("docker", "podman", "enroot"):
         return {}
-    runtime, name = container["runtime"], container["name"]
+    runtime, run_id = container["runtime"], str(node.get("run_id"))
+    name = container_name(run_id, str(node.get("node")))
+    if container.get("name") != name:
+        return {"container": name, "removed": False,
+                "error": f"node.json names container {str(container.get('name'))[:80]!r}, not this run's {name}: "
+                         f"left alone"}
+    if runtime != "enroot":
+        code, out, err = quiet([runtime, "inspect", "--format", '{{ index .Config.Labels "nodectl.run" }}', name], 60)
+        if code == 0 and out.strip() != run_id:
+            return {"container": name, "removed": False,
+                    "error": f"{name} is not labelled nodectl.run={run_id}: not this run's, left alone"}
     argv = [runtime, "rm", "-f", name] if runtime != "enroot" else [runtime, "remove", "-f", name]
     code, out, err = quiet(argv, 60)
     gone = code == 0 or "no such container" in (err + out).lower() or "no container with" in (err + out).lower()

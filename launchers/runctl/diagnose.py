@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from runctl.common import read_json
+from runctl.common import open_run_file, read_json
 from runctl.processes import run_markers, signal_run_process
 from runctl.watch import cmd_tail, gpu_sample, rank_state
 
@@ -51,7 +51,7 @@ def _stack_of(run_dir: str, rank: int, pid: int, py_spy) -> dict:
         if os.path.exists(path) and os.path.getsize(path) > before:
             time.sleep(0.2)  # let faulthandler finish every thread
             break
-    with open(path, "rb") as handle:
+    with open_run_file(path, text=False) as handle:
         handle.seek(before)
         return {"text": handle.read().decode("utf-8", errors="replace")}
 

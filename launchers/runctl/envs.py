@@ -16,9 +16,13 @@ from runctl.store import STREAM_BUFFER
 
 # Locked environments (hosts.yaml `environment:`, nodectl/environment.py): one venv per node per lock, built from
 # wheels the controller fetched and sent through the object store, under <workdir>/.nodectl/envs/<key>/, where the
-# key is the lock's hash with this interpreter's version and platform. Its manifest (every file's size and mtime,
-# bytecode caches aside) is what later launches compare against: a changed, added or removed file is drift.
+# key is the lock's hash with this interpreter's version and platform. Its bytecode is compiled at build, and its
+# manifest (every file's size, mtime and ctime, bytecode included) is what later launches compare against: a
+# changed, added or removed file is drift. The ctime is what makes an edit in place with its mtime put back, or a
+# .pyc planted with the source's mtime and size in its header, show: no user can set a ctime. The venv's files are
+# its own copies (uv's link mode `copy`), so an edit in one venv reaches neither uv's cache nor a later venv.
 ENV_INFO, ENV_MANIFEST = "nodectl-env.json", "nodectl-manifest.json"
+MANIFEST_VERSION = 2
 
 
 def _platform() -> dict:
@@ -37,17 +41,16 @@ def _env_key(lock_sha: str, facts: dict) -> str:
 
 
 def _env_files(env_dir: str) -> dict:
-    """relative path -> [size, mtime_ns] of every file and link of a venv, bytecode caches aside (Python writes
-    them on first import) and nodectl's own two files aside."""
+    """relative path -> [size, mtime_ns, ctime_ns] of every file and link of a venv, bytecode included, nodectl's
+    own two files aside."""
     found = {}
     for folder, dirs, names in os.walk(env_dir):
-        dirs[:] = [d for d in dirs if d != "__pycache__"]
         for name in names:
-            if name.endswith(".pyc") or folder == env_dir and name in (ENV_INFO, ENV_MANIFEST):
+            if folder == env_dir and name in (ENV_INFO, ENV_MANIFEST):
                 continue
             path = os.path.join(folder, name)
             info = os.lstat(path)
-            found[os.path.relpath(path, env_dir)] = [info.st_size, info.st_mtime_ns]
+            found[os.path.relpath(path, env_dir)] = [info.st_size, info.st_mtime_ns, info.st_ctime_ns]
     return found
 
 
@@ -55,8 +58,13 @@ def _env_state(env_dir: str) -> dict:
     info = read_json(os.path.join(env_dir, ENV_INFO))
     if not isinstance(info, dict):
         return {"present": False}
-    built = read_json(os.path.join(env_dir, ENV_MANIFEST), {}) or {}
-    now = _env_files(env_dir)
+    manifest = read_json(os.path.join(env_dir, ENV_MANIFEST), {}) or {}
+    if manifest.get("version") == MANIFEST_VERSION and isinstance(manifest.get("files"), dict):
+        built, now = manifest["files"], _env_files(env_dir)
+    else:   # a venv of an older nodectl: no ctimes, no bytecode in its manifest; drift is then rebuilt as ours
+        built = manifest
+        now = {p: facts[:2] for p, facts in _env_files(env_dir).items()
+               if not p.endswith(".pyc") and "/__pycache__/" not in f"/{p}"}
     changed = sorted(p for p in built if p in now and now[p] != built[p])
     added, removed = sorted(set(now) - set(built)), sorted(set(built) - set(now))
     return {"present": True, "intact": not (changed or added or removed), "built": info.get("built"),
@@ -129,7 +137,8 @@ def cmd_env_build(args: list, request: dict) -> dict:
             shutil.rmtree(env_dir, ignore_errors=True)
             raise
         seconds = round(time.time() - started, 2)
-        write_file(os.path.join(env_dir, ENV_MANIFEST), json.dumps(_env_files(env_dir)))
+        write_file(os.path.join(env_dir, ENV_MANIFEST),
+                   json.dumps({"version": MANIFEST_VERSION, "files": _env_files(env_dir)}))
         write_file(os.path.join(env_dir, ENV_INFO), json.dumps({"key": key, "lock_sha": request["lock_sha"],
                                                             "built": time.time(), "installer": installer,
                                                             "packages": packages, "seconds": seconds, **facts}))
@@ -150,10 +159,9 @@ def _build_env(workdir: str, env_dir: str, request: dict) -> tuple:
             place_file(os.path.join(store, wheel["sha256"]), path, 0o600)
         paths.append(path)
     uv = _uv_binary(workdir, store, request["uv"]) if request.get("uv") else None
-    # uv unpacks each wheel once into its cache on the node and hard-links the venv's files from there: a venv
-    # for a changed lock costs the changed packages only, and no second copy of the disk. A file edited in place
-    # in one venv is then edited in the cache too, so a drifted venv empties the cache first (cmd_env_build).
-    env = dict(os.environ, UV_CACHE_DIR=_uv_cache(workdir), UV_LINK_MODE="hardlink", UV_NO_PROGRESS="1",
+    # uv unpacks each wheel once into its cache on the node and copies the venv's files from there (hard links
+    # would share one inode between the cache and every venv: an edit in one would reach the next venv built).
+    env = dict(os.environ, UV_CACHE_DIR=_uv_cache(workdir), UV_LINK_MODE="copy", UV_NO_PROGRESS="1",
                PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_CACHE_DIR="1")
     env.pop("VIRTUAL_ENV", None)
     if request.get("index"):
@@ -167,15 +175,20 @@ def _build_env(workdir: str, env_dir: str, request: dict) -> tuple:
         installer = "pip (node's index)"
     elif uv:
         steps = [[uv, "venv", "-q", "--python", sys.executable, env_dir],
-                 [uv, "pip", "install", "-q", "--python", python, "--offline", "--no-index", "--no-deps", *paths]]
+                 [uv, "pip", "install", "-q", "--python", python, "--offline", "--no-index", "--no-deps",
+                  "--compile-bytecode", *paths]]
         installer = "uv"
     else:
         steps = [[sys.executable, "-m", "venv", env_dir],
-                 [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", *paths]]
+                 [python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *paths]]
         installer = "pip"
     for argv in steps:
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
             raise RuntimeError(f"{os.path.basename(argv[0])} {argv[1]} failed ({proc.returncode}): "
                                f"{(proc.stderr or proc.stdout).strip()[-800:]}")
+    # every module's bytecode now, so the manifest holds it and a .pyc that appears later is drift (a file a
+    # package ships that does not compile, Python 2 test code say, gets none now or at import: no false drift)
+    subprocess.run([python, "-m", "compileall", "-q", "-j", "0", os.path.join(env_dir, "lib")], env=env,
+                   stdin=subprocess.DEVNULL, capture_output=True)
     return installer, len(wheels) or None

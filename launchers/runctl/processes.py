@@ -5,7 +5,7 @@ import os
 import signal
 import time
 
-from runctl.common import read_json
+from runctl.common import open_run_file, read_json
 
 
 # A cgroup per run and node, where the login may make one (root, or a delegated hierarchy): membership is
@@ -148,7 +148,7 @@ def _parents() -> dict:
 def _launcher(run_dir: str, markers: tuple):
     """launch.sh's pid while it lives and is this run's (its environment proves it), else None."""
     try:
-        with open(os.path.join(run_dir, "state", "pgid"), encoding="utf-8") as handle:
+        with open_run_file(os.path.join(run_dir, "state", "pgid")) as handle:
             pid = int(handle.read())
     except (OSError, ValueError):
         return None

@@ -6,7 +6,7 @@ import os
 import subprocess
 import time
 
-from runctl.common import read_json, write_file
+from runctl.common import boot_id, read_json, write_file
 from runctl.processes import become_subreaper, in_group, join_group, new_run_group, remove_group
 
 
@@ -35,4 +35,5 @@ def cmd_start(args: list, request: dict) -> dict:
         remove_group(group)
     write_file(os.path.join(run_dir, "state", "pgid"), str(proc.pid))
     write_file(os.path.join(run_dir, "state", "started"), str(time.time()))
+    write_file(os.path.join(run_dir, "state", "boot"), boot_id() or "")
     return {"pgid": proc.pid, "tracked_by": "cgroup" if tracked else "subreaper"}

@@ -2,35 +2,57 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import socket
+import stat
 import subprocess
 import sys
 import tarfile
 
+from runctl.common import read_json, write_file
 from runctl.runfolder import cmd_prepare
 
 
 # Store objects carry this mtime. Run folders hard-link them (one write per byte on the node, not two), so a
-# program that writes into its own code file in place changes the object too: its mtime then differs, and the
-# object counts as missing (sent again under a new inode) instead of handing a later run the changed bytes.
+# program that writes into its own code file in place changes the object too. An object is trusted for a later
+# run only by its content: its sha256 is its name, checked again whenever the inode's ctime moved since the last
+# check (any write, or a mtime put back with utime, moves the ctime, which no user can set), and remembered per
+# object in VERIFIED (the store's own folder, the login user's). A changed object counts as missing: it is sent
+# again under a new inode and the changed bytes stay with the run that wrote them.
 STORE_MTIME = 946684800  # 2000-01-01
+VERIFIED = ".verified.json"
 
 
-def _intact(path: str, size) -> bool:
+def _intact(path: str, size, verified: dict) -> bool:
     try:
-        stat = os.stat(path)
+        info = os.lstat(path)
     except OSError:
         return False
-    return int(stat.st_mtime) == STORE_MTIME and (size is None or stat.st_size == size)
+    if not stat.S_ISREG(info.st_mode) or (size is not None and info.st_size != size):
+        return False
+    seen = f"{info.st_ino}:{info.st_size}:{info.st_mtime_ns}:{info.st_ctime_ns}"
+    name = os.path.basename(path)
+    if verified.get(name) == seen:
+        return True
+    if int(info.st_mtime) != STORE_MTIME or _hash_file(path) != name:
+        verified.pop(name, None)
+        return False
+    verified[name] = seen
+    return True
 
 
 def cmd_have(args: list, request: dict) -> dict:
     """Which of the given content hashes the node's object store lacks (or holds changed since it arrived)."""
     store = os.path.join(os.path.expanduser(args[0]), ".nodectl", "objects")
     sizes = request.get("sizes") or {}
-    return {"missing": [h for h in request["hashes"] if not _intact(os.path.join(store, h), sizes.get(h))]}
+    verified = read_json(os.path.join(store, VERIFIED), {})
+    verified = verified if isinstance(verified, dict) else {}
+    missing = [h for h in request["hashes"] if not _intact(os.path.join(store, h), sizes.get(h), verified)]
+    if os.path.isdir(store):
+        write_file(os.path.join(store, VERIFIED), json.dumps(verified), 0o600)
+    return {"missing": missing}
 
 
 def _private_copy(source, path: str, executable: bool = False) -> tuple:

@@ -5,14 +5,14 @@ import os
 import subprocess
 import time
 
-from runctl.common import READ_LIMIT, read_json
+from runctl.common import READ_LIMIT, boot_id, open_run_file, read_json
 from runctl.processes import belongs, is_zombie, run_markers, run_processes
 
 
 def rank_state(run_dir: str, rank: int, now: float, markers: tuple) -> dict:
     state = {"rank": rank, "exit": read_json(os.path.join(run_dir, "state", f"rank{rank}.exit"))}
     try:
-        with open(os.path.join(run_dir, "state", f"rank{rank}.pid"), encoding="utf-8") as handle:
+        with open_run_file(os.path.join(run_dir, "state", f"rank{rank}.pid")) as handle:
             pid = int(handle.read())
         state["pid"], state["alive"] = pid, belongs(pid, markers) and not is_zombie(pid)
     except (OSError, ValueError):
@@ -34,7 +34,7 @@ def _read_from(path: str, offset: int) -> tuple:
     end of the file. A line longer than READ_LIMIT is never waited for (that stalled the stream for good): it is
     shortened to LINE_MAX characters with a marker, keeping its latest \\r state (a progress bar), else its start."""
     try:
-        with open(path, "rb") as handle:
+        with open_run_file(path, text=False) as handle:
             handle.seek(offset)
             data = handle.read(READ_LIMIT)
             if len(data) < READ_LIMIT:
@@ -114,6 +114,12 @@ def cmd_poll(args: list, request: dict) -> dict:
               "started": os.path.exists(os.path.join(run_dir, "state", "pgid")),
               "stopped": os.path.exists(os.path.join(run_dir, "state", "stopped")),
               "ranks": [rank_state(run_dir, rank, now, run_markers(run_dir)) for rank in node["ranks"]], "logs": {}}
+    try:
+        with open_run_file(os.path.join(run_dir, "state", "boot")) as handle:
+            started_boot = handle.read().strip()
+        answer["same_boot"] = bool(started_boot) and started_boot == boot_id()
+    except OSError:
+        pass
     for rank, offset in (request.get("offsets") or {}).items():
         new_offset, text = _read_from(os.path.join(run_dir, "logs", f"rank{rank}.log"), int(offset))
         answer["logs"][rank] = {"from": int(offset), "offset": new_offset, "text": text}
@@ -129,7 +135,7 @@ def _upload_state(upload: dict, now: float, markers: tuple) -> dict:
     """The uploader's own record, with the one thing it cannot say itself: that it is gone before its last round
     (killed, or the node ran out of memory). Its pid counts only while that process is still this run's."""
     pid = upload.get("pid")
-    if upload.get("final") or not isinstance(pid, int) or isinstance(pid, bool):
+    if upload.get("final") or upload.get("ended") or not isinstance(pid, int) or isinstance(pid, bool):
         return upload
     if belongs(pid, markers) and not is_zombie(pid):
         return upload
@@ -147,7 +153,7 @@ def cmd_tail(args: list, request: dict) -> dict:
         path = os.path.join(run_dir, "logs", name)
         try:
             size = os.path.getsize(path)
-            with open(path, "rb") as handle:
+            with open_run_file(path, text=False) as handle:
                 handle.seek(max(0, size - 64 * 1024 * max(1, lines // 100 + 1)))
                 text = handle.read().decode("utf-8", errors="replace")
         except OSError:

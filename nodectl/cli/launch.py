@@ -152,6 +152,7 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
         inventory = app.inventory().select(nodes, exclude)
     if outputs_url is not None:
         inventory = replace(inventory, outputs=stores.from_option(outputs_url, inventory.outputs))
+    inventory = _reachable_addresses(inventory)
     if command and (config or overrides):
         raise UsageError(f"{'--config' if config else '--set'} is for the built-in trainer's recipe; your script "
                          f"takes its own options after its name: nodectl launch -- {command[0]} ...")
@@ -222,6 +223,16 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
             _not_started(app, failed)
         except KeyboardInterrupt:
             _interrupted(app, run, cluster, grace)
+
+
+def _reachable_addresses(inventory):
+    """A node without `addr:` is reached by the others where ssh reaches it: an ~/.ssh/config alias as `host:`
+    becomes its HostName (torchrun on the other nodes would retry resolving the alias for ever, silently)."""
+    from nodectl.remote.ssh import ssh_hostname
+
+    nodes = tuple(replace(node, addr=ssh_hostname(node.host)) if node.addr == node.host and not node.is_local else node
+                  for node in inventory.nodes)
+    return replace(inventory, nodes=nodes)
 
 
 def _provision(app: AppContext, inventory):
@@ -404,7 +415,8 @@ def _start(app: AppContext, job: Job, run: Run, cluster, grace: float) -> None:
 
 def _not_started(app: AppContext, failed: StartFailed) -> None:
     for r in failed.problems:
-        app.err.print(f"[red]{escape(r.node.name)}[/]: {escape(r.error)}")
+        name, _, error = r.said.partition(": ")
+        app.err.print(f"[red]{escape(name)}[/]: {escape(error)}")
     app.err.print("no node runs it: the nodes it had started were stopped, the folders prepared for it removed")
     if app.json:
         app.emit_json({"run_id": failed.run_id, "state": "failed-to-start",

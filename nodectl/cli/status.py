@@ -51,10 +51,14 @@ def _rank_state(rank: RankState, answer: PollAnswer, stall_after: float) -> dict
         row["state"] = "stalled" if age is not None and age > stall_after else "running"
     elif not answer.started:
         row["state"] = "not started"
-    elif answer.alive:
+    elif answer.alive and rank.pid is None:
         row["state"] = "starting"
+    elif answer.same_boot:   # gone without an exit code on a node that never restarted: SIGKILL, the OOM killer
+        row["state"] = "killed"
+        row["detail"] = ("ended without an exit code while its node stayed up: SIGKILL or the kernel's OOM killer "
+                         "(dmesg on the node says which)")
     else:
-        row["state"] = "lost"  # gone without an exit code: killed with its wrapper, or the node restarted
+        row["state"] = "lost"  # gone without an exit code, and the node restarted (or cannot say)
     return row
 
 
@@ -154,6 +158,9 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
         if diagnosis.get("folder"):
             app.out.print(f"diagnosis: {escape(str(diagnosis['folder']))}/ (nodectl diagnose shows it again on a "
                           f"live run)")
+        for row in rows:
+            if row["state"] == "killed":
+                app.out.print(f"rank {row['rank']} on {escape(row['node'])}: {escape(row['detail'])}")
         if first and first.last_lines:
             app.out.print(f"last lines of rank {first.rank}:" if first.rank is not None else "last lines of torchrun:")
             app.out.print(visible(first.last_lines.rstrip()), markup=False, highlight=False)

@@ -108,6 +108,7 @@ class PollAnswer:
     logs: dict[str, LogChunk] = field(default_factory=dict)
     gpu_sample: GpuSample | None = None
     upload: UploadState | None = None
+    same_boot: bool | None = None     # the node has not restarted since the run started (None: not known)
 
 
 @dataclass(frozen=True)

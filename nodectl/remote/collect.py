@@ -41,8 +41,10 @@ def collect_node(transport: Transport, run_dir: str, target: Path, also: tuple[s
     packed = agent.call(transport, "pack", run_dir, timeout=600, request={"also": list(also)})
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "collect.tar.gz"
-        transport.get(packed.archive, local)
-        agent.call(transport, "cleanup", packed.archive)
+        try:
+            transport.get(packed.archive, local)
+        finally:   # Ctrl-C in the middle of a large fetch leaves no archive on the node
+            agent.call(transport, "cleanup", packed.archive)
         refused = unpack(local, target)
     return Collected(packed.bytes, packed.entries, tuple(refused), packed.skipped, packed.missing,
                      packed.code_written, packed.code_examples, packed.code_left)

@@ -100,7 +100,7 @@ def provision(cluster: Cluster, inventory, cancel: threading.Event | None = None
 def _raise_for(failed: list[NodeResult], what: str) -> None:
     if not failed:
         return
-    detail = "; ".join(f"{r.node.name}: {r.error}" for r in failed)
+    detail = "; ".join(r.said for r in failed)
     if any(r.unreachable for r in failed):
         raise UnreachableError(detail)
     raise NodectlError(f"{', '.join(r.node.name for r in failed)} {what}: {detail}")

@@ -154,6 +154,20 @@ def connection(host: str, *, user: str | None, port: int | None, identity_file: 
     return conn
 
 
+def ssh_hostname(host: str) -> str:
+    """The address ssh connects to for `host`: its HostName in ~/.ssh/config (and /etc/ssh/ssh_config), tokens
+    expanded, or `host` itself. What other nodes must reach too: an alias means nothing to their resolvers."""
+    from fabric import Config
+    from fabric.connection import Connection
+
+    if ":" in host or host.startswith("["):   # an IPv6 address is no alias (and fabric would read :port into it)
+        return host
+    try:
+        return Connection(host, config=Config()).host or host
+    except Exception:  # noqa: BLE001 - an unreadable ssh config leaves the name as it was written
+        return host
+
+
 DEFAULT_IDENTITIES = ("id_rsa", "id_ecdsa", "id_ed25519")
 
 

@@ -71,7 +71,7 @@ def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None
     results.update({r.node.name: r for r in cluster.fan_out(ask, again)})
     failed = [r for r in results.values() if not r.ok]
     if failed:
-        detail = "; ".join(f"{r.node.name}: {r.error}" for r in failed)
+        detail = "; ".join(r.said for r in failed)
         if any(r.unreachable for r in failed):
             raise UnreachableError(detail)
         if any(r.failure.kind == "unsafe" for r in failed):

@@ -587,6 +587,12 @@ class NodeResult(Generic[T]):
     def ok(self) -> bool:
         return self.error is None
 
+    @property
+    def said(self) -> str:
+        """The error with the node's name in front once (most messages from a node already start with it)."""
+        error = self.error or ""
+        return error if error.startswith(f"{self.node.name}: ") else f"{self.node.name}: {error}"
+
 
 class Cluster:
     """Transports for a set of nodes, opened lazily and reused until `close`."""

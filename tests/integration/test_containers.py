@@ -7,6 +7,7 @@ machine's image store, as nodes of a cluster each hold the same image.
 """
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -236,3 +237,52 @@ def test_the_default_preflight_runs_its_all_reduce_inside_the_image(cluster, ima
     script = (project / "runs" / report["collective_run"] / "scripts" / "node1.sh").read_text()
     assert 'podman run --rm --name "$CONTAINER"' in script and image in script   # the job ran in the image
     assert containers_of(report["collective_run"]) == []
+
+
+ATTACKER = '''\
+import json, os
+run = os.environ["NODECTL_RUN_DIR"]
+said = []
+try:   # the record `stop` acts on: rewritten to name another container
+    with open(os.path.join(run, "node.json"), "w") as handle:
+        handle.write(json.dumps({"container": {"runtime": "podman", "name": "victim"}}))
+    said.append("node.json rewritten")
+except OSError as exc:
+    said.append(f"node.json refused: {exc.strerror}")
+try:
+    open(os.path.join(run, "lib", "rankexec.py"), "a").write("# changed\\n")
+    said.append("lib changed")
+except OSError as exc:
+    said.append(f"lib refused: {exc.strerror}")
+# the host-side exit record, aimed at a host file through a link (root on the node writes it)
+os.symlink(os.environ["VICTIM_FILE"], os.path.join(run, "state", "launcher.exit"))
+os.symlink(os.environ["VICTIM_FILE"], os.path.join(run, "state", "launcher.exit.tmp"))
+os.symlink("/etc/shadow", os.path.join(run, "logs", "rank9.log"))
+print("; ".join(said), flush=True)
+'''
+
+
+def test_a_rank_in_the_container_cannot_steer_what_the_host_does(cluster, image, project):
+    """Root inside the container (podman, rootful) owns what it is given: node.json, lib/ and the scripts are
+    mounted read-only over the run folder, the host writes its exit record without following a link, and a log
+    that is a link is not read."""
+    victim_host = cluster.nodes[0].root / "victim.txt"
+    victim_host.write_text("the host's own file\n")
+    (project / "attack.py").write_text(ATTACKER)
+    env = cluster.env()
+    hosts = cluster.inventory(count=1, container={"image": image, "runtime": "podman", "options": OPTIONS},
+                              env={"VICTIM_FILE": "/srv/node/victim.txt"})
+    result = run_nodectl(["-i", str(hosts), "launch", "--skip-preflight", "--", "attack.py"], env=env, cwd=project)
+    run_id = latest_run_id(project)
+    try:
+        assert result.exit_code == 0, result.output
+        assert "node.json refused: Read-only file system" in result.stdout, result.stdout
+        assert "lib refused: Read-only file system" in result.stdout
+        assert victim_host.read_text() == "the host's own file\n", "the exit record went through the link"
+        run_dir = cluster.nodes[0].workdir / "runs" / run_id
+        assert json.loads((run_dir / "state" / "launcher.exit").read_text())["code"] == 0
+        assert json.loads((run_dir / "node.json").read_text())["run_id"] == run_id
+        status = run_nodectl(["status", "--run", run_id], env=env, cwd=project)
+        assert "exited(0)" in status.stdout, status.output
+    finally:
+        kill_leftovers(run_id)

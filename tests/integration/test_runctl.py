@@ -186,6 +186,16 @@ def test_a_code_file_changed_in_place_by_its_run_never_reaches_the_next_run(tmp_
     receive()
     assert prepare("r2").read_bytes() == data
     assert first.read_bytes().startswith(b"LEARNING_RATE = 9e-9")  # r1 keeps what it wrote
+    # the audit's version: the same edit with the mtime put back (size unchanged): the content is what counts
+    second = workdir / "runs" / "r2" / "code" / "config.py"
+    before = second.stat()
+    with open(second, "r+b") as handle:
+        handle.write(b"LEARNING_RATE = 9e-9")
+    os.utime(second, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert second.stat().st_mtime_ns == before.st_mtime_ns and second.stat().st_size == before.st_size
+    assert runctl.store.cmd_have([str(workdir)], have)["missing"] == [sha]
+    receive()
+    assert prepare("r3").read_bytes() == data
 
 
 @pytest.fixture(scope="module")

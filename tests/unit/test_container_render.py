@@ -129,3 +129,39 @@ def test_a_secret_in_container_options_or_mounts_is_shown_and_stored_as_stars():
     for shown in (node.launch_redacted, str(plan.to_json())):
         assert "wandb-5e3c7f9a2b" not in shown, shown
         assert "WANDB_API_KEY=***" in shown and "nofile=1024:1024" in shown and "/data:/data:ro" in shown
+
+
+@pytest.mark.parametrize("setting, key", [
+    ("options: ['--privileged']", "options"),
+    ("options: ['--cap-add=SYS_ADMIN']", "options"),
+    ("options: ['--security-opt', 'seccomp=unconfined']", "options"),
+    ("options: ['--device', '/dev/sda']", "options"),
+    ("options: ['-v/:/host']", "options"),
+    ("options: ['--user', '0']", "options"),
+    ("options: ['--userns=host']", "options"),
+    ("mounts: ['/:/host']", "mounts"),
+    ("mounts: ['/etc:/etc']", "mounts"),
+    ("mounts: ['/var/run/docker.sock:/var/run/docker.sock']", "mounts"),
+    ("mounts: ['/root/.ssh:/keys:ro']", "mounts"),
+])
+def test_options_that_widen_the_containers_reach_are_refused_unless_allowed(setting, key):
+    document = f"nodes: [{{host: a, container: {{image: i, runtime: podman, {setting}}}}}]"
+    with pytest.raises(InventoryError) as caught:
+        parse_inventory(document)
+    assert f"container.{key}" in str(caught.value) and "allow_privileged: true" in str(caught.value)
+    allowed = parse_inventory(document.replace("runtime: podman,", "runtime: podman, allow_privileged: true,"))
+    assert allowed.nodes[0].container.allow_privileged
+
+
+def test_ordinary_options_and_data_mounts_need_no_privilege():
+    inventory = parse_inventory("nodes: [{host: a, container: {image: i, options: ['--shm-size', '1g', '--ulimit', "
+                                "'nofile=65536:65536', '-e', 'WANDB_MODE=offline'], mounts: ['/data:/data:ro', "
+                                "'/scratch/ckpt:/ckpt']}}]")
+    assert not inventory.nodes[0].container.allow_privileged
+
+
+@pytest.mark.parametrize("runtime", ["docker", "podman", "apptainer"])
+def test_what_the_ranks_must_not_change_is_mounted_read_only(runtime):
+    script = rendered(runtime)
+    assert 'for part in node.json launch.sh env.sh lib config; do' in script
+    assert '"$RUN_DIR/$part:$RUN_DIR/$part:ro"' in script and '${ro_mounts[@]+"${ro_mounts[@]}"}' in script

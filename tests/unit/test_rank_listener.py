@@ -68,11 +68,12 @@ def test_the_listener_answers_from_a_busy_process_and_only_the_rank_runs_one(tmp
 def test_a_sitecustomize_already_on_the_path_still_runs(tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir()
-    (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIRS_RAN = True\n")
-    (tmp_path / "check.py").write_text("import builtins\nprint(getattr(builtins, 'THEIRS_RAN', False))\n")
+    (theirs / "sitecustomize.py").write_text("import builtins\nbuiltins.THEIRS_RAN = True\nMINE = 'theirs'\n")
+    (tmp_path / "check.py").write_text("import builtins, sitecustomize\nprint(getattr(builtins, 'THEIRS_RAN', False), "
+                                       "getattr(sitecustomize, 'MINE', 'nodectl'))\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(LAUNCHERS), str(theirs)])}
     out = subprocess.run([sys.executable, str(tmp_path / "check.py")], env=env, capture_output=True, text=True)
-    assert out.stdout.strip() == "True", out.stderr
+    assert out.stdout.strip() == "True theirs", out.stderr   # `import sitecustomize` is the program's own
 
 
 SIGTIMEDWAIT = """\

@@ -1,0 +1,24 @@
+"""A node's error names the node once, whether the node's own message already starts with its name or not (an
+environment build that failed said "n0: n0: ...")."""
+from __future__ import annotations
+
+from nodectl.errors import EXIT_USAGE, exit_code_for
+from nodectl.inventory import parse_inventory
+from nodectl.job import StartFailed
+from nodectl.remote.transport import NodeFailure, NodeResult
+
+
+def test_an_error_names_its_node_once():
+    node = parse_inventory("nodes: [{host: a, name: n0}]").nodes[0]
+    told = NodeResult(node, error="n0: environment requirements.txt: pip said no")
+    bare = NodeResult(node, error="the command timed out")
+    assert told.said == "n0: environment requirements.txt: pip said no"
+    assert bare.said == "n0: the command timed out"
+    assert str(StartFailed("r", [told, bare]).message).count("n0: n0") == 0
+
+
+def test_an_unsafe_folder_is_a_usage_error():
+    node = parse_inventory("nodes: [{host: a, name: n0}]").nodes[0]
+    unsafe = NodeResult(node, failure=NodeFailure("unsafe", "n0: refusing to use /scratch/.nodectl: ..."))
+    assert exit_code_for([unsafe, NodeResult(node, value=1)]) == EXIT_USAGE
+    assert StartFailed("r", [unsafe]).exit_code == EXIT_USAGE
