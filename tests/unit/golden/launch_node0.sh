@@ -20,8 +20,11 @@ record_exit() {
     kill -TERM $left 2>/dev/null; sleep 2
     left=$(run_tree "$BASHPID"); [ -n "$left" ] && kill -KILL $left 2>/dev/null
   fi
-  printf '{"code": %d, "time": %s}\n' "$code" "$(date +%s.%N)" > "$RUN_DIR/state/launcher.exit.tmp"
-  mv "$RUN_DIR/state/launcher.exit.tmp" "$RUN_DIR/state/launcher.exit"
+  # under a name nobody could plant a link at, then renamed over whatever is there (-T: never into a folder)
+  local record
+  record=$(mktemp "$RUN_DIR/state/.launcher.exit.XXXXXX") || return
+  printf '{"code": %d, "time": %s}\n' "$code" "$(date +%s.%N)" > "$record"
+  mv -fT "$record" "$RUN_DIR/state/launcher.exit"
 }
 trap record_exit EXIT
 # `nodectl stop` signals every process of the run itself and SIGKILLs after its grace period: a SIGTERM must not end
