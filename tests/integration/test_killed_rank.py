@@ -1,4 +1,5 @@
-"""A rank killed with SIGKILL (or by the OOM killer) leaves no exit code; its node still answers. `status` says
+"""A rank killed with SIGKILL together with its wrapper (the OOM killer takes the biggest, a `kill -9` of the
+process group takes all) leaves no exit code; its node still answers. `status` says
 it was killed, not that it was lost (which is what a node that restarted under its run is)."""
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import signal
 import sys
 
+import psutil
 import pytest
 
 from conftest import run_nodectl
@@ -30,6 +32,9 @@ def test_a_rank_killed_with_sigkill_is_killed_not_lost(tmp_path):
         ranks = wait_for(lambda: [r for r in run_nodectl(["--json", "status"], env=env, cwd=tmp_path).json()["ranks"]
                                   if r.get("pid")] or None, timeout=60)
         victim = next(r for r in ranks if r["rank"] == 1)
+        wrapper = psutil.Process(victim["pid"]).parent()   # rankexec, which records a rank's exit: killed first
+        assert "rankexec" in " ".join(wrapper.cmdline())
+        os.kill(wrapper.pid, signal.SIGKILL)
         os.kill(victim["pid"], signal.SIGKILL)
         status = wait_for(lambda: (lambda s: s if any(r["rank"] == 1 and r["state"] == "killed" for r in s["ranks"])
                                    else None)(run_nodectl(["--json", "status"], env=env, cwd=tmp_path).json()),
