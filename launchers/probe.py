@@ -57,6 +57,15 @@ def redact_text(text: str) -> str:
     return SECRET_PAIRS.sub(lambda m: f"{m[1]}={REDACTED}", text)
 
 
+def redact_words(text: str) -> str:
+    """Prose as it may be shown or stored (a stack's source line, a verdict, a log line): each token-shaped value
+    masked where it stands, the rest kept, so the line still says where the program is."""
+    text = SECRET_VALUES.sub(REDACTED, text)
+    if "://" in text:
+        text = URL_CREDENTIALS.sub(lambda m: m["scheme"] + REDACTED + "@", text)
+    return SECRET_PAIRS.sub(lambda m: f"{m[1]}={REDACTED}", text)
+
+
 def redact_value(name: str, value: str) -> str:
     """The value as it may be shown: '***' for a secret-named variable, else by the value's shape."""
     if is_secret_name(name):

@@ -11,6 +11,7 @@ from typing import Callable
 
 from nodectl.errors import RunFailed
 from nodectl.job import Job, Progress, no_progress, next_attempt, record_job, settle_job, start_job, stop_run
+from nodectl.secrets import redact_words
 from nodectl.runs import Run, RunNode, RunState
 from nodectl.remote.transport import Cluster
 from nodectl.watch import Failure, LogStream, failure_lines, wait_for_end
@@ -153,7 +154,7 @@ def _culprit(stall: Failure, verdict: dict, run_nodes: list[RunNode]) -> Failure
         return stall
     rank = culprits[0] if culprits else stall.rank
     node = next((rn.node.name for rn in run_nodes if rank in rn.ranks), stall.node)
-    return replace(stall, node=node, rank=rank, diagnosed=verdict["summary"])
+    return replace(stall, node=node, rank=rank, diagnosed=redact_words(verdict["summary"]))
 
 
 def _diagnose_stall(run: Run, cluster: Cluster, failure: Failure, kept: bool, notify) -> dict:

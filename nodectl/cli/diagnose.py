@@ -8,6 +8,7 @@ from nodectl.cli.context import AppContext
 from nodectl.cli.runs_cmds import opened, run_option
 from nodectl.diagnose.gather import Diagnosis, diagnose
 from nodectl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
+from nodectl.secrets import redact_tree, redact_words
 from nodectl.visible import visible
 
 NOT_A_HANG = ("healthy", "ended", "unknown")
@@ -28,7 +29,7 @@ def command(app: AppContext, run_id: str | None, lines: int) -> None:
     with app.cluster_for(run_nodes) as cluster, app.node_progress("diagnosing", len(run_nodes)) as advance:
         diagnosis = diagnose(run, cluster, lines=max(lines, 20), on_done=advance)
     if app.json:
-        app.emit_json(diagnosis.to_json())
+        app.emit_json(redact_tree(diagnosis.to_json()))
     else:
         print_diagnosis(app, diagnosis, lines=lines)
     if diagnosis.unreachable:
@@ -41,22 +42,22 @@ def print_diagnosis(app: AppContext, diagnosis: Diagnosis, lines: int = 5, conso
     out = console or app.out
     verdict = diagnosis.verdict
     colour = "green" if verdict.kind == "healthy" else "red"
-    out.print(f"[bold {colour}]{escape(visible(verdict.summary))}[/]")
+    out.print(f"[bold {colour}]{escape(visible(redact_words(verdict.summary)))}[/]")
     if verdict.evidence:
         out.print("[bold]evidence[/]")
         for line in (*verdict.evidence, *diagnosis.gpu_lines()):
-            out.print(f"  {escape(visible(line))}")
+            out.print(f"  {escape(visible(redact_words(line)))}")
     views = {v.rank: v for v in diagnosis.views}
     for rank in verdict.culprits[:4]:
         tail = (views[rank].log_tail if rank in views else "").splitlines()[-lines:] if lines else []
         if tail:
             out.print(f"[bold]last lines of rank {rank}[/]")
             for line in tail:
-                out.print(f"  {escape(visible(line))}")
+                out.print(f"  {escape(visible(redact_words(line)))}")
     if verdict.advice:
         out.print("[bold]what to do[/]")
         for line in verdict.advice:
-            out.print(f"  - {escape(visible(line))}")
+            out.print(f"  - {escape(visible(redact_words(line)))}")
     if diagnosis.folder is not None:
         out.print(f"[dim]stacks, flight recorder and node answers: {escape(str(diagnosis.folder))}/ "
                   f"({diagnosis.seconds:.1f} s)[/]")

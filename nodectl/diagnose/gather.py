@@ -20,6 +20,7 @@ from nodectl.remote import agent
 from nodectl.remote.answers import DiagnoseAnswer, RankDump
 from nodectl.remote.transport import Cluster, NodeResult
 from nodectl.runs import Run, RunNode
+from nodectl.secrets import redact_tree, redact_words
 
 LISTENER_WAIT = 5.0     # seconds a node waits for its ranks' listeners
 NODE_TIMEOUT = 20.0     # seconds the controller waits for a node's whole answer
@@ -67,7 +68,7 @@ def diagnose(run: Run, cluster: Cluster, *, lines: int = 20, on_done=None) -> Di
         for result in results:
             _save_node(folder, result)
         _save_stacks(folder, diagnosis.views, shorten)
-        (folder / "diagnosis.json").write_text(json.dumps(diagnosis.to_json(), indent=1))
+        (folder / "diagnosis.json").write_text(json.dumps(redact_tree(diagnosis.to_json()), indent=1))
     return diagnosis
 
 
@@ -125,14 +126,15 @@ def _folder(run: Run) -> Path:
 
 def _save_node(folder: Path, result: NodeResult) -> None:
     document = dataclasses.asdict(result.value) if result.ok else {"error": result.error}
-    (folder / f"{result.node.name}.json").write_text(json.dumps(document, indent=1, default=str))
+    (folder / f"{result.node.name}.json").write_text(json.dumps(redact_tree(json.loads(json.dumps(document, default=str))),
+                                                                indent=1))
 
 
 def _save_stacks(folder: Path, views, shorten) -> None:
     for v in views:
         text = stacks_text(v, shorten)
         if text:
-            (folder / f"rank{v.rank}.txt").write_text(text)
+            (folder / f"rank{v.rank}.txt").write_text(redact_words(text))
 
 
 def stacks_text(view: RankView, shorten=lambda p: p) -> str:
