@@ -19,10 +19,10 @@ from runctl.runfolder import cmd_prepare
 # program that writes into its own code file in place changes the object too. An object is trusted for a later
 # run only by its content: its sha256 is its name, checked again whenever the inode's ctime moved since the last
 # check (any write, or a mtime put back with utime, moves the ctime, which no user can set), and remembered per
-# object in VERIFIED (the store's own folder, the login user's). A changed object counts as missing: it is sent
+# object in VERIFIED (beside the store, in the login user's .nodectl). A changed object counts as missing: it is sent
 # again under a new inode and the changed bytes stay with the run that wrote them.
 STORE_MTIME = 946684800  # 2000-01-01
-VERIFIED = ".verified.json"
+VERIFIED = "objects-verified.json"   # beside the store (.nodectl/), which holds objects only
 
 
 def _intact(path: str, size, verified: dict) -> bool:
@@ -47,11 +47,11 @@ def cmd_have(args: list, request: dict) -> dict:
     """Which of the given content hashes the node's object store lacks (or holds changed since it arrived)."""
     store = os.path.join(os.path.expanduser(args[0]), ".nodectl", "objects")
     sizes = request.get("sizes") or {}
-    verified = read_json(os.path.join(store, VERIFIED), {})
+    verified = read_json(os.path.join(os.path.dirname(store), VERIFIED), {})
     verified = verified if isinstance(verified, dict) else {}
     missing = [h for h in request["hashes"] if not _intact(os.path.join(store, h), sizes.get(h), verified)]
     if os.path.isdir(store):
-        write_file(os.path.join(store, VERIFIED), json.dumps(verified), 0o600)
+        write_file(os.path.join(os.path.dirname(store), VERIFIED), json.dumps(verified), 0o600)
     return {"missing": missing}
 
 

@@ -244,6 +244,8 @@ def test_stop_after_a_reboot_never_kills_a_process_reusing_the_recorded_group(ss
         wait_for(lambda: run_processes(run_id) == [])
         pgid_file = ssh_cluster.nodes[0].workdir / "runs" / run_id / "state" / "pgid"
         pgid_file.write_text(str(os.getpgid(stranger.pid)))   # after the reboot the number is someone else's
+        for node in ssh_cluster.nodes[:2]:   # and the kernel's boot id is a new one
+            (node.workdir / "runs" / run_id / "state" / "boot").write_text("00000000-0000-0000-0000-000000000000")
         status = run_nodectl(["--json", "status", "--run", run_id], env=env, cwd=project).json()
         assert status["state"] == "lost" and {r["state"] for r in status["ranks"]} == {"lost"}
         stopped = run_nodectl(["stop", "--run", run_id, "--grace", "1"], env=env, cwd=project)
