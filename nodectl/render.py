@@ -92,13 +92,44 @@ def shown_node(np: NodePlan) -> NodePlan:
     return replace(np, node=replace(np.node, container=hidden))
 
 
+ENV_OPTIONS = ("-e", "--env")
+
+
+def container_env_options(container) -> tuple[tuple[str, ...], dict[str, str]]:
+    """The container's options with every `-e NAME=VALUE` (`--env NAME=VALUE`, `--env=NAME=VALUE`) taken out, and
+    those variables: their values go to env.sh (0600) and reach the container by name like every variable of the
+    run's environment, so no value sits on the runtime's command line, where `ps` shows it to every user of the
+    node (apptainer passes the host's environment in by itself)."""
+    if container is None:
+        return (), {}
+    kept, moved, words = [], {}, list(container.options)
+    i = 0
+    while i < len(words):
+        word, value = words[i], None
+        if word in ENV_OPTIONS and i + 1 < len(words) and "=" in words[i + 1]:
+            value, i = words[i + 1], i + 2
+        elif word.startswith("--env=") and "=" in word[len("--env="):]:
+            value, i = word[len("--env="):], i + 1
+        else:
+            kept.append(word)
+            i += 1
+            continue
+        name, _, setting = value.partition("=")
+        if not ENV_NAME.match(name):
+            kept += [word] if word.startswith("--env=") else [word, value]
+            continue
+        moved[name] = setting   # passed by name with the rest of env.sh (docker, podman, enroot: --env NAME)
+    return tuple(kept), moved
+
+
 def _render_node(environment: jinja2.Environment, name: str, plan: LaunchPlan, np: NodePlan) -> RenderedNode:
     for key in np.env:
         if not ENV_NAME.match(key):
             raise UsageError(f"environment variable name {key!r} of node {np.node.name} is not valid")
-    env = {**np.env, "NODECTL_ATTEMPT": str(plan.attempt)}  # 0, then 1, 2, ... for --resume and restarts
+    options, moved = container_env_options(np.node.container)
+    env = {**np.env, **moved, "NODECTL_ATTEMPT": str(plan.attempt)}  # 0, then 1, 2, ... for --resume and restarts
     context = {"plan": plan, "np": np, "version": __version__, "env_names": sorted(env),
-               "container_name": container_name(plan.run_id, np.node.name)}
+               "container_name": container_name(plan.run_id, np.node.name), "container_options": options}
     try:
         launch = environment.get_template(name).render(**context)
         shown = replace(plan, command=tuple(redact_args(plan.command)))

@@ -95,14 +95,28 @@ def _uv_binary(workdir: str, store: str, wheel: dict) -> str:
     if os.path.isfile(target):
         return target
     os.makedirs(tools, mode=0o700, exist_ok=True)
-    with zipfile.ZipFile(os.path.join(store, wheel["sha256"])) as archive:
-        name = next(n for n in archive.namelist() if n.endswith(".data/scripts/uv"))
-        tmp = f"{target}.{os.getpid()}.tmp"
-        with archive.open(name) as source, open(tmp, "wb") as sink:
-            shutil.copyfileobj(source, sink, STREAM_BUFFER)
-    os.chmod(tmp, 0o700)
-    os.replace(tmp, target)
+    tmp = f"{target}.{os.getpid()}.tmp"
+    try:
+        with zipfile.ZipFile(os.path.join(store, wheel["sha256"])) as archive:
+            name = next(n for n in archive.namelist() if n.endswith(".data/scripts/uv"))
+            with archive.open(name) as source, open(tmp, "wb") as sink:
+                shutil.copyfileobj(source, sink, STREAM_BUFFER)
+        os.chmod(tmp, 0o700)
+        os.replace(tmp, target)
+    except OSError as exc:   # a full disk, say: nothing half-written is left, and the message names the place
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise RuntimeError(f"unpacking uv into {tools}: {exc.strerror or exc}{_room(tools)}") from None
     return target
+
+
+def _room(folder: str) -> str:
+    """', N MiB free there' (what a full disk leaves), or ''."""
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return ""
+    return f" ({info.f_bavail * info.f_frsize / 2**20:.1f} MiB free there)"
 
 
 def cmd_env_build(args: list, request: dict) -> dict:
@@ -133,6 +147,9 @@ def cmd_env_build(args: list, request: dict) -> dict:
         started = time.time()
         try:
             installer, packages = _build_env(workdir, env_dir, request)
+        except OSError as exc:   # the venv's own files (a full disk): the folder named, nothing half-built kept
+            shutil.rmtree(env_dir, ignore_errors=True)
+            raise RuntimeError(f"building the venv in {env_dir}: {exc.strerror or exc}{_room(envs)}") from None
         except Exception:
             shutil.rmtree(env_dir, ignore_errors=True)
             raise

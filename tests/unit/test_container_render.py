@@ -116,8 +116,8 @@ def test_a_node_overrides_or_turns_off_the_default_container():
 
 
 def test_a_secret_in_container_options_or_mounts_is_shown_and_stored_as_stars():
-    """`-e WANDB_API_KEY=...` among a container's options (issue 40): the node's launch.sh needs it; what a dry run
-    prints, scripts/<node>.sh keeps and the manifest records must not hold it."""
+    """`-e WANDB_API_KEY=...` among a container's options (issue 40): the value reaches the node in env.sh only
+    (see the next tests); what a dry run prints, scripts/<node>.sh keeps and the manifest records never hold it."""
     inventory = parse_inventory(
         "defaults:\n  device: cpu\n  container:\n    image: img:1\n    runtime: podman\n"
         "    options: ['-e', 'WANDB_API_KEY=wandb-5e3c7f9a2b', '--ulimit', 'nofile=1024:1024']\n"
@@ -125,10 +125,11 @@ def test_a_secret_in_container_options_or_mounts_is_shown_and_stored_as_stars():
         "nodes:\n  - host: a\n  - host: b\n")
     plan = build_plan(inventory, gpus=1, command=("train.py",), sync_dir=".")
     node = render_plan(plan)[0]
-    assert "WANDB_API_KEY=wandb-5e3c7f9a2b" in node.launch
-    for shown in (node.launch_redacted, str(plan.to_json())):
+    assert "WANDB_API_KEY=wandb-5e3c7f9a2b" in node.env and "wandb-5e3c7f9a2b" not in node.launch
+    for shown in (node.launch_redacted, str(plan.to_json()), node.env_redacted):
         assert "wandb-5e3c7f9a2b" not in shown, shown
-        assert "WANDB_API_KEY=***" in shown and "nofile=1024:1024" in shown and "/data:/data:ro" in shown
+    assert "WANDB_API_KEY=***" in str(plan.to_json()) and "--env WANDB_API_KEY" in node.launch_redacted
+    assert "nofile=1024:1024" in node.launch_redacted and "/data:/data:ro" in node.launch_redacted
 
 
 @pytest.mark.parametrize("setting, key", [
@@ -165,3 +166,19 @@ def test_what_the_ranks_must_not_change_is_mounted_read_only(runtime):
     script = rendered(runtime)
     assert 'for part in node.json launch.sh env.sh lib config; do' in script
     assert '"$RUN_DIR/$part:$RUN_DIR/$part:ro"' in script and '${ro_mounts[@]+"${ro_mounts[@]}"}' in script
+
+
+@pytest.mark.parametrize("runtime", ["docker", "podman", "apptainer", "enroot"])
+def test_an_env_option_value_goes_to_env_sh_never_to_the_command_line(runtime):
+    """`ps` on the node shows the runtime's command line to every user: `-e WANDB_API_KEY=...` among the options
+    becomes a variable of env.sh (0600), passed in by name."""
+    document = (f"defaults: {{device: cpu, container: {{image: i, runtime: {runtime}, options: ['-e', "
+                f"'WANDB_API_KEY=wk-0123456789', '--env=MODE=offline', '--shm-size', '1g']}}}}\nnodes: [{{host: a}}]")
+    plan = build_plan(parse_inventory(document), gpus=1, command=("train.py",), sync_dir="/src/project",
+                      run_id="20260101-000000-abcd")
+    node = render_plan(plan)[0]
+    assert "wk-0123456789" not in node.launch and "MODE=offline" not in node.launch
+    assert "WANDB_API_KEY=wk-0123456789" in node.env and "MODE=offline" in node.env
+    assert "--shm-size 1g" in node.launch
+    if runtime != "apptainer":
+        assert "--env WANDB_API_KEY" in node.launch and "--env MODE" in node.launch
