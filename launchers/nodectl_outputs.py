@@ -284,9 +284,9 @@ def pull(run_dir: str, request: dict) -> dict:
     """Bring the run's output/ back from the store: first from this node's own place (what differs), then from
     node 0's (only what is missing here: a checkpoint a script wrote on rank 0 alone). Only what the index lists;
     `sections` (collect --from-store) may take logs/ and metrics/ too."""
-    store = Store(request["outputs"])
     fetched, nbytes, sources = 0, 0, {}
-    for source in request["sources"]:
+    for source in request["sources"]:   # a source may name a bucket of its own (node 0's, where nodes differ)
+        store = Store(source["outputs"] if isinstance(source.get("outputs"), dict) else request["outputs"])
         base = "/".join(p for p in (store.base, request["run_id"], source["node"]) if p)
         index = store.read_index(base)
         sources[source["node"]] = 0 if index is None else len(index["files"])

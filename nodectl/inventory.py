@@ -18,7 +18,8 @@ import yaml
 from nodectl import container as containers, environment as environments, hostlist, outputs as stores
 from nodectl.errors import InventoryError, UsageError
 
-NODE_KEYS = {"user", "port", "identity_file", "gpus", "device", "python", "workdir", "env", "transport", "container", "environment"}
+NODE_KEYS = {"user", "port", "identity_file", "gpus", "device", "python", "workdir", "env", "transport", "container", "environment",
+             "outputs"}
 TOP_KEYS = {"master_port", "defaults", "nodes", "outputs"}
 HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\-\[\]]+$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -55,6 +56,7 @@ class Node:
     transport: str = "ssh"
     container: containers.Container | None = None   # ranks run inside this image (nodectl/container.py)
     environment: environments.Environment | None = None   # ranks run in a venv nodectl builds (nodectl/environment.py)
+    outputs: stores.Outputs | None = None   # where this node uploads its run's outputs (nodectl/outputs.py)
     line: int | None = None
 
     @property
@@ -72,7 +74,14 @@ class Inventory:
     source: str                      # a path, or "<built-in>"
     master_port: int | None = None
     builtin: bool = False
-    outputs: stores.Outputs | None = None   # where the nodes upload the run's outputs (nodectl/outputs.py)
+
+    @property
+    def outputs(self) -> stores.Outputs | None:
+        """Node 0's bucket (the run's, where every node has the same): what a launch prints and records first."""
+        return self.nodes[0].outputs if self.nodes else None
+
+    def with_outputs(self, outputs: stores.Outputs | None) -> "Inventory":
+        return replace(self, nodes=tuple(replace(n, outputs=outputs) for n in self.nodes))
 
     def select(self, count: int | tuple[str, ...] | None = None, exclude: tuple[str, ...] = ()) -> "Inventory":
         """The first `count` nodes after dropping `exclude` (names or hosts), in node-rank order; or, where
@@ -196,6 +205,8 @@ def node_from_record(record: Mapping, source: str) -> Node:
     if isinstance(raw.get("environment"), Mapping):
         raw["environment"] = {k: v for k, v in raw["environment"].items()
                               if k in environments.KEYS and v is not None}
+    if isinstance(raw.get("outputs"), Mapping):
+        raw["outputs"] = {k: v for k, v in raw["outputs"].items() if k in stores.KEYS and v is not None}
     index = record.get("index") if isinstance(record.get("index"), int) else 0
     node = _Parser(source).node(raw, index, {}, {"nodes": [raw]})
     return replace(node, index=index)
@@ -316,8 +327,12 @@ class _Parser:
                 self.fail(f"nodes[{index}].name", f"duplicate node name {node.name!r}", raw, "name")
             names.add(node.name)
             nodes.append(node)
+        # a top-level outputs: is every node's unless it (or defaults:) sets its own
         outputs = stores.parse(doc.get("outputs"), "outputs", lambda key, expected: self.fail(key, expected, doc, "outputs"))
-        return Inventory(nodes=tuple(nodes), source=self.source, master_port=master_port, outputs=outputs)
+        if outputs is not None:
+            nodes = [node if node.outputs is not None or "outputs" in defaults else replace(node, outputs=outputs)
+                     for node in nodes]
+        return Inventory(nodes=tuple(nodes), source=self.source, master_port=master_port)
 
     def expand(self, raw: Any, index: int, doc: dict) -> list[Any]:
         """`host: gpu[01-16]` is sixteen nodes; `name:` and `addr:` then hold a range of the same length (or are
@@ -419,6 +434,8 @@ class _Parser:
             elif key == "environment":
                 environments.parse(value, label, lambda k, expected: self.fail(k, expected, raw, key))
                 out[key] = value
+            elif key == "outputs":
+                out[key] = stores.parse(value, label, lambda k, expected: self.fail(k, expected, raw, key))
             elif key == "container":
                 if isinstance(value, dict) and "image" in value or isinstance(value, str):
                     containers.parse(value, label, lambda k, expected: self.fail(k, expected, raw, key))

@@ -56,7 +56,7 @@ class LaunchPlan:
     attempt: int = 0
     overrides: tuple[str, ...] = ()  # the built-in trainer's --set section.key=value, in order
     created: float = field(default_factory=time.time)
-    outputs: Outputs | None = None   # the bucket each node uploads its outputs to (nodectl/outputs.py)
+    outputs: Outputs | None = None   # node 0's bucket (each node's own is its node's `outputs`): what is shown
 
     @property
     def nnodes(self) -> int:

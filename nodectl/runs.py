@@ -119,6 +119,23 @@ class Manifest:
             return None
 
     @property
+    def node_outputs(self) -> dict:
+        """node name -> the bucket it uploaded to, for every node of the run (those a restart left out too) that
+        had one; each checked as the inventory's is (a malformed entry counts as none)."""
+        found = {}
+        for entry in [*self.plan.get("nodes", []), *self.left_out]:
+            node = entry.get("node") if isinstance(entry, dict) else None
+            if not isinstance(node, dict) or not isinstance(node.get("name"), str):
+                continue
+            try:
+                outputs = from_record(node.get("outputs"))
+            except NodectlError:
+                outputs = None
+            if outputs is not None:
+                found.setdefault(node["name"], outputs)
+        return found
+
+    @property
     def outputs_url(self) -> str | None:
         outputs = self.outputs
         return outputs.run_url(self.run_id) if outputs else None

@@ -71,21 +71,21 @@ def command(app: AppContext, run_id: str | None, paths: tuple[str, ...], from_st
 def _from_store(app: AppContext, run) -> None:
     """What each node of the run last uploaded (its index), into runs/<run_id>/nodes/<node>/."""
     manifest = run.read()
-    outputs = manifest.outputs
-    if outputs is None:
+    stores = manifest.node_outputs
+    if not stores:
         raise UsageError(f"run {run.run_id} has no outputs: (no bucket was given at its launch); nodectl collect "
                          f"brings its files from the nodes")
-    names = list(dict.fromkeys(manifest.node_names + [entry["node"]["name"] for entry in manifest.left_out
-                                                      if isinstance(entry, dict) and isinstance(entry.get("node"), dict)
-                                                      and isinstance(entry["node"].get("name"), str)]))
     try:   # the inventory's credentials for the store, where it holds them; else this machine's own
         env = app.inventory().nodes[0].env
     except (InventoryError, UsageError):
         env = {}
-    fetched = download_run(outputs, run.run_id, names, run.folder / "nodes", env)
+    fetched = []
+    for name, outputs in stores.items():
+        fetched += download_run(outputs, run.run_id, [name], run.folder / "nodes", env)
     for item in fetched:
         app.info(f"{item.node}: {item.files} file(s), {item.bytes / 2**20:.1f} MiB from "
-                 f"{outputs.run_url(run.run_id)}{item.node}/ -> {item.folder}/")
+                 f"{stores[item.node].run_url(run.run_id)}{item.node}/ -> {item.folder}/")
     if app.json:
-        app.emit_json({"run_id": run.run_id, "folder": str(run.folder / "nodes"), "store": outputs.run_url(run.run_id),
+        app.emit_json({"run_id": run.run_id, "folder": str(run.folder / "nodes"),
+                       "stores": {name: o.run_url(run.run_id) for name, o in stores.items()},
                        "nodes": {item.node: {"files": item.files, "bytes": item.bytes} for item in fetched}})

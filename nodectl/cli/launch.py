@@ -151,7 +151,7 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
     else:
         inventory = app.inventory().select(nodes, exclude)
     if outputs_url is not None:
-        inventory = replace(inventory, outputs=stores.from_option(outputs_url, inventory.outputs))
+        inventory = inventory.with_outputs(stores.from_option(outputs_url, inventory.outputs))
     inventory = _reachable_addresses(inventory)
     if command and (config or overrides):
         raise UsageError(f"{'--config' if config else '--set'} is for the built-in trainer's recipe; your script "
@@ -173,7 +173,8 @@ def command(app: AppContext, nodes, exclude, gpus, config, sync_dir, sync_limit,
     facts, preflight = _preflight(app, inventory, gpus, skip_preflight, dry_run)
     spec = JobSpec(inventory, command=command, sync_dir=sync_dir,
                    files=tuple(files + sync.nodectl_files(not command, config,
-                                                                ("nodectl_outputs.py",) if inventory.outputs else ())), gpus=gpus, config=config,
+                                                                ("nodectl_outputs.py",) if any(n.outputs for n in inventory.nodes)
+                                                                else ())), gpus=gpus, config=config,
                    overrides=tuple(overrides), max_restarts=max_restarts, template=template, facts=facts,
                    argv=launch_argv(), run_id=previous.run_id if previous else None,
                    attempt=previous.read().attempt + 1 if previous else 0, any_port=force)
@@ -377,7 +378,10 @@ def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | Non
     recorded_envs = {entry["node"]["name"]: entry["node"].get("environment") for entry in plan["nodes"]}
     nodes = tuple(_recorded_environment(node, recorded_envs.get(node.name)) for node in nodes)
     # the run's bucket: today's inventory's, else the one the run recorded (so a resume on fresh nodes finds it)
-    inventory = replace(current, nodes=nodes, outputs=current.outputs or previous.read().outputs)
+    recorded = {entry["node"]["name"]: entry["node"].get("outputs") for entry in plan["nodes"]}
+    nodes = tuple(node if node.outputs is not None else replace(node, outputs=stores.from_record(recorded.get(node.name)))
+                  for node in nodes)
+    inventory = replace(current, nodes=nodes)
     gpus = plan["nodes"][0]["nproc"]
     recorded = tuple(plan["command"])
     if REDACTED in recorded and not plan["builtin_trainer"]:

@@ -63,8 +63,9 @@ class PreflightReport:
 
 def selection_key(inventory: Inventory, gpus: int | None) -> str:
     identity = [(n.name, n.host, n.port, n.user, n.python, n.workdir, n.device) for n in inventory.nodes]
-    store = inventory.outputs.to_json() if inventory.outputs else None   # a report without the store's check is no pass for it
-    return hashlib.sha256(json.dumps([identity, gpus, store]).encode()).hexdigest()[:16]
+    # a passing report without a bucket's check is no pass for a launch with one
+    stores = [n.outputs.to_json() if n.outputs else None for n in inventory.nodes]
+    return hashlib.sha256(json.dumps([identity, gpus, stores]).encode()).hexdigest()[:16]
 
 
 def cached_path(inventory: Inventory, gpus: int | None) -> Path:
@@ -145,9 +146,10 @@ def _store_check(transport: Transport, outputs) -> dict:
     return answer if isinstance(answer, dict) else {"ok": False, "error": "the check answered no object"}
 
 
-def judge_store(results: list[NodeResult], outputs) -> list[CheckResult]:
+def judge_store(results: list[NodeResult]) -> list[CheckResult]:
     checks = []
     for r in results:
+        outputs = r.node.outputs
         answer = r.value if r.ok else {"ok": False, "error": r.error}
         if answer.get("ok") is True:
             checks.append(CheckResult("outputs", r.node.name, PASS, f"wrote and deleted a probe object under "
@@ -201,11 +203,10 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
         if node.name in reports:
             results += judge_node(NodeFacts(node.name, reports[node.name], node.device, expect,
                                             extras.get(node.name) or {}, node.env, node.gpus, medians), tier)
-    if inventory.outputs is not None:
+    uploading = [n for n in inventory.nodes if n.name in reports and n.outputs is not None]
+    if uploading:
         phase("object store checks")
-        stored = cluster.fan_out(lambda t: _store_check(t, inventory.outputs),
-                                 [n for n in inventory.nodes if n.name in reports])
-        results += judge_store(stored, inventory.outputs)
+        results += judge_store(cluster.fan_out(lambda t: _store_check(t, t.node.outputs), uploading))
     if len(reports) > 1:
         results += judge_cluster(reports, {k: v for k, v in devices.items() if k in reports}, tier)
     report = PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick,

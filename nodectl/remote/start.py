@@ -108,9 +108,9 @@ def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, re
                      "env.sh": {"text": rendered.env, "mode": 0o600},
                      "node.json": {"text": _node_json(plan, node_plan), "mode": 0o644}},
     }
-    if plan.outputs is not None:   # what the node's uploader needs (launchers/nodectl_outputs.py), nothing secret
+    if node_plan.node.outputs is not None:   # what the node's uploader needs (launchers/nodectl_outputs.py)
         request["rendered"]["lib/outputs.json"] = {
-            "text": json.dumps(plan.outputs.node_config(plan.run_id, node_plan.node.name)), "mode": 0o644}
+            "text": json.dumps(node_plan.node.outputs.node_config(plan.run_id, node_plan.node.name)), "mode": 0o644}
     if missing is None:
         missing = sync.missing_objects(transport, files)
     if cancel.is_set():
@@ -125,8 +125,10 @@ def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, re
 def pull_outputs(transport: Transport, plan: LaunchPlan, node_plan: NodePlan):
     """The node's share of the run's outputs from the bucket, into its run folder's output/ (runctl pull)."""
     sources = [{"node": node_plan.node.name}]
-    if node_plan.node_rank != 0 and not plan.builtin_trainer:   # the built-in trainer's ranks write their own
-        sources.append({"node": plan.nodes[0].node.name, "missing_only": True})
+    first = plan.nodes[0].node
+    if node_plan.node_rank != 0 and not plan.builtin_trainer and first.outputs is not None:
+        # the built-in trainer's ranks write their own; a script's rank 0 may be the only writer
+        sources.append({"node": first.name, "missing_only": True, "outputs": first.outputs.to_json()})
     return agent.call(transport, "pull", node_plan.run_dir, request={"sources": sources}, timeout=PULL_TIMEOUT)
 
 
@@ -151,10 +153,11 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, 
     if failed or cancel.is_set():
         why = "interrupted" if cancel.is_set() else f"{failed[0].node.name} could not be prepared"
         return [r if not r.ok else NodeResult(r.node, error=f"not started: {why}") for r in prepared]
-    if plan.attempt and plan.outputs is not None:
+    if plan.attempt and any(np.node.outputs is not None for np in plan.nodes):
         # a resumed (or restarted) run with a bucket: each node takes its outputs back from it (fresh nodes that
         # never saw the run included), and what node 0 stored that it lacks
-        pulled = cluster.fan_out(lambda t: pull_outputs(t, plan, plans[t.node.name]), nodes)
+        pulled = cluster.fan_out(lambda t: pull_outputs(t, plan, plans[t.node.name]),
+                                 [np.node for np in plan.nodes if np.node.outputs is not None])
         unpulled = [r for r in pulled if not r.ok]
         if unpulled or cancel.is_set():
             why = "interrupted" if cancel.is_set() else \

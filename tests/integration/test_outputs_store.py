@@ -42,8 +42,8 @@ def write_inventory(cluster, store, path, indices=(0, 1), secret=None, endpoint=
     for name, entry in enumerate(document["nodes"]):
         entry["name"] = f"node{name}"
     document["defaults"]["env"] = {**store.env, **({"AWS_SECRET_ACCESS_KEY": secret} if secret else {})}
-    document["outputs"] = {"url": f"s3://{BUCKET}/team/exp1", "every": every,
-                           "endpoint_url": endpoint or store.endpoint}
+    document["defaults"]["outputs"] = {"url": f"s3://{BUCKET}/team/exp1", "every": every,   # SPEC's form
+                                       "endpoint_url": endpoint or store.endpoint}
     path.write_text(yaml.safe_dump(document, sort_keys=False))
     return path
 

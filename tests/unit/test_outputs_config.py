@@ -80,3 +80,25 @@ def test_launch_outputs_option_is_checked_before_any_node_is_touched(tmp_path):
                             "s3://bucket/x", "--", "train.py"], capture_output=True, text=True, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr
     assert "nodectl_outputs.py\" sync" in shown.stdout and SECRET not in shown.stdout + shown.stderr
+
+
+def test_outputs_in_defaults_per_node_and_at_the_top():
+    """SPEC's form is a node setting (defaults or per node); a top-level outputs: is every other node's."""
+    document = yaml.safe_dump({"defaults": {"device": "cpu", "outputs": {"url": "s3://team-ckpts/a", "every": "30s"}},
+                               "nodes": [{"host": "h0", "name": "node0"},
+                                         {"host": "h1", "name": "node1", "outputs": "s3://eu-ckpts/b"}]})
+    nodes = parse_inventory(document).nodes
+    assert nodes[0].outputs.url == "s3://team-ckpts/a" and nodes[0].outputs.every == 30
+    assert nodes[1].outputs.url == "s3://eu-ckpts/b" and nodes[1].outputs.every == 600
+    plan = build_plan(parse_inventory(document), gpus=1, command=("train.py",), sync_dir="/src",
+                      run_id="20260101-000000-abcd")
+    scripts = render_plan(plan)
+    assert "s3://team-ckpts/a/20260101-000000-abcd/" in scripts[0].launch
+    assert "s3://eu-ckpts/b/20260101-000000-abcd/" in scripts[1].launch
+    top = yaml.safe_dump({"outputs": "s3://all-ckpts/x", "defaults": {"device": "cpu"},
+                          "nodes": [{"host": "h0"}, {"host": "h1", "outputs": "s3://mine-only/y"}]})
+    assert [n.outputs.url for n in parse_inventory(top).nodes] == ["s3://all-ckpts/x", "s3://mine-only/y"]
+    bad = yaml.safe_dump({"nodes": [{"host": "h0", "outputs": {"url": "s3://k:s@bucket/x"}}]})
+    with pytest.raises(InventoryError) as caught:
+        parse_inventory(bad)
+    assert "nodes[0].outputs.url" in str(caught.value) and ":s@" not in str(caught.value)
