@@ -127,8 +127,8 @@ class Manifest:
             node = entry.get("node") if isinstance(entry, dict) else None
             if not isinstance(node, dict) or not isinstance(node.get("name"), str):
                 continue
-            try:
-                outputs = from_record(node.get("outputs"))
+            try:   # a record of the first version holds the run's bucket only
+                outputs = from_record(node.get("outputs")) or self.outputs
             except NodectlError:
                 outputs = None
             if outputs is not None:

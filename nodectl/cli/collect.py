@@ -22,10 +22,15 @@ from nodectl.visible import visible
 @click.option("--from-store", "from_store", is_flag=True,
               help="Take the run's outputs, logs and metrics from its bucket (outputs:) instead of the nodes: for a "
                    "run whose nodes are gone.")
+@click.argument("positional", metavar="[RUN]", required=False)
 @click.pass_obj
-def command(app: AppContext, run_id: str | None, paths: tuple[str, ...], from_store: bool) -> None:
+def command(app: AppContext, run_id: str | None, paths: tuple[str, ...], from_store: bool,
+            positional: str | None) -> None:
     """Bring a run's logs, heartbeats, metrics and outputs back here: the run folder, and what the program wrote
-    under code/ (not the synced project itself)."""
+    under code/ (not the synced project itself). RUN may be given as --run RUN or on its own."""
+    if run_id and positional and run_id != positional:
+        raise UsageError(f"two runs named: --run {run_id} and {positional}; give one")
+    run_id = run_id or positional
     if from_store:
         if paths:
             raise UsageError("--path names a file on the nodes; --from-store takes what the bucket holds")

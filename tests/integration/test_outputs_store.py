@@ -101,7 +101,7 @@ def test_train_upload_lose_the_nodes_resume_elsewhere_collect_from_the_bucket(cl
                 "COMPLETE").is_file()
     assert f"{prefix}/node1/output/checkpoints/ckpt-0000050/rank1.pt" in store.objects(BUCKET, prefix)
 
-    collected = run_nodectl(["collect", "--from-store", "--run", run_id], env=env, cwd=project)
+    collected = run_nodectl(["collect", "--from-store", run_id], env=env, cwd=project)   # SPEC's form
     assert collected.exit_code == 0, collected.output
     home = project / "runs" / run_id / "nodes"
     assert (home / "node1" / "output" / "checkpoints" / "ckpt-0000050" / "rank1.pt").is_file()
