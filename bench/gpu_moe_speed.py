@@ -62,7 +62,7 @@ def launch_run(name: str, layout: str, sets: list[str], args, model: Path, work:
     defaults = [f"model.path={model}", "model.init=random", f"data.path={model / 'train.jsonl'}",
                 f"data.max_length={args.seq}", "lora.r=16", "lora.alpha=32", "lora.dropout=0.0", "train.lr=2e-4",
                 "train.warmup_steps=5", "train.weight_decay=0.0", f"train.steps={args.steps}", "train.log_every=1",
-                "train.checkpoint_every=0", "train.checkpoint_minutes=0"]
+                "train.checkpoint_every=0", "train.checkpoint_minutes=0", f"train.traffic_at={args.traffic_at}"]
     argv = [sys.executable, "-m", "nodectl", "launch", "--nodes", str(nodes), "--gpus", str(gpus), "--skip-preflight"]
     for assignment in defaults + sets:
         argv += ["--set", assignment]
@@ -72,9 +72,13 @@ def launch_run(name: str, layout: str, sets: list[str], args, model: Path, work:
         return {"exit": code, "steps": [], "world": nodes * gpus, "sets": sets}
     run_dir = Path(env.get("HOME", "~")).expanduser() / ".nodectl" / "local" / "runs" / runs[-1]
     node0 = run_dir / "local0" / "output" if (run_dir / "local0").is_dir() else run_dir / "output"
-    steps = [r for r in jsonl(node0 / "metrics.jsonl") if "loss" in r and "tokens_per_s_per_gpu" in r]
+    records = jsonl(node0 / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r and "tokens_per_s_per_gpu" in r]
     summary = json.loads((node0 / "summary.json").read_text()) if (node0 / "summary.json").exists() else {}
-    return {"exit": code, "steps": steps, "summary": summary, "world": nodes * gpus, "sets": [layout] + sets}
+    log = (work / f"{name}.log").read_text(errors="replace") if (work / f"{name}.log").exists() else ""
+    chose = next((line.split("layout: ", 1)[1].strip() for line in log.splitlines() if "layout: " in line), "")
+    return {"exit": code, "steps": steps, "summary": summary, "world": nodes * gpus, "sets": [layout] + sets,
+            "layout": chose, "traffic": next((r for r in records if r.get("event") == "traffic"), {})}
 
 
 def main() -> None:
@@ -96,6 +100,9 @@ def main() -> None:
     parser.add_argument("--launch", action="append", default=[],
                         help="NAME:NxG:section.key=value,...: the trainer through `nodectl launch --nodes N --gpus G`")
     parser.add_argument("--compare", action="append", default=[], help="A,B: step-by-step loss of two runs (repeatable)")
+    parser.add_argument("--base", default="", help="NAME: the run each --launch run's tokens/s per GPU is divided by "
+                        "(the scaling table: ratio, bytes per step inside and across nodes, counted and modelled)")
+    parser.add_argument("--traffic-at", type=int, default=3, help="the --launch runs' step whose collectives are counted")
     parser.add_argument("--timeout", type=float, default=900)
     parser.add_argument("--out", type=Path, default=None, help="the figures' JSON (default: WORK/gpu_moe_speed.json)")
     args = parser.parse_args()
@@ -164,6 +171,8 @@ def report(results: dict, args) -> None:
               + (f"adapter saved in {saved['seconds']:.1f}s ({saved.get('gathered_bytes', 0) / 2**20:.0f} MiB)  "
                  if saved.get("seconds") is not None else "")
               + f"{'batch ' + str(result.get('batch')) if name == 'ref' else sets}")
+    if args.base:
+        scaling(results, gaps, args)
     for pair in args.compare:
         a, b = pair.split(",")
         la = {s["step"]: s["loss"] for s in results.get(a, {}).get("steps", [])}
@@ -175,6 +184,30 @@ def report(results: dict, args) -> None:
                   f"(step {common[diffs.index(max(diffs))]}), mean {sum(diffs) / len(diffs):.4f}")
             for s in common:
                 print(f"   step {s:>3}  {a} {la[s]:.4f}  {b} {lb[s]:.4f}  diff {la[s] - lb[s]:+.4f}")
+
+
+def scaling(results: dict, gaps: dict, args) -> None:
+    """Per-GPU throughput against --base, the layout each run chose, and what one step sends per GPU (counted from
+    the step's collectives, and the layout's own figure), inside a node and across nodes."""
+    base = gaps.get(args.base)
+    print(f"\n== scaling against {args.base} ({base or 0:.0f} tokens/s per GPU by wall); bytes one GPU sends in "
+          f"step {args.traffic_at}, GB: counted (layout's figure)")
+    for name, result in results.items():
+        if "layout" not in result:
+            continue
+        wall, traffic = gaps.get(name), result.get("traffic", {})
+
+        def gb(kind: str) -> str:
+            counted, modelled = traffic.get(f"counted_{kind}_node_bytes"), traffic.get(f"layout_{kind}_node_bytes")
+            if counted is None:
+                return "      -"
+            return f"{counted / 1e9:7.2f}" + (f" ({modelled / 1e9:.2f})" if modelled is not None else "")
+
+        ratio = f"{wall / base:.2f}x" if wall and base else "  -  "
+        fsdp = traffic.get("layout_fsdp_inter_node_bytes")
+        versus = f" (fsdp over all: {fsdp / 1e9:.1f})" if fsdp else ""
+        print(f"   {name:10} {result['sets'][0]:>4}  {wall or 0:>7.0f} tok/s/GPU  {ratio:>6}  inside {gb('intra'):>16}"
+              f"  across {gb('inter'):>16}{versus}  {result.get('layout', '')[:110]}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,10 @@ already has one, then runs what --parts names:
   ref-noac  the reference without activation checkpointing (one flag; its fastest setting), micro-batch
         --ref-noac-batch (the largest that fits: 4 x 4096 tokens peaks at ~134 GB on an H200);
   2x1   `nodectl launch --nodes 2 --gpus 1` with the tuned recipe (same global batch: micro-batch x accumulation);
-  2x2   `nodectl launch --nodes 2 --gpus 2`, the same recipe per GPU.
+  2x2   `nodectl launch --nodes 2 --gpus 2`, the same recipe per GPU;
+  1x1   `nodectl launch --nodes 1 --gpus 1`, the same recipe on one GPU;
+  2x1-fsdp  2x1 with model.parallelism: fsdp (the base sharded, as before model.parallelism existed);
+--parallelism sets model.parallelism for the nodectl runs (auto: the trainer picks and prints its choice).
 and prints tokens/s per GPU (median over steps after --skip) twice: as the program reported it and from the wall
 time between its records (they must agree within 2%), the ratio to the best reference, MFU, peak memory,
 adapter save and checkpoint figures, the 2x2/2x1 scaling ratio and the step-by-step loss difference.
@@ -61,7 +64,8 @@ def nodectl_part(name: str, nodes: int, gpus: int, steps: int, args, work: Path,
         "model": {"path": str(model), "activation_checkpointing": overrides.get("ac", args.ac),
                   "compile": args.compile, "dtype": args.dtype,
                   "init": overrides.get("init", "random" if args.random_weights else "checkpoint"),
-                  "reshard_after_forward": args.reshard},
+                  "reshard_after_forward": args.reshard,
+                  "parallelism": overrides.get("parallelism", args.parallelism)},
         "lora": {"r": 16, "alpha": 32, "dropout": 0.0},
         "data": {"path": str(model / "train.jsonl"), "max_length": args.seq},
         "train": {"steps": steps, "micro_batch_size": micro,
@@ -137,6 +141,7 @@ def main() -> None:
     parser.add_argument("--profile-at", type=int, default=0, help="train.profile_at for the nodectl runs")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--reshard", default="true", help="model.reshard_after_forward of the nodectl runs")
+    parser.add_argument("--parallelism", default="auto", help="model.parallelism of the nodectl runs")
     parser.add_argument("--steps-70b", type=int, default=8)
     parser.add_argument("--random-weights", action="store_true",
                         help="write no 16 GB checkpoint: the reference builds the model with transformers' own "
@@ -201,6 +206,11 @@ def main() -> None:
         args.compile = False
         results["2x1-compiled-failed"] = results.pop("2x1")
         results["2x1"] = dict(nodectl_part("2x1-eager", 2, 1, args.steps, args, work, env), world=2)
+    if "1x1" in parts:   # one GPU through nodectl launch (the dense no-regression figure)
+        results["1x1"] = dict(nodectl_part("1x1", 1, 1, args.steps, args, work, env), world=1)
+    if "2x1-fsdp" in parts:   # the same as 2x1 with the base sharded (the layout before model.parallelism)
+        results["2x1-fsdp"] = dict(nodectl_part("2x1-fsdp", 2, 1, args.steps, args, work, env,
+                                                parallelism="fsdp"), world=2)
     if "70b" in parts:
         results["70b"] = dict(seventy(args, work, env), world=2)
     if "2x2" in parts:
@@ -230,7 +240,7 @@ def report(results: dict, args) -> None:
     mfu_ours = median_after(ours, args.skip, "mfu")
     causal_ours = median_after(ours, args.skip, "mfu_causal")
     tps_ours = by_gaps(ours, args.skip, 2)
-    for part in ("ref", "ref-noac", "2x1", "2x2", "70b"):
+    for part in ("ref", "ref-noac", "1x1", "2x1", "2x1-fsdp", "2x2", "70b"):
         if part not in results:
             continue
         steps = results[part].get("steps", [])

@@ -78,7 +78,7 @@ def worker(model_dir: str, mode: str) -> None:
     started = time.perf_counter()
     with PeakAnon() as anon:
         if mode == "sliced":
-            materialise_sliced(model, path, torch.device("cpu"), rank, world, 0)
+            materialise_sliced(model, path, torch.device("cpu"), 0)
         else:
             materialise(model, path, torch.device("cpu"), rank, 0)
         dist.barrier()

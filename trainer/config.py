@@ -11,6 +11,7 @@ from typing import Any
 
 import yaml
 
+LAYOUTS = ("auto", "replicate", "hsdp", "fsdp", "expert", "expert-global")  # model.parallelism; trainer/layout.py
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -36,7 +37,15 @@ class ModelConfig:
                                        # tokens, no B@A formed; trainer/moe.py) or peft (peft's ParamWrapper: the
                                        # whole expert stack's W + B@A on every forward)
     expert_parallel: bool = False      # routed experts split over the ranks (E/world each, never all-gathered;
-                                       # tokens travel to them by all_to_all); the rest FSDP as usual
+                                       # tokens travel to them by all_to_all); the rest FSDP as usual. The same
+                                       # as parallelism: expert-global
+    parallelism: str = "auto"          # auto, replicate, hsdp, fsdp, expert, expert-global (trainer/layout.py):
+                                       # auto picks by memory and node count and prints what and why
+
+    @property
+    def layout(self) -> str:
+        """model.parallelism, with expert_parallel: true as expert-global."""
+        return "expert-global" if self.expert_parallel and self.parallelism == "auto" else self.parallelism
 
 
 @dataclass(frozen=True)
@@ -98,6 +107,8 @@ class TrainConfig:
                                        # key comes from WANDB_API_KEY in the node's env, WANDB_MODE=offline works)
     profile_at: int = 0                # profile steps profile_at and profile_at+1 (torch.profiler); rank 0 writes
                                        # output/profile.txt, ops by GPU time; 0: never
+    traffic_at: int = 0                # count the bytes step traffic_at's collectives send (inside and across nodes)
+                                       # beside the layout's own figure: one 'traffic' record in metrics.jsonl
 
 
 @dataclass(frozen=True)
@@ -233,10 +244,17 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
         raise ConfigError(f"model.init: expected checkpoint or random, got {recipe.model.init!r}")
     if recipe.model.moe_kernel not in ("grouped", "peft"):
         raise ConfigError(f"model.moe_kernel: expected grouped or peft, got {recipe.model.moe_kernel!r}")
-    if recipe.model.expert_parallel and recipe.model.moe_kernel != "grouped":
-        raise ConfigError("model.expert_parallel: needs model.moe_kernel: grouped")
-    if recipe.model.expert_parallel and recipe.model.load == "broadcast" and recipe.model.init == "checkpoint":
-        raise ConfigError("model.expert_parallel: each rank reads its own experts (model.load: sliced); "
+    if recipe.model.parallelism not in LAYOUTS:
+        raise ConfigError(f"model.parallelism: expected one of {', '.join(LAYOUTS)}, got {recipe.model.parallelism!r}")
+    if recipe.model.expert_parallel and recipe.model.parallelism not in ("auto", "expert-global"):
+        raise ConfigError(f"model.expert_parallel: true is model.parallelism: expert-global; it contradicts "
+                          f"model.parallelism: {recipe.model.parallelism} (set only one of them)")
+    expert_key = "model.expert_parallel" if recipe.model.expert_parallel else "model.parallelism"
+    if recipe.model.layout.startswith("expert") and recipe.model.moe_kernel != "grouped":
+        raise ConfigError(f"{expert_key}: needs model.moe_kernel: grouped")
+    if recipe.model.layout.startswith("expert") and recipe.model.load == "broadcast" and \
+            recipe.model.init == "checkpoint":
+        raise ConfigError(f"{expert_key}: each rank reads its own experts (model.load: sliced); "
                           "model.load: broadcast sends whole weights from rank 0")
     if recipe.model.load not in ("sliced", "broadcast"):
         raise ConfigError(f"model.load: expected sliced or broadcast, got {recipe.model.load!r}")

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import checkpoint, demo, evaluate, resume
+from . import layout as layouts
 from .config import ConfigError, Recipe
 from .data import IGNORE, StepBatches, load_examples
 from .metrics import Reporter, peak_flops, window_flops
@@ -93,18 +94,21 @@ def train(recipe: Recipe) -> dict:
         check_packing_support()
     examples = load_examples(data_path, tokenizer, recipe.data.max_length, recipe.data.packing,
                              recipe.data.overlong, log=say)
+    shape = layouts.shape_of(model, recipe)
+    chosen = layouts.choose(recipe.model.layout, shape, layouts.device_memory(ctx.device), *layouts.topology())
+    if ctx.rank == 0:
+        print(chosen.describe(), flush=True)
     dist.init_process_group("nccl" if ctx.on_gpu else "gloo", device_id=ctx.device if ctx.on_gpu else None,
                             timeout=timedelta(seconds=recipe.train.collective_timeout_s))
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(ctx.device.type, (ctx.world,))
+    mesh = layouts.mesh(chosen, ctx.device.type)
     torch.manual_seed(recipe.train.seed)
-    model = parallelize(model, recipe, mesh, dtype == torch.bfloat16)
+    model = parallelize(model, recipe, mesh, dtype == torch.bfloat16, chosen, layouts.expert_group(chosen, mesh))
+    model.layout, model.layout_shape = chosen, shape
     loading = time.perf_counter()
     if recipe.model.init == "random":
-        materialise_random(model, ctx.device, ctx.rank, recipe.train.seed)
+        materialise_random(model, ctx.device, recipe.train.seed)
     elif recipe.model.load == "sliced":
-        materialise_sliced(model, model_path, ctx.device, ctx.rank, ctx.world, recipe.train.seed)
+        materialise_sliced(model, model_path, ctx.device, recipe.train.seed)
     else:
         materialise(model, model_path, ctx.device, ctx.rank, recipe.train.seed)
     if ctx.rank == 0:
@@ -183,7 +187,10 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
         last = step + 1 == recipe.train.steps
         if recipe.train.profile_at == step + 1:
             profiler = _start_profile(ctx)
-        _train_step(recipe, ctx, model, optimizer, params, batches, step, window)
+        if recipe.train.traffic_at == step + 1:
+            _counted_step(recipe, ctx, model, optimizer, params, batches, step, window, reporter)
+        else:
+            _train_step(recipe, ctx, model, optimizer, params, batches, step, window)
         if profiler is not None and (step + 1 == recipe.train.profile_at + 1 or last):
             _finish_profile(profiler, ctx, out_dir)
             profiler = None
@@ -329,6 +336,30 @@ def _evaluator(recipe, ctx, model, eval_set, tokenizer, reporter, summary):
         summary.setdefault("eval", []).append({"step": step, "loss": loss})
         return loss
     return run
+
+
+def _counted_step(recipe, ctx, model, optimizer, params, batches, step: int, window, reporter) -> None:
+    """One step with its collectives counted (trainer/traffic.py), summed over the ranks, and logged per GPU
+    beside what the layout says it sends (layout.traffic)."""
+    from . import traffic
+
+    with traffic.counting() as counter:
+        _train_step(recipe, ctx, model, optimizer, params, batches, step, window)
+    sent = torch.tensor([counter.intra, counter.inter, float(counter.calls)], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(sent)
+    layout, shape = model.layout, model.layout_shape
+    expected = layouts.traffic(layout, shape, recipe.model.reshard_after_forward)
+    whole_world = layouts.traffic(layouts.Layout("fsdp", layout.world, layout.nodes, layout.per_node, ""), shape,
+                                  recipe.model.reshard_after_forward)
+    expected["fsdp_inter_node_bytes"] = whole_world["inter_node_bytes"]   # what sharding over every rank would send
+    if recipe.train.grad_accum != 1:
+        expected = {key: None for key in expected}   # the layout's figures are for one micro-batch per step
+    reporter.event({"event": "traffic", "step": step + 1, "layout": model.layout.name,
+                    "nodes": model.layout.nodes, "gpus_per_node": model.layout.per_node,
+                    "counted_intra_node_bytes": sent[0].item() / ctx.world,
+                    "counted_inter_node_bytes": sent[1].item() / ctx.world,
+                    "collectives_per_rank": sent[2].item() / ctx.world,
+                    **{f"layout_{key}": value for key, value in expected.items()}})
 
 
 def _start_profile(ctx: Context):

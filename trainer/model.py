@@ -193,30 +193,32 @@ def _set_compile_numerics(mode: str) -> None:
         inductor.emulate_precision_casts = mode == "eager"
 
 
-def _left_out(model: nn.Module, mesh, sharded: list[nn.Parameter]) -> dict:
+def _left_out(model: nn.Module, mesh, sharded: list[nn.Parameter], replicated: bool) -> dict:
     """fully_shard's arguments that leave out of FSDP the experts each rank holds itself (expert parallelism),
-    and, on a one-rank mesh, every frozen weight: there is nothing to shard, and FSDP would copy every weight into
-    its unsharded buffer for each forward and each backward (a 30B model: about 120 GB of device copies per step).
-    The adapters stay FSDP's (mixed precision, the checkpoint code's DTensors). A torch whose fully_shard has no
-    ignored_params (before 2.7) keeps them all in, and cannot shard experts."""
+    and, when the layout replicates the base (or on a one-rank mesh), every frozen weight: FSDP would copy every
+    weight into its unsharded buffer for each forward and each backward (a 30B model: about 120 GB of device
+    copies per step) and all-gather it on several ranks. The adapters stay FSDP's (mixed precision, the
+    checkpoint code's DTensors). A torch whose fully_shard has no ignored_params (before 2.7) keeps them all in,
+    and cannot shard experts."""
     import inspect
 
     from torch.distributed.fsdp import fully_shard
 
     if "ignored_params" not in inspect.signature(fully_shard).parameters:
         if sharded:
-            raise ConfigError(f"model.expert_parallel: needs torch >= 2.7 (FSDP's ignored_params); this node has "
-                              f"{torch.__version__}")
+            raise ConfigError(f"model.parallelism: expert layouts need torch >= 2.7 (FSDP's ignored_params); this "
+                              f"node has {torch.__version__}")
         return {}
     left = set(sharded)
-    if mesh.size() == 1:
+    if replicated or mesh.size() == 1:
         left |= {p for p in model.parameters() if not p.requires_grad}
     return {"ignored_params": left} if left else {}
 
 
-def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module:
+def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool, layout=None, experts_over=None) -> nn.Module:
     """The wrapping order, in one place: LoRA (already applied), the routed experts' grouped path
-    (model.moe_kernel), activation checkpointing, compile, FSDP2.
+    (model.moe_kernel) and their split over `experts_over` (group, rank in it, size: the layout's expert group),
+    activation checkpointing, compile, FSDP2 over `mesh` (1-D, or 2-D replicate x shard: HSDP).
 
     Compilation covers each decoder layer's forward and nothing else: FSDP's hooks stay outside the compiled
     code and parameter names stay as they are. One FSDP unit per decoder layer, then the root; with torch < 2.8
@@ -230,13 +232,13 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool) -> nn.Module
         from . import moe
 
         model.grouped_experts = moe.install(model)
-        if recipe.model.expert_parallel:
-            sharded = moe.shard_experts(model, mesh.get_local_rank(), mesh.size())
+        if experts_over is not None:
+            sharded = moe.shard_experts(model, *experts_over)
     layers = decoder_layers(model)
     for index in checkpointed_layers(len(layers), recipe.model.activation_checkpointing):
         _checkpoint_forward(layers[index])
     separate_adapters = len({p.dtype for p in model.parameters()}) > 1 and not _fsdp_takes_mixed_frozen_dtypes()
-    left_out = _left_out(model, mesh, sharded)
+    left_out = _left_out(model, mesh, sharded, layout is not None and not layout.frozen_sharded)
     if recipe.model.compile:
         _set_compile_numerics(recipe.model.compile_numerics)
     for layer in layers:
@@ -304,16 +306,20 @@ def materialise(model: nn.Module, model_path: Path, device: torch.device, rank: 
     _reset_rotary(model, device)
 
 
-def _rows(param, world: int, rank: int) -> tuple[int, int]:
-    """The rows of dim 0 this rank holds: FSDP2 shards dim 0 as torch.chunk does (ceil-sized chunks, the last ones
-    shorter or empty)."""
-    chunk = -(-param.shape[0] // world) if param.dim() else 0
-    start = min(rank * chunk, param.shape[0]) if param.dim() else 0
-    return start, min(start + chunk, param.shape[0]) if param.dim() else 0
+def _rows(param) -> tuple[int, int]:
+    """The rows of dim 0 this rank holds: for FSDP's DTensor, from its mesh and placements (dim 0 split as
+    torch.chunk does over the shard dimension, whole over a replicate one); a plain tensor holds them all."""
+    if not param.dim():
+        return 0, 0
+    if not hasattr(param, "device_mesh"):
+        return 0, param.shape[0]
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return offset[0], offset[0] + local[0]
 
 
-def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device, rank: int, world: int,
-                       seed: int) -> None:
+def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device, seed: int) -> None:
     """model.load: sliced. Each rank reads only the rows of its own shards, straight from the node's copy of the
     checkpoint (safetensors slices of a memory map; for a fused expert weight, only its own experts' tensors):
     host memory stays near one weight's shard, not the model, and no weight crosses the network. LoRA weights
@@ -326,8 +332,7 @@ def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device,
         with torch.no_grad():
             for name, param in model.state_dict().items():
                 local = param.to_local() if hasattr(param, "to_local") else param
-                sharded = hasattr(param, "to_local")
-                start, stop = _rows(param, world, rank) if sharded else (0, param.shape[0] if param.dim() else 0)
+                start, stop = _rows(param)
                 shape = tuple(param.shape)
                 if name in experts:
                     start, stop, shape = experts[name]
@@ -342,15 +347,20 @@ def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device,
     _reset_rotary(model, device)
 
 
-def materialise_random(model: nn.Module, device: torch.device, rank: int, seed: int) -> None:
+def materialise_random(model: nn.Module, device: torch.device, seed: int) -> None:
     """model.init: random, for benchmarks at any size: each rank fills only its own shards on its device (no
     checkpoint file, no host copy, no broadcast). Base weights N(0, 0.02), norms 1, LoRA A Kaiming-uniform and B
-    zeros as peft starts them. Ranks draw from their own seeded streams, so the model differs with world size."""
+    zeros as peft starts them. Each piece is drawn from a stream seeded by its parameter and its first row, so
+    ranks that hold the same piece (a replicated base, HSDP's replicas, the same experts on two nodes) hold the
+    same values; the model differs with the layout."""
     model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + rank)
+    experts = getattr(model, "sharded_experts", {})
+    generator = torch.Generator(device=device)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for index, (name, param) in enumerate(model.named_parameters()):
             local = param.to_local() if hasattr(param, "to_local") else param
+            first = experts[name][0] if name in experts else _rows(param)[0]
+            generator.manual_seed((seed * 1_000_003 + index) * 1_000_003 + first)
             if ".lora_B." in name:
                 local.zero_()
             elif ".lora_A." in name:

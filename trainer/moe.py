@@ -220,9 +220,10 @@ class ExpertShard:
         return all_to_all_single(out.new_empty(rows.shape[0], out.shape[1]), out, send, recv, group=self.group)
 
 
-def shard_experts(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]:
-    """model.expert_parallel: each covered experts module keeps only this rank's E/world experts of its frozen
-    weights (still on the meta device, filled by loading) and gets an ExpertShard. Returns those weights, which
+def shard_experts(model: nn.Module, group, rank: int, world: int) -> list[nn.Parameter]:
+    """Expert layouts: each covered experts module keeps only this rank's E/world experts of its frozen weights
+    (`rank` and `world` within `group`, the layout's expert group; still on the meta device, filled by loading)
+    and gets an ExpertShard exchanging tokens over that group. Returns those weights, which
     FSDP must leave alone; `model.sharded_experts` maps each one's name to (first expert, last + 1, full shape)
     for loading and parameter counts."""
     from peft.tuners.lora.layer import ParamWrapper
@@ -236,9 +237,9 @@ def shard_experts(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]
         chain, experts = _wrapper_chain(module, ParamWrapper)
         prefix = outer_name + ".base_layer" * len(chain)
         if experts.num_experts % world:
-            raise ConfigError(f"model.expert_parallel: {experts.num_experts} experts do not split evenly over "
-                              f"{world} ranks")
-        experts.expert_shard = shard = ExpertShard(rank, world, experts.num_experts)
+            raise ConfigError(f"model.parallelism: {experts.num_experts} experts do not split evenly over "
+                              f"{world} ranks (an expert layout needs a rank count that divides them)")
+        experts.expert_shard = shard = ExpertShard(rank, world, experts.num_experts, group)
         for name, param in list(experts.named_parameters(recurse=False)):
             if param.dim() != 3:
                 continue
@@ -248,7 +249,7 @@ def shard_experts(model: nn.Module, rank: int, world: int) -> list[nn.Parameter]
             held.append(local)
             layout[f"{prefix}.{name}"] = (shard.start, shard.stop, tuple(param.shape))
     if not held:
-        raise ConfigError("model.expert_parallel: the model has no fused experts with LoRA on the grouped path "
+        raise ConfigError("model.parallelism: the model has no fused experts with LoRA on the grouped path "
                           "(a transformers 5 Mixture-of-Experts model, lora.target_parameters: auto, "
                           "model.moe_kernel: grouped)")
     model.sharded_experts = layout

@@ -109,12 +109,20 @@ def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.dev
                               + (f" ({error})" if error else " (another rank failed)")
                               + "; the previous complete checkpoint is intact: free space, then resume")
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:
-        (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": world, **(extra or {})}))
+        (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": world, "layout": _layout_key(model),
+                                                **(extra or {})}))
         os.replace(tmp, final)
         for old in sorted(folder.glob("ckpt-*"))[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _layout_key(model: nn.Module) -> str | None:
+    """How this run's trainable state is laid out over its ranks (the layout, its node split): a checkpoint
+    of another layout is read through its whole copy."""
+    layout = getattr(model, "layout", None)
+    return f"{layout.name} {layout.nodes}x{layout.per_node}" if layout is not None else None
 
 
 def latest(folder: Path) -> Path | None:
@@ -138,14 +146,15 @@ def load(model: nn.Module, optimizer, checkpoint: Path, device: torch.device) ->
     """Restore this rank's shards, optimizer state and RNG; returns the step to continue from."""
     meta = json.loads((checkpoint / COMPLETE).read_text())
     world, rank = dist.get_world_size(), dist.get_rank()
-    if meta["world_size"] != world:
+    if meta["world_size"] != world or meta.get("layout", _layout_key(model)) != _layout_key(model):
         if not (checkpoint / REPLICA).is_file():
-            raise ResumeError(f"{checkpoint} was written by {meta['world_size']} ranks; this run has {world} and "
-                              f"the checkpoint has no {REPLICA} to reshard from. Resume with the same nodes and "
-                              f"--gpus, or start a new run")
+            raise ResumeError(f"{checkpoint} was written by {meta['world_size']} ranks ({meta.get('layout')}); this "
+                              f"run has {world} ({_layout_key(model)}) and the checkpoint has no {REPLICA} to reshard "
+                              f"from. Resume with the same nodes, --gpus and model.parallelism, or start a new run")
         _load_replica(model, optimizer, checkpoint / REPLICA, device)
         if rank == 0:
-            print(f"checkpoint of {meta['world_size']} ranks resharded to {world} from its {REPLICA}", flush=True)
+            print(f"checkpoint of {meta['world_size']} ranks resharded to {world} from its {REPLICA} (layout "
+                  f"{meta.get('layout') or 'of an older trainer'} -> {_layout_key(model)})", flush=True)
         return meta["step"]
     saved = torch.load(checkpoint / f"rank{rank}.pt", map_location="cpu", weights_only=False)
     by_name = dict(model.named_parameters())

@@ -157,7 +157,7 @@ def test_each_rank_reading_its_own_slices_gives_the_broadcast_model(tmp_path, de
     for mode in ("sliced", "broadcast"):
         out = tmp_path / mode
         proc = torchrun(3, out, demo_cache, f"model.load={mode}", "train.steps=6", "train.log_every=1",
-                        "data.max_length=48")
+                        "data.max_length=48", "model.parallelism=fsdp")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert f"weights loaded ({mode})" in proc.stdout
         runs[mode] = [m["loss"] for m in metrics(out)]

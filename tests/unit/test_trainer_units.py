@@ -193,3 +193,59 @@ def test_an_expert_shard_that_receives_no_row_still_computes_on_one_and_returns_
         assert torch.allclose(again, direct) and seen[-1] == (6, [2, 0, 3, 1])
     finally:
         dist.destroy_process_group()
+
+
+def _shape(**changes):
+    layout = trainer_module("layout")
+    qwen3 = dict(frozen_bytes=int(61.1e9), trainable=int(997e6), expert_bytes=int(57.8e9), layers=48, hidden=2048,
+                 checkpointed=5, tokens=8192, top_k=8, mlp_ratio=3.0)   # Qwen3-30B-A3B, 2 x 4096, 10% checkpointed
+    return layout.Shape(**{**qwen3, **changes})
+
+
+def test_auto_layout_replicates_what_fits_keeps_shards_inside_nodes_and_says_why():
+    layout = trainer_module("layout")
+    h200, h100 = 150.1e9, 85.0e9
+    chosen = layout.choose("auto", _shape(), h200, 4, 1, 4)
+    assert chosen.name == "replicate" and "61.1 GB" in chosen.reason and "nothing to all-gather" in chosen.reason
+    assert layout.choose("auto", _shape(), h100, 4, 1, 4).name == "fsdp"       # 61 GB of base does not fit twice
+    glm = _shape(frozen_bytes=int(213.8e9), trainable=int(1.83e9), expert_bytes=int(202e9), layers=46, hidden=4096,
+                 checkpointed=46, tokens=4096, mlp_ratio=2.75)
+    two_nodes = layout.choose("auto", glm, h200, 4, 2, 2)
+    assert two_nodes.name == "hsdp" and two_nodes.two_d and "only gradient shards cross" in two_nodes.reason
+    assert layout.choose("auto", glm, h200, 4, 1, 4).name == "fsdp"            # one node: hsdp is fsdp
+    assert layout.choose("auto", glm, h100, 4, 2, 2).name == "fsdp"            # half the base per GPU: too big
+    assert layout.choose("auto", _shape(), h200, 1, 1, 1).name == "replicate"
+    too_big = layout.choose("auto", _shape(tokens=8192 * 16), h100, 4, 1, 4)
+    assert too_big.name == "fsdp" and "lower train.micro_batch_size" in too_big.reason
+    forced = layout.choose("expert", _shape(), h200, 4, 2, 2)
+    assert forced.name == "expert" and forced.expert_group_size == 2 and forced.reason == "forced by model.parallelism"
+    config = trainer_module("config")
+    with pytest.raises(config.ConfigError, match="expert needs a Mixture-of-Experts model"):
+        layout.choose("expert", _shape(top_k=0, expert_bytes=0), h200, 4, 1, 4)
+
+
+def test_layout_bytes_keep_the_heavy_traffic_inside_the_node():
+    """Per GPU and step, GLM-4.5-Air over 2 x 2: whole-world FSDP all-gathers the base across the node boundary;
+    HSDP and the node-local expert split send only the adapter gradients' shards across it."""
+    layout = trainer_module("layout")
+    glm = _shape(frozen_bytes=int(213.8e9), trainable=int(1.83e9), expert_bytes=int(202e9), layers=46, hidden=4096,
+                 checkpointed=46, tokens=4096, mlp_ratio=2.75)
+    sent = {name: layout.traffic(layout.Layout(name, 4, 2, 2, ""), glm, True)
+            for name in ("fsdp", "hsdp", "expert", "expert-global", "replicate")}
+    across = {name: figures["inter_node_bytes"] for name, figures in sent.items()}
+    assert across["fsdp"] > 150e9                                             # 2 x 213.8 GB gathered, half across
+    assert across["hsdp"] == across["expert"] == across["replicate"] == pytest.approx(4 * 1.83e9 / 2)
+    assert across["expert-global"] > 10 * across["expert"]                    # tokens cross the node boundary
+    assert sent["expert"]["intra_node_bytes"] < sent["hsdp"]["intra_node_bytes"]  # experts never gathered
+
+
+def test_recipe_refuses_unknown_or_contradicting_layouts():
+    config = trainer_module("config")
+    with pytest.raises(config.ConfigError, match="model.parallelism: expected one of auto, replicate, hsdp"):
+        config.load_recipe(None, ["model.parallelism=zero3"])
+    with pytest.raises(config.ConfigError, match="contradicts model.parallelism: hsdp"):
+        config.load_recipe(None, ["model.expert_parallel=true", "model.parallelism=hsdp"])
+    with pytest.raises(config.ConfigError, match="model.parallelism: needs model.moe_kernel: grouped"):
+        config.load_recipe(None, ["model.parallelism=expert", "model.moe_kernel=peft"])
+    assert config.load_recipe(None, ["model.expert_parallel=true"]).model.layout == "expert-global"
+    assert config.load_recipe(None, []).model.layout == "auto"

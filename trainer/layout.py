@@ -1,0 +1,231 @@
+"""Where the weights live and which links carry what: the parallel layout (model.parallelism).
+
+A layout says how the frozen base, the LoRA adapters and a Mixture-of-Experts model's routed experts are spread
+over the ranks, and over which process groups the collectives run:
+
+- replicate: every rank holds the whole frozen base (nothing to all-gather); the adapters are FSDP's, sharded
+  over the GPUs of a node and replicated across nodes, so only adapter gradients are reduced.
+- hsdp: base and adapters sharded over the GPUs of each node and replicated across nodes (a 2-D mesh): the
+  per-layer all-gathers stay inside the node; only the gradients' shards cross it. On one node: fsdp.
+- fsdp: base and adapters sharded over every rank (one 1-D mesh); each layer's all-gathers cross nodes.
+- expert: the routed experts split over the GPUs of each node (tokens reach them by all_to_all inside the node);
+  the rest as hsdp.
+- expert-global: the routed experts split over every rank; the rest as fsdp (model.expert_parallel: true).
+
+auto picks the first of replicate, hsdp (several nodes), fsdp whose estimated memory fits the GPU, and says why.
+It never picks expert: on the measured runs (docs/PERFORMANCE.md) sharding the experts with the rest was faster.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .config import LAYOUTS  # noqa: F401 - the names, kept where the controller reads the recipe's checks
+
+FITS = 0.92                 # of the GPU's memory, what an estimate may use (allocator slack, fragmentation)
+WORKSPACE = 3e9             # CUDA context, NCCL buffers, kernels' scratch
+# A decoder layer keeps for its backward about 6 + 3 x (MLP width / hidden) + 1.75 x top-k hidden-state-sized
+# tensors per token (the MLP width: intermediate_size, or top-k x an expert's width; the top-k term: the routed
+# copies). Fitted on three H200 runs through nodectl launch: 8B dense, micro-batch 4 x 4096, no checkpointing (93.5
+# GB measured); Qwen3-30B-A3B, 2 x 4096, 10% checkpointed (118.6 GB); GLM-4.5-Air over 4 GPUs, 2 x 4096, half
+# checkpointed (125.4 GB), and over 2 x 2 GPUs, 1 x 4096, all checkpointed (136.2 GB).
+BASE_WIDTHS, MLP_WIDTHS, ROUTED_WIDTHS = 6.0, 3.0, 1.75
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the estimates need from the model and the recipe."""
+    frozen_bytes: int        # the frozen base at full size
+    trainable: int           # LoRA parameters (fp32 master weights, gradients, two AdamW moments)
+    expert_bytes: int        # of frozen_bytes, the routed experts' fused weights
+    layers: int
+    hidden: int
+    checkpointed: int        # layers that recompute their activations in backward
+    tokens: int              # per micro-batch (rows x max_length)
+    top_k: int               # experts per token (0: dense)
+    mlp_ratio: float = 3.5   # the MLP's width over hidden (top-k experts' widths on a Mixture-of-Experts model)
+    element: int = 2         # bytes of a gathered adapter weight and of a hidden state (bf16; fp32 on CPU ranks)
+
+    @property
+    def activations(self) -> float:
+        kept = self.layers - self.checkpointed
+        width = self.tokens * self.hidden * 2
+        per_layer = BASE_WIDTHS + MLP_WIDTHS * self.mlp_ratio + ROUTED_WIDTHS * self.top_k
+        return width * (per_layer * (kept + (1 if self.checkpointed else 0)) + self.checkpointed)
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str                # replicate, hsdp, fsdp, expert, expert-global
+    world: int
+    nodes: int               # nodes the mesh knows (1 when ranks do not split evenly into nodes)
+    per_node: int
+    reason: str
+
+    @property
+    def two_d(self) -> bool:
+        """A (replicate across nodes, shard inside) mesh for FSDP."""
+        return self.nodes > 1 and self.name in ("replicate", "hsdp", "expert")
+
+    @property
+    def frozen_sharded(self) -> bool:
+        return self.name != "replicate" and self.world > 1
+
+    @property
+    def expert_group_size(self) -> int:
+        return {"expert": self.per_node, "expert-global": self.world}.get(self.name, 0)
+
+    def describe(self) -> str:
+        shape = f"{self.nodes} node(s) x {self.per_node}" if self.nodes > 1 else f"{self.world} rank(s)"
+        return f"layout: {self.name} over {shape} ({self.reason})"
+
+
+def topology() -> tuple[int, int, int]:
+    """(world, nodes, ranks per node) from torchrun's environment; one node when they do not divide evenly."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
+    if per_node < 1 or world % per_node:
+        return world, 1, world
+    return world, world // per_node, per_node
+
+
+def per_gpu_bytes(name: str, shape: Shape, world: int, per_node: int) -> float:
+    """Estimated peak bytes on one GPU under a layout."""
+    frozen_share = {"replicate": 1, "hsdp": per_node, "fsdp": world, "expert": per_node,
+                    "expert-global": world}[name] if world > 1 else 1
+    adapter_share = world if name in ("fsdp", "expert-global") else per_node
+    gathered = 0.0 if name == "replicate" or world == 1 else 2 * (shape.frozen_bytes - shape.expert_bytes *
+                                                                   (name.startswith("expert"))) / shape.layers
+    return (shape.frozen_bytes / frozen_share + 16 * shape.trainable / max(1, adapter_share) + gathered
+            + shape.activations + WORKSPACE)
+
+
+def choose(setting: str, shape: Shape, memory: float | None, world: int, nodes: int, per_node: int) -> Layout:
+    """The layout for `setting` (a name, or auto) on this topology; `memory`: one GPU's bytes (None: unknown)."""
+    from .config import ConfigError
+
+    if setting != "auto":
+        if setting.startswith("expert") and not shape.top_k:
+            raise ConfigError(f"model.parallelism: {setting} needs a Mixture-of-Experts model with fused experts")
+        return Layout(setting, world, nodes, per_node, "forced by model.parallelism")
+    if world == 1:
+        return Layout("replicate", 1, 1, 1, "one rank: the whole model here, nothing to gather")
+    gib = 1e9
+    budget = FITS * memory if memory else None
+    need = {name: per_gpu_bytes(name, shape, world, per_node) for name in ("replicate", "hsdp", "fsdp")}
+    fits = [name for name in ("replicate", "hsdp", "fsdp") if budget is None or need[name] <= budget]
+    if nodes == 1 and "hsdp" in fits:
+        fits.remove("hsdp")   # one node: hsdp is fsdp
+    chosen = fits[0] if fits else "fsdp"
+    memory_text = f"{memory / gib:.0f} GB" if memory else "unknown"
+    why = {"replicate": f"the frozen base ({shape.frozen_bytes / gib:.1f} GB) fits on every GPU: est. "
+                        f"{need['replicate'] / gib:.0f} GB of {memory_text}; nothing to all-gather, only adapter "
+                        f"gradients are reduced",
+           "hsdp": f"the base sharded over a node's {per_node} GPUs fits (est. {need['hsdp'] / gib:.0f} GB of "
+                   f"{memory_text}; whole on each: {need['replicate'] / gib:.0f} GB); all-gathers stay inside the "
+                   f"node, only gradient shards cross it",
+           "fsdp": f"sharded over all {world} ranks: est. {need['fsdp'] / gib:.0f} GB of {memory_text}"
+                   + (f" (whole on each: {need['replicate'] / gib:.0f} GB"
+                      + (f", over a node: {need['hsdp'] / gib:.0f} GB" if nodes > 1 else "") + ")")}[chosen]
+    if not fits:
+        why += "; nothing fits by the estimate: lower train.micro_batch_size or checkpoint more layers"
+    return Layout(chosen, world, nodes, per_node, "auto: " + why)
+
+
+def mesh(layout: Layout, device_type: str):
+    """The DeviceMesh FSDP shards over: (replicate, shard) across and inside nodes, or one dimension."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout.two_d:
+        return init_device_mesh(device_type, (layout.nodes, layout.per_node), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (layout.world,), mesh_dim_names=("shard",))
+
+
+def expert_group(layout: Layout, fsdp_mesh):
+    """(process group, rank in it, its size) over which the routed experts are split; None without expert
+    parallelism. expert: the node's ranks (the mesh's shard dimension); expert-global: every rank."""
+    import torch.distributed as dist
+
+    if layout.name == "expert" and layout.two_d:
+        sub = fsdp_mesh["shard"]
+        return sub.get_group(), sub.get_local_rank(), sub.size()
+    if layout.name in ("expert", "expert-global"):
+        return dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def traffic(layout: Layout, shape: Shape, reshard_after_forward: bool) -> dict[str, float]:
+    """Bytes one GPU sends in one optimizer step of one micro-batch, by the ring accounting of each collective
+    (all-gather and reduce-scatter: (g-1)/g of the whole tensor; all-reduce twice that; all_to_all: what goes to
+    other ranks), split into inside the node and across nodes (a ring over m nodes crosses a node boundary on m
+    of its g links)."""
+    intra = inter = 0.0
+    world, nodes, per_node = layout.world, layout.nodes, layout.per_node
+
+    def ring(total: float, group: int, spans: int) -> None:
+        nonlocal intra, inter
+        if group < 2:
+            return
+        sent = total * (group - 1) / group
+        across = spans / group if spans > 1 else 0.0
+        inter += sent * across
+        intra += sent * (1 - across)
+
+    passes = 2 if reshard_after_forward else 1
+    adapters_bf16, grads_fp32 = shape.element * shape.trainable, 4 * shape.trainable
+    expert = layout.expert_group_size
+    frozen_gathered = shape.frozen_bytes - (shape.expert_bytes if expert else 0)
+    if layout.name in ("fsdp", "expert-global"):
+        ring(passes * (frozen_gathered + adapters_bf16), world, nodes)
+        ring(grads_fp32, world, nodes)
+    else:
+        inside = per_node if layout.two_d else world
+        if layout.name != "replicate":
+            ring(passes * frozen_gathered, inside, 1)
+        ring(passes * adapters_bf16, inside, 1)
+        ring(grads_fp32, inside, 1)                          # reduce-scatter inside the node
+        if layout.two_d:
+            ring(2 * grads_fp32 / per_node, nodes, nodes)    # all-reduce of each shard across the nodes
+    if expert and shape.top_k:
+        forward = shape.tokens * shape.top_k * shape.hidden * shape.element * 2 * shape.layers  # there and back
+        exchanges = forward * (2 + shape.checkpointed / shape.layers)                # backward, recompute
+        others = (expert - 1) / expert
+        spans = nodes if layout.name == "expert-global" else 1
+        off_node = (world - per_node) / (world - 1) if spans > 1 and world > 1 else 0.0
+        inter += exchanges * others * off_node
+        intra += exchanges * others * (1 - off_node)
+    return {"intra_node_bytes": intra, "inter_node_bytes": inter}
+
+
+def shape_of(model, recipe) -> Shape:
+    """The estimates' inputs from the model skeleton (meta device, LoRA applied) and the recipe."""
+    from .model import checkpointed_layers, decoder_layers, parameter_counts
+
+    trainable, _ = parameter_counts(model)
+    frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
+    expert_bytes = sum(p.numel() * p.element_size() for m in model.modules() if "Expert" in type(m).__name__
+                       for p in m.parameters(recurse=False) if p.dim() == 3 and not p.requires_grad)
+    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    layers = len(decoder_layers(model))
+    top_k = int(getattr(config, "num_experts_per_tok", 0) or 0) if expert_bytes else 0
+    expert_width = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0)
+    mlp = top_k * expert_width if top_k else getattr(config, "intermediate_size", 0) or 3.5 * config.hidden_size
+    return Shape(frozen_bytes=frozen_bytes, trainable=trainable, expert_bytes=expert_bytes, layers=layers,
+                 hidden=config.hidden_size, checkpointed=len(checkpointed_layers(layers,
+                                                                                 recipe.model.activation_checkpointing)),
+                 tokens=recipe.train.micro_batch_size * recipe.data.max_length,
+                 top_k=top_k, mlp_ratio=mlp / config.hidden_size,
+                 element=next(p.element_size() for p in model.parameters() if not p.requires_grad))
+
+
+def device_memory(device) -> float | None:
+    """One GPU's bytes; on CPU ranks, the host's memory over the node's ranks."""
+    import torch
+
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    return total / max(1, int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
