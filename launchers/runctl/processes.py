@@ -241,3 +241,58 @@ def is_zombie(pid: int) -> bool:
             return handle.read().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return True
+
+
+class Proven:
+    """Processes proven the run's (`_ours`) when first seen, each held by a pidfd where the kernel has them: a
+    pidfd names that process and no other, so it can be signalled after it left the cgroup, the process tree
+    or its environment, and never hits a process that took its pid after it died."""
+
+    def __init__(self, run_dir: str, markers: tuple) -> None:
+        self.run_dir, self.markers = run_dir, markers
+        self.held: dict = {}   # pid -> pidfd (None where the kernel has none: then re-proven at each signal)
+
+    def add(self, pids: list) -> list:
+        for pid in pids:
+            if pid in self.held:
+                continue
+            try:
+                fd = os.pidfd_open(pid)
+            except (AttributeError, OSError):
+                fd = None
+            if _ours(pid, self.markers, self.run_dir):
+                self.held[pid] = fd
+            elif fd is not None:
+                os.close(fd)
+        return list(self.held)
+
+    def _gone(self, pid: int, fd) -> bool:
+        if fd is None:
+            return not _ours(pid, self.markers, self.run_dir) or is_zombie(pid)
+        try:
+            signal.pidfd_send_signal(fd, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+        return is_zombie(pid)
+
+    def alive(self) -> list:
+        return [pid for pid, fd in self.held.items() if not self._gone(pid, fd)]
+
+    def signal(self, signum: int) -> None:
+        for pid in self.alive():
+            fd = self.held[pid]
+            try:
+                if fd is not None:
+                    signal.pidfd_send_signal(fd, signum)
+                else:
+                    signal_run_process(pid, signum, self.markers, self.run_dir)
+            except (ProcessLookupError, PermissionError, OSError):
+                continue
+
+    def close(self) -> None:
+        for fd in self.held.values():
+            if fd is not None:
+                os.close(fd)
+        self.held.clear()

@@ -9,7 +9,7 @@ import time
 
 from runctl.common import write_file
 from runctl.containers import remove_container
-from runctl.processes import group_of, remove_group, run_markers, run_processes, signal_run_process
+from runctl.processes import Proven, group_of, remove_group, run_markers, run_processes
 
 
 def cmd_stop(args: list, request: dict) -> dict:
@@ -23,29 +23,34 @@ def cmd_stop(args: list, request: dict) -> dict:
         return {"time": time.time(), "terminated": 0, "killed": 0, "left": 0, "removed": True}
     if not os.path.exists(os.path.join(run_dir, "node.json")):
         return {"error": f"no run at {run_dir}"}
-    markers = run_markers(run_dir)
-    targets = run_processes(run_dir)
-    for pid in targets:
-        signal_run_process(pid, signal.SIGTERM, markers, run_dir)
-    deadline = time.time() + grace
-    left = targets
-    while left and time.time() < deadline:
-        time.sleep(0.1)
-        left = [pid for pid in run_processes(run_dir)]
-    killed = list(left)
-    for pid in left:
-        signal_run_process(pid, signal.SIGKILL, markers, run_dir)
-    time.sleep(0.05)
-    for _ in range(50):
-        if not run_processes(run_dir):
-            break
-        time.sleep(0.1)
+    # Every process proven the run's is held by a pidfd from then on: one that leaves the proof behind while
+    # stop waits (a rank that left the cgroup, cleared its environment and double-forked, whose subreaper
+    # launch.sh exits on SIGTERM, so it is reparented to init) is still the one proven, and still ended.
+    proven = Proven(run_dir, run_markers(run_dir))
+    try:
+        targets = proven.add(run_processes(run_dir))
+        proven.signal(signal.SIGTERM)
+        deadline = time.time() + grace
+        while proven.alive() and time.time() < deadline:
+            time.sleep(0.1)
+            proven.add(run_processes(run_dir))
+        killed = proven.alive()
+        proven.signal(signal.SIGKILL)
+        for _ in range(50):
+            proven.add(run_processes(run_dir))
+            if not proven.alive():
+                break
+            proven.signal(signal.SIGKILL)
+            time.sleep(0.1)
+        left = proven.alive()
+    finally:
+        proven.close()
     stopped = {"time": time.time(), "terminated": len(targets), "killed": len(killed)}
-    if not run_processes(run_dir):
+    if not left:
         remove_group(group_of(run_dir))
     removed = remove_container(run_dir)
     if removed:
         stopped["container"] = removed
     if targets:
         write_file(os.path.join(run_dir, "state", "stopped"), json.dumps(stopped))
-    return dict(stopped, left=len(run_processes(run_dir)))
+    return dict(stopped, left=len(left))

@@ -29,8 +29,9 @@ def test_a_rank_killed_with_sigkill_is_killed_not_lost(tmp_path):
     assert started.exit_code == 0, started.output
     run_id = latest_run_id(tmp_path)
     try:
-        ranks = wait_for(lambda: [r for r in run_nodectl(["--json", "status"], env=env, cwd=tmp_path).json()["ranks"]
-                                  if r.get("pid")] or None, timeout=60)
+        ranks = wait_for(lambda: (lambda rs: rs if any(r["rank"] == 1 for r in rs) else None)(
+            [r for r in run_nodectl(["--json", "status"], env=env, cwd=tmp_path).json()["ranks"] if r.get("pid")]),
+            timeout=60)
         victim = next(r for r in ranks if r["rank"] == 1)
         wrapper = psutil.Process(victim["pid"]).parent()   # rankexec, which records a rank's exit: killed first
         assert "rankexec" in " ".join(wrapper.cmdline())
@@ -43,5 +44,67 @@ def test_a_rank_killed_with_sigkill_is_killed_not_lost(tmp_path):
         shown = run_nodectl(["status"], env=env, cwd=tmp_path)
         assert "killed" in shown.stdout and "SIGKILL or the kernel's OOM killer" in shown.stdout, shown.stdout
     finally:
+        run_nodectl(["stop", "--run", run_id], env=env, cwd=tmp_path)
+        kill_leftovers(run_id)
+
+
+ESCAPE = r"""
+import os, signal, sys, time
+if os.environ["RANK"] == "0":
+    child = os.fork()
+    if child == 0:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        # the grandchild: out of every cgroup nodectl could have put it in, no environment, deaf to SIGTERM
+        with open("/proc/self/mounts") as mounts:
+            for fields in (line.split() for line in mounts):
+                if fields[2] in ("cgroup", "cgroup2"):
+                    try:
+                        with open(os.path.join(fields[1], "cgroup.procs"), "w") as procs:
+                            procs.write(str(os.getpid()))
+                    except OSError:
+                        pass
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with open(sys.argv[1] + ".tmp", "w") as out:
+            out.write(str(os.getpid()))
+        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+        os.execve("/bin/sleep", ["sleep", "300"], {})
+    os.waitpid(child, 0)
+time.sleep(300)
+"""
+
+
+def test_a_rank_that_leaves_its_cgroup_session_and_environment_is_still_stopped(tmp_path):
+    """A rank running as root forks a process that moves itself to the root of every cgroup hierarchy, starts its
+    own session, double-forks, ignores SIGTERM and clears its environment (the audit's escape). `stop` ends it
+    too and says nothing is left: once proven the run's (a descendant of launch.sh, the run's subreaper), it is
+    held by a pidfd. Before, a grace shorter than launch.sh's own clean-up (which SIGKILLs what is left below it 2 s
+    after SIGTERM) had stop SIGKILL launch.sh first, the orphan went to init, and stop said 0 left."""
+    (tmp_path / "train.py").write_text(ESCAPE)
+    marker = tmp_path / "escaped.pid"
+    hosts = tmp_path / "hosts.yaml"
+    hosts.write_text(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, gpus: 1, "
+                     f"python: {sys.executable}, workdir: {tmp_path / 'work'}}}\n")
+    env = dict(os.environ, NODECTL_INVENTORY=str(hosts), COLUMNS="200")
+    started = run_nodectl(["launch", "--skip-preflight", "--detach", "--", "train.py", str(marker)], env=env,
+                          cwd=tmp_path)
+    assert started.exit_code == 0, started.output
+    run_id = latest_run_id(tmp_path)
+    escaped = None
+    try:
+        escaped = int(wait_for(lambda: marker.exists() and marker.read_text(), timeout=60))
+        proc = psutil.Process(escaped)
+        wait_for(lambda: proc.name() == "sleep" or None, timeout=10)
+        assert not proc.environ(), "the escape kept its environment"
+        stopped = run_nodectl(["--json", "stop", "--run", run_id, "--grace", "1"], env=env, cwd=tmp_path)
+        assert stopped.exit_code == 0, stopped.output
+        gone = wait_for(lambda: (not psutil.pid_exists(escaped) or psutil.Process(escaped).status() == "zombie")
+                        or None, timeout=10)
+        assert gone
+        assert "0 left" in stopped.output, stopped.output
+    finally:
+        if escaped and psutil.pid_exists(escaped):
+            os.kill(escaped, signal.SIGKILL)
         run_nodectl(["stop", "--run", run_id], env=env, cwd=tmp_path)
         kill_leftovers(run_id)
