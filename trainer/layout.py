@@ -154,6 +154,13 @@ def expert_group(layout: Layout, fsdp_mesh):
     return None
 
 
+def ring_split(sent: float, group: int, spans: int) -> tuple[float, float]:
+    """(inside, across) of what one rank of a ring over `group` ranks on `spans` nodes sends: the ring crosses a
+    node boundary on `spans` of its `group` links, so that share of a rank's bytes crosses on average."""
+    across = spans / group if spans > 1 else 0.0
+    return sent * (1 - across), sent * across
+
+
 def traffic(layout: Layout, shape: Shape, reshard_after_forward: bool) -> dict[str, float]:
     """Bytes one GPU sends in one optimizer step of one micro-batch, by the ring accounting of each collective
     (all-gather and reduce-scatter: (g-1)/g of the whole tensor; all-reduce twice that; all_to_all: what goes to
@@ -166,10 +173,9 @@ def traffic(layout: Layout, shape: Shape, reshard_after_forward: bool) -> dict[s
         nonlocal intra, inter
         if group < 2:
             return
-        sent = total * (group - 1) / group
-        across = spans / group if spans > 1 else 0.0
-        inter += sent * across
-        intra += sent * (1 - across)
+        inside, across = ring_split(total * (group - 1) / group, group, spans)
+        intra += inside
+        inter += across
 
     passes = 2 if reshard_after_forward else 1
     adapters_bf16, grads_fp32 = shape.element * shape.trainable, 4 * shape.trainable

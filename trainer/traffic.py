@@ -1,7 +1,7 @@
 """What one step really sends: every collective torch.distributed is asked for during the step, counted by group
 and size (FSDP's all-gathers and reduce-scatters, the expert exchange's all_to_all, the trainer's own
-all-reduces), with the same ring accounting as layout.traffic, so the layout's figure is checked against the
-calls the step made. Counting wraps torch.distributed's functions for one step only and never waits on the GPU."""
+all-reduces), with the same ring accounting as layout.traffic (layout.ring_split), so the layout's figure is
+checked against the calls the step made. Counting wraps torch.distributed's functions for one step only and never waits on the GPU."""
 from __future__ import annotations
 
 import contextlib
@@ -10,6 +10,8 @@ import threading
 
 import torch
 import torch.distributed as dist
+
+from .layout import ring_split
 
 RING = {"all_gather_single": ("ring", 0), "all_gather_into_tensor": ("ring", 0),
         "reduce_scatter_single": ("ring", 1), "reduce_scatter_tensor": ("ring", 1),
@@ -45,10 +47,9 @@ class Counter:
                         self.inter += part
             return
         sent = total * (size - 1) / size * (2 if kind == "reduce" else 1)
-        spans = len({self._node(r) for r in ranks})
-        across = spans / size if spans > 1 else 0.0
-        self.inter += sent * across
-        self.intra += sent * (1 - across)
+        inside, across = ring_split(sent, size, len({self._node(r) for r in ranks}))
+        self.intra += inside
+        self.inter += across
 
     def wrap(self, name: str, original):
         kind, which = RING[name]
