@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 RUNTIMES = ("docker", "podman", "apptainer", "enroot")
-NAMED = ("docker", "podman", "enroot")     # runtimes whose containers have names, and are removed by name
 KEYS = {"image", "runtime", "python", "mounts", "options", "allow_privileged"}
 # Options that widen what the container may do to the node beyond what nodectl renders (host network, IPC and
 # process table, the GPUs, /dev/infiniband): refused unless the inventory says allow_privileged: true.

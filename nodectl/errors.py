@@ -57,10 +57,6 @@ class RunFailed(NodectlError):
     exit_code = EXIT_FAILED
 
 
-class Interrupted(NodectlError):
-    exit_code = EXIT_INTERRUPTED
-
-
 class Cancelled(Exception):
     """Work on a node given up because the user interrupted; the node was left as it was before."""
 

@@ -63,10 +63,6 @@ class Node:
     def is_local(self) -> bool:
         return self.transport == "local"
 
-    @property
-    def label(self) -> str:
-        return self.name
-
 
 @dataclass(frozen=True)
 class Inventory:

@@ -8,7 +8,6 @@ template renders in Jinja2's immutable sandbox, so a template can read the plan 
 """
 from __future__ import annotations
 
-import re
 import shlex
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,6 +18,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from nodectl import __version__
 from nodectl.container import container_name
 from nodectl.errors import UsageError
+from nodectl.inventory import ENV_NAME_RE as ENV_NAME
 from nodectl.plan import LaunchPlan, NodePlan
 from nodectl.resources import resource_dir
 from nodectl.secrets import redact_args, redact_env, redact_text
@@ -26,7 +26,6 @@ from nodectl.remote.transport import quote_path
 
 LAUNCH_TEMPLATE = "launch_node.sh.j2"
 ENV_TEMPLATE = "env.sh.j2"
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 @dataclass(frozen=True)
@@ -57,9 +56,9 @@ def _environment(search: list[Path]) -> jinja2.Environment:
     return env
 
 
-def template_search_path(user_template: str | None, sync_dir: str | None) -> tuple[list[Path], str]:
-    """Where launch templates come from: --template when given, else nodectl's own (`sync_dir` is not searched:
-    a project's templates/ is used only through --template)."""
+def template_search_path(user_template: str | None) -> tuple[list[Path], str]:
+    """Where launch templates come from: --template when given, else nodectl's own (a project's templates/ is
+    used only through --template)."""
     search, name = [], LAUNCH_TEMPLATE
     if user_template:
         path = Path(user_template)
@@ -72,7 +71,7 @@ def template_search_path(user_template: str | None, sync_dir: str | None) -> tup
 
 
 def render_plan(plan: LaunchPlan, user_template: str | None = None) -> list[RenderedNode]:
-    search, name = template_search_path(user_template, plan.sync_dir)
+    search, name = template_search_path(user_template)
     environment = _environment(search)
     rendered = []
     for node_plan in plan.nodes:

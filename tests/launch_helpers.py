@@ -67,3 +67,21 @@ def kill_leftovers(run_id: str) -> None:
             proc.send_signal(signal.SIGKILL)
         except psutil.NoSuchProcess:
             pass
+
+
+# A ProxyCommand: relays its stdin and stdout to HOST PORT (what `ssh -W` does through a bastion).
+RELAY = """\
+import os, socket, sys, threading
+peer = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+
+
+def upstream():
+    while data := os.read(0, 65536):
+        peer.sendall(data)
+    peer.shutdown(socket.SHUT_WR)
+
+
+threading.Thread(target=upstream, daemon=True).start()
+while data := peer.recv(65536):
+    os.write(1, data)
+"""

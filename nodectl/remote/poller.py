@@ -30,7 +30,7 @@ class Poller:
                  interval: float, timeout: float) -> None:
         self.cluster, self.run_nodes, self.offsets = cluster, run_nodes, offsets
         self.interval, self.timeout = interval, timeout
-        self.started = time.monotonic()
+        self.started = time.monotonic()   # what a node that never answered is silent since (watch's lost check)
         self._answers: dict[str, Answer] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -71,6 +71,3 @@ class Poller:
         with self._lock:
             return dict(self._answers)
 
-    def silent_for(self, name: str, answer: Answer | None) -> float:
-        """Seconds since this node last answered at all (or since polling began)."""
-        return time.monotonic() - (answer.at if answer else self.started)

@@ -12,6 +12,7 @@ ignored as ssh does.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import socket
@@ -87,15 +88,47 @@ def _policy(known_hosts: Path, accept_new: bool, revoked: set[tuple[str, str]]):
     return Policy()
 
 
+@functools.cache
+def _detached_proxy_class():
+    import shlex
+    import subprocess
+
+    from paramiko import ProxyCommand
+
+    class DetachedProxyCommand(ProxyCommand):
+        """paramiko's ProxyCommand, started in a session of its own: a Ctrl-C at the terminal goes to the whole
+        foreground process group, and a proxy in it died with nodectl's first SIGINT, so the stop that follows could
+        not reach the node (the run went on while nodectl said it had stopped it). nodectl ends it on close."""
+
+        def __init__(self, command_line: str) -> None:
+            self.cmd = shlex.split(command_line)
+            self.process = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, bufsize=0, start_new_session=True)
+            self.timeout = None
+
+    return DetachedProxyCommand
+
+
+def DetachedProxyCommand(command_line: str):  # noqa: N802 - a class, built on first use (paramiko loads lazily)
+    return _detached_proxy_class()(command_line)
+
+
 def _connection_class():
     from fabric import Connection
 
     class BoundedConnection(Connection):
-        """A fabric Connection whose forwarded (ProxyJump) channel opens within the connect timeout."""
+        """A fabric Connection whose forwarded (ProxyJump) channel opens within the connect timeout, and whose
+        ProxyCommand runs in a session of its own."""
 
         def open_gateway(self):
             if isinstance(self.gateway, str):
-                return super().open_gateway()
+                from io import StringIO
+
+                from paramiko import SSHConfig
+
+                config = SSHConfig()   # as fabric does: a one-host config expands %h, %p, %r in the command
+                config.parse(StringIO(f"Host {self.host}\n    ProxyCommand {self.gateway}"))
+                return DetachedProxyCommand(config.lookup(self.host)["proxycommand"])
             self.gateway.open()
             return self.gateway.transport.open_channel(
                 kind="direct-tcpip", dest_addr=(self.host, int(self.port)), src_addr=("", 0),

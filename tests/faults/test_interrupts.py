@@ -13,7 +13,8 @@ import time
 import pytest
 
 from conftest import run_nodectl, running_cluster
-from launch_helpers import kill_leftovers, latest_run_id, run_processes, wait_for
+from launch_helpers import RELAY, kill_leftovers, latest_run_id, run_processes, wait_for
+from sshcluster import NODE_PYTHON
 
 pytestmark = pytest.mark.slow
 HOLD = "import time\nprint('holding on', flush=True)\ntime.sleep(600)\n"
@@ -80,3 +81,45 @@ def test_sigint_at_any_point_of_a_stop_exits_130_within_seconds(cluster, tmp_pat
         assert run_processes(run_id) == []
     finally:
         kill_leftovers(run_id)
+
+
+def test_ctrl_c_through_a_proxycommand_host_stops_the_run(tmp_path_factory, tmp_path):
+    """The node is reached only through ~/.ssh/config's ProxyCommand (its HostName, 192.0.2.1, is TEST-NET).
+    Ctrl-C at a terminal signals the whole foreground process group, the proxy included: it died with nodectl's
+    first SIGINT, so the stop that followed could not reach the node and the run went on while nodectl said it had
+    stopped it. The proxy runs in a session of its own now: the run is stopped, exit 130."""
+    with running_cluster(tmp_path_factory, 1, first_octet=210) as cluster:
+        [target] = cluster.nodes
+        relay = tmp_path / "relay.py"
+        relay.write_text(RELAY)
+        (cluster.home / ".ssh" / "config").write_text(
+            f"Host viacmd\n  HostName 192.0.2.1\n  Port {target.port}\n  User root\n  IdentityFile {cluster.identity}\n"
+            f"  ProxyCommand {sys.executable} {relay} {target.address} {target.port}\n")
+        key = " ".join(cluster.known_hosts_lines()[0].split()[1:])
+        with open(cluster.home / ".ssh" / "known_hosts", "a") as known:
+            known.write(f"[192.0.2.1]:{target.port} {key}\n")
+        inventory = tmp_path / "hosts.yaml"
+        inventory.write_text(f"defaults: {{device: cpu, python: {NODE_PYTHON}}}\n"
+                             f"nodes:\n  - {{host: viacmd, name: n0, addr: {target.address}}}\n")
+        project = tmp_path / "project"
+        project.mkdir()
+        (project / "train.py").write_text(HOLD)
+        env = cluster.env(NODECTL_INVENTORY=str(inventory))
+        proc = subprocess.Popen([sys.executable, "-m", "nodectl", "--connect-timeout", "5", "launch", "--skip-preflight",
+                                 "--grace", "2", "--", "train.py"], env=env, cwd=project, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        run_id = None
+        try:
+            run_id = wait_for(lambda: (project / "runs").is_dir() and any(
+                p.name[0].isdigit() for p in (project / "runs").iterdir()) and latest_run_id(project), timeout=60)
+            wait_for(lambda: run_processes(run_id) or None, timeout=60)
+            time.sleep(1)
+            os.killpg(proc.pid, signal.SIGINT)          # what the terminal does with Ctrl-C
+            out, _ = proc.communicate(timeout=45)
+            assert proc.returncode == 130, out[-2000:]
+            wait_for(lambda: not run_processes(run_id), timeout=15)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            if run_id:
+                kill_leftovers(run_id)

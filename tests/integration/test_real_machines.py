@@ -18,7 +18,7 @@ import paramiko
 import pytest
 
 from conftest import make_cluster, run_nodectl
-from launch_helpers import kill_leftovers, latest_run_id, make_project, run_processes, wait_for
+from launch_helpers import RELAY, kill_leftovers, latest_run_id, make_project, run_processes, wait_for
 from sshcluster import NODE_PYTHON, NodeSpec
 
 pytestmark = pytest.mark.slow
@@ -395,21 +395,6 @@ def test_proxyjump_checks_the_bastion_key_and_honours_the_timeout(tmp_path_facto
         cluster.stop()
 
 
-RELAY = """\
-import os, socket, sys, threading
-peer = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-
-
-def upstream():
-    while data := os.read(0, 65536):
-        peer.sendall(data)
-    peer.shutdown(socket.SHUT_WR)
-
-
-threading.Thread(target=upstream, daemon=True).start()
-while data := peer.recv(65536):
-    os.write(1, data)
-"""
 
 
 def test_proxycommand_is_honoured_by_paramiko_and_by_the_system_ssh_stream(tmp_path_factory, tmp_path):
