@@ -100,20 +100,38 @@ def per_gpu_bytes(name: str, shape: Shape, world: int, per_node: int) -> float:
             + shape.activations + WORKSPACE)
 
 
-def choose(setting: str, shape: Shape, memory: float | None, world: int, nodes: int, per_node: int) -> Layout:
-    """The layout for `setting` (a name, or auto) on this topology; `memory`: one GPU's bytes (None: unknown)."""
+def fsdp_leaves_params_out() -> bool:
+    """Whether this torch's fully_shard takes ignored_params (2.7+): what keeping a weight out of FSDP (a
+    replicated base, a rank's own experts) needs."""
+    import inspect
+
+    from torch.distributed.fsdp import fully_shard
+
+    return "ignored_params" in inspect.signature(fully_shard).parameters
+
+
+def choose(setting: str, shape: Shape, memory: float | None, world: int, nodes: int, per_node: int,
+           leaves_out: bool = True) -> Layout:
+    """The layout for `setting` (a name, or auto) on this topology; `memory`: one GPU's bytes (None: unknown);
+    `leaves_out`: whether FSDP can keep weights out (fsdp_leaves_params_out)."""
+    import torch
+
     from .config import ConfigError
 
     if setting != "auto":
         if setting.startswith("expert") and not shape.top_k:
             raise ConfigError(f"model.parallelism: {setting} needs a Mixture-of-Experts model with fused experts")
+        if setting in ("replicate", "expert", "expert-global") and world > 1 and not leaves_out:
+            raise ConfigError(f"model.parallelism: {setting} needs torch >= 2.7 (FSDP's ignored_params); this node "
+                              f"has {torch.__version__}")
         return Layout(setting, world, nodes, per_node, "forced by model.parallelism")
     if world == 1:
         return Layout("replicate", 1, 1, 1, "one rank: the whole model here, nothing to gather")
     gib = 1e9
     budget = FITS * memory if memory else None
     need = {name: per_gpu_bytes(name, shape, world, per_node) for name in ("replicate", "hsdp", "fsdp")}
-    fits = [name for name in ("replicate", "hsdp", "fsdp") if budget is None or need[name] <= budget]
+    fits = [name for name in ("replicate", "hsdp", "fsdp") if (budget is None or need[name] <= budget)
+            and (leaves_out or name != "replicate")]
     if nodes == 1 and "hsdp" in fits:
         fits.remove("hsdp")   # one node: hsdp is fsdp
     chosen = fits[0] if fits else "fsdp"

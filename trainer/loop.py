@@ -95,7 +95,8 @@ def train(recipe: Recipe) -> dict:
     examples = load_examples(data_path, tokenizer, recipe.data.max_length, recipe.data.packing,
                              recipe.data.overlong, log=say)
     shape = layouts.shape_of(model, recipe)
-    chosen = layouts.choose(recipe.model.layout, shape, layouts.device_memory(ctx.device), *layouts.topology())
+    chosen = layouts.choose(recipe.model.layout, shape, layouts.device_memory(ctx.device), *layouts.topology(),
+                            leaves_out=layouts.fsdp_leaves_params_out())
     if ctx.rank == 0:
         print(chosen.describe(), flush=True)
     dist.init_process_group("nccl" if ctx.on_gpu else "gloo", device_id=ctx.device if ctx.on_gpu else None,

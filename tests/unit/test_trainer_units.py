@@ -222,6 +222,10 @@ def test_auto_layout_replicates_what_fits_keeps_shards_inside_nodes_and_says_why
     config = trainer_module("config")
     with pytest.raises(config.ConfigError, match="expert needs a Mixture-of-Experts model"):
         layout.choose("expert", _shape(top_k=0, expert_bytes=0), h200, 4, 1, 4)
+    # a torch whose FSDP cannot keep weights out (before 2.7): never replicate, and forcing it says why
+    assert layout.choose("auto", _shape(), h200, 4, 1, 4, leaves_out=False).name == "fsdp"
+    with pytest.raises(config.ConfigError, match="replicate needs torch >= 2.7"):
+        layout.choose("replicate", _shape(), h200, 4, 1, 4, leaves_out=False)
 
 
 def test_layout_bytes_keep_the_heavy_traffic_inside_the_node():

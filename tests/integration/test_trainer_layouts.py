@@ -1,0 +1,62 @@
+"""model.parallelism on CPU ranks: every layout trains to FSDP's losses, sends the bytes it says it sends, and
+resumes another layout's checkpoint (tests/integration/test_trainer_moe.py has the expert layouts over isolated
+SSH nodes)."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from conftest import REPO
+from trainer_helpers import metrics, torchrun_nodes
+
+sys.path.insert(0, str(REPO / "bench"))
+from make_moe import write_moe  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory, demo_cache):
+    os.environ["NODECTL_DEMO_CACHE"] = str(demo_cache)
+    return write_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe")
+
+
+def test_every_layout_trains_to_fsdps_losses_and_sends_what_it_says(tmp_path, demo_cache, qwen3_moe):
+    """2 "nodes" x 2 gloo ranks (two torchrun agents, one rendezvous, each node its own output folder): the base
+    replicated, sharded inside each node (HSDP), and the experts split inside each node log FSDP's losses step
+    for step (the experts over all four ranks: the isolated-nodes test above). Each run counts what step 3's collectives send; the figure
+    matches the layout's own (ring accounting), and what crosses the node boundary under the layouts that keep
+    the all-gathers inside a node is under a quarter of FSDP's."""
+    common = [f"model.path={qwen3_moe}", f"data.path={qwen3_moe / 'train.jsonl'}",
+              "data.max_length=48", "train.steps=4", "train.log_every=1", "train.lr=0.01", "train.traffic_at=3"]
+    losses, traffic = {}, {}
+    for name in ("fsdp", "replicate", "hsdp", "expert"):
+        out = tmp_path / name
+        procs = torchrun_nodes(2, 2, out, demo_cache, *common, f"model.parallelism={name}")
+        assert all(p.returncode == 0 for p in procs), "\n".join(p.stderr[-2000:] for p in procs)
+        assert f"layout: {name} over 2 node(s) x 2 (forced by model.parallelism)" in procs[0].stdout
+        records = metrics(out / "node0")
+        losses[name] = [m["loss"] for m in records if "loss" in m]
+        traffic[name] = next(m for m in records if m.get("event") == "traffic")
+    assert len(losses["fsdp"]) == 4 and losses["fsdp"][-1] < 0.9 * losses["fsdp"][0]
+    for name, curve in losses.items():
+        assert max(abs(a - b) for a, b in zip(curve, losses["fsdp"])) < 1e-4, (name, curve, losses["fsdp"])
+    for name in ("fsdp", "replicate", "hsdp"):  # full rows aside (the exchange's share follows real tokens)
+        for kind in ("intra", "inter"):
+            counted, said = traffic[name][f"counted_{kind}_node_bytes"], traffic[name][f"layout_{kind}_node_bytes"]
+            assert abs(counted - said) <= 0.05 * said, (name, kind, counted, said)
+    fsdp_across = traffic["fsdp"]["counted_inter_node_bytes"]
+    assert traffic["fsdp"]["layout_fsdp_inter_node_bytes"] == traffic["fsdp"]["layout_inter_node_bytes"]
+    for name in ("replicate", "hsdp", "expert"):
+        assert 0 < traffic[name]["counted_inter_node_bytes"] < fsdp_across / 4, (name, traffic[name], fsdp_across)
+
+    # FSDP's final checkpoint continues with the base replicated: read through its whole-state copy
+    again = [c for c in common if not c.startswith(("train.steps", "train.traffic_at"))]
+    procs = torchrun_nodes(2, 2, tmp_path / "fsdp", demo_cache, *again, "train.steps=6", "model.parallelism=replicate")
+    assert all(p.returncode == 0 for p in procs), "\n".join(p.stderr[-2000:] for p in procs)
+    assert "resuming at step 4" in procs[0].stdout
+    assert "(layout fsdp 2x2 -> replicate 2x2)" in procs[0].stdout
+    continued = {m["step"]: m["loss"] for m in metrics(tmp_path / "fsdp" / "node0") if "loss" in m}
+    assert sorted(continued)[-2:] == [5, 6] and continued[6] < continued[4]
