@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def kill_leftovers(run_id: str) -> None:
 
 
 # A ProxyCommand: relays its stdin and stdout to HOST PORT (what `ssh -W` does through a bastion).
-RELAY = """\
+_RELAY = """\
 import os, socket, sys, threading
 peer = socket.create_connection((sys.argv[1], int(sys.argv[2])))
 
@@ -85,3 +86,17 @@ threading.Thread(target=upstream, daemon=True).start()
 while data := peer.recv(65536):
     os.write(1, data)
 """
+
+
+def via_proxycommand(cluster, target, folder: Path, alias: str = "viacmd") -> str:
+    """The cluster's ~/.ssh/config sends `alias` to `target` only through a relay ProxyCommand: its HostName,
+    192.0.2.1 (TEST-NET), reaches nothing directly; the node's host key is trusted under that name."""
+    relay = folder / "relay.py"
+    relay.write_text(_RELAY)
+    (cluster.home / ".ssh" / "config").write_text(
+        f"Host {alias}\n  HostName 192.0.2.1\n  Port {target.port}\n  User root\n  IdentityFile {cluster.identity}\n"
+        f"  ProxyCommand {sys.executable} {relay} {target.address} {target.port}\n")
+    key = " ".join(cluster.known_hosts_lines()[0].split()[1:])
+    with open(cluster.home / ".ssh" / "known_hosts", "a") as known:
+        known.write(f"[192.0.2.1]:{target.port} {key}\n")
+    return alias

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from conftest import run_nodectl, running_cluster
-from launch_helpers import RELAY, kill_leftovers, latest_run_id, run_processes, wait_for
+from launch_helpers import kill_leftovers, latest_run_id, run_processes, via_proxycommand, wait_for
 from sshcluster import NODE_PYTHON
 
 pytestmark = pytest.mark.slow
@@ -90,14 +90,7 @@ def test_ctrl_c_through_a_proxycommand_host_stops_the_run(tmp_path_factory, tmp_
     stopped it. The proxy runs in a session of its own now: the run is stopped, exit 130."""
     with running_cluster(tmp_path_factory, 1, first_octet=210) as cluster:
         [target] = cluster.nodes
-        relay = tmp_path / "relay.py"
-        relay.write_text(RELAY)
-        (cluster.home / ".ssh" / "config").write_text(
-            f"Host viacmd\n  HostName 192.0.2.1\n  Port {target.port}\n  User root\n  IdentityFile {cluster.identity}\n"
-            f"  ProxyCommand {sys.executable} {relay} {target.address} {target.port}\n")
-        key = " ".join(cluster.known_hosts_lines()[0].split()[1:])
-        with open(cluster.home / ".ssh" / "known_hosts", "a") as known:
-            known.write(f"[192.0.2.1]:{target.port} {key}\n")
+        via_proxycommand(cluster, target, tmp_path)
         inventory = tmp_path / "hosts.yaml"
         inventory.write_text(f"defaults: {{device: cpu, python: {NODE_PYTHON}}}\n"
                              f"nodes:\n  - {{host: viacmd, name: n0, addr: {target.address}}}\n")

@@ -18,7 +18,7 @@ import paramiko
 import pytest
 
 from conftest import make_cluster, run_nodectl
-from launch_helpers import RELAY, kill_leftovers, latest_run_id, make_project, run_processes, wait_for
+from launch_helpers import kill_leftovers, latest_run_id, make_project, run_processes, via_proxycommand, wait_for
 from sshcluster import NODE_PYTHON, NodeSpec
 
 pytestmark = pytest.mark.slow
@@ -403,14 +403,7 @@ def test_proxycommand_is_honoured_by_paramiko_and_by_the_system_ssh_stream(tmp_p
     so it applies the same Host block (before, paramiko dialled 192.0.2.1 and the stream bypassed bastions)."""
     cluster = make_cluster(tmp_path_factory, 1, first_octet=34)
     [target] = cluster.nodes
-    relay = tmp_path / "relay.py"
-    relay.write_text(RELAY)
-    (cluster.home / ".ssh" / "config").write_text(
-        f"Host viacmd\n  HostName 192.0.2.1\n  Port {target.port}\n  User root\n  IdentityFile {cluster.identity}\n"
-        f"  ProxyCommand {sys.executable} {relay} {target.address} {target.port}\n")
-    target_line = cluster.known_hosts_lines()[0]
-    (cluster.home / ".ssh" / "known_hosts").write_text(
-        f"[192.0.2.1]:{target.port} {' '.join(target_line.split()[1:])}\n")
+    via_proxycommand(cluster, target, tmp_path)
     inventory = tmp_path / "hosts.yaml"
     inventory.write_text(f"defaults: {{device: cpu, python: {NODE_PYTHON}}}\nnodes:\n  - {{host: viacmd, name: n0, addr: {target.address}}}\n")
     env = cluster.env()
