@@ -33,8 +33,41 @@ def _start() -> None:
         return
     import threading
 
-    threading.Thread(target=_serve, args=(fifo, os.path.join(run_dir, "flight"), rank),
-                     name="nodectl-diagnose", daemon=True).start()
+    listener = threading.Thread(target=_serve, args=(fifo, os.path.join(run_dir, "flight"), rank),
+                                name="nodectl-diagnose", daemon=True)
+    listener.start()
+    _quiet_fork(listener)
+
+
+def _quiet_fork(listener) -> None:
+    """Python 3.12 warns at every fork() of a process with more than one thread ("This process is multi-threaded,
+    use of fork() may lead to deadlocks in the child"). A program with no thread of its own would get it at each
+    fork only because of the listener, which waits in open() holding no lock: so while the listener is the one
+    other thread (by the kernel's count and by Python's), that warning is filtered out for the fork. A program
+    that runs threads of its own still gets it, as it should."""
+    import threading
+    import warnings
+
+    held = []
+
+    def before() -> None:
+        try:
+            with open("/proc/self/stat", encoding="ascii") as handle:
+                threads = int(handle.read().rsplit(")", 1)[1].split()[17])
+        except (OSError, IndexError, ValueError):
+            return
+        if threads == 2 and threading.active_count() == 2 and listener.is_alive():
+            quiet = warnings.catch_warnings()
+            quiet.__enter__()
+            warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded",
+                                    category=DeprecationWarning)
+            held.append(quiet)
+
+    def after() -> None:
+        while held:
+            held.pop().__exit__(None, None, None)
+
+    os.register_at_fork(before=before, after_in_parent=after, after_in_child=after)
 
 
 def _serve(fifo: str, folder: str, rank: str) -> None:

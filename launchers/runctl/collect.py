@@ -25,6 +25,32 @@ def cmd_pack(args: list, request: dict) -> dict:
     synced = set(read_json(os.path.join(run_dir, SYNCED_CODE), []) or [])
     # "code": what the program wrote in code/ (its relative --output_dir), brought back and named
     packed = {"count": 0, "vanished": 0, "skipped": [], "missing": [], "names": set(), "code": []}
+    try:
+        _pack(run_dir, target, only, synced, request, packed)
+    except CallerGone:   # the controller was killed (SIGKILL) while this packed: nobody will fetch or remove it
+        if os.path.exists(target):
+            os.unlink(target)
+        sys.exit(1)
+    return {"archive": target, "entries": packed["count"], "vanished": packed["vanished"],
+            "skipped": packed["skipped"][:50], "missing": packed["missing"], "bytes": os.path.getsize(target),
+            "code_written": len(packed["code"]), "code_examples": packed["code"][:5], "code_left": len(synced)}
+
+
+class CallerGone(Exception):
+    """The other end of this runctl's stdout is closed: the controller (or its SSH connection) is gone."""
+
+
+def _check_caller() -> None:
+    """A write end whose reader is gone polls as POLLERR (a pipe) or POLLHUP (a socket): checked for each file
+    packed, which costs a system call, so a controller killed by SIGKILL leaves no archive on the node."""
+    import select
+    poller = select.poll()
+    poller.register(sys.stdout.fileno(), 0)
+    if any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0)):
+        raise CallerGone
+
+
+def _pack(run_dir: str, target: str, only, synced: set, request: dict, packed: dict) -> None:
     with tarfile.open(target, "w" if only else "w:gz") as tar:
         for folder, dirs, names in os.walk(run_dir):
             relative = os.path.relpath(folder, run_dir)
@@ -41,9 +67,7 @@ def cmd_pack(args: list, request: dict) -> dict:
             _pack_entries(tar, folder, relative, names, dirs, packed)
         for also in request.get("also") or []:
             _pack_also(tar, run_dir, also, packed)
-    return {"archive": target, "entries": packed["count"], "vanished": packed["vanished"],
-            "skipped": packed["skipped"][:50], "missing": packed["missing"], "bytes": os.path.getsize(target),
-            "code_written": len(packed["code"]), "code_examples": packed["code"][:5], "code_left": len(synced)}
+    _check_caller()
 
 
 SECRET_FILES = ("env.sh", "launch.sh")
@@ -75,6 +99,7 @@ def _pack_entries(tar, folder: str, relative: str, names: list, dirs: list, pack
         if arcname in packed["names"]:   # a --path entry that the walk packed already
             continue
         packed["names"].add(arcname)
+        _check_caller()
         try:
             mode = os.lstat(path).st_mode
             if stat.S_ISLNK(mode) and not _sibling_link(os.readlink(path)):

@@ -1,11 +1,12 @@
 """Which processes are a run's: its cgroup, its process tree, the markers in its environment; signals through a pidfd."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
-from runctl.common import open_run_file, read_json
+from runctl.common import Unsafe, open_run_file, read_json, trusted_path, write_file
 
 
 # A cgroup per run and node, where the login may make one (root, or a delegated hierarchy): membership is
@@ -202,8 +203,155 @@ def run_processes(run_dir: str) -> list:
     return [pid for pid in pids if (pid in tree or belongs(pid, markers)) and not is_zombie(pid)]
 
 
+def _stat(pid: int) -> list:
+    """/proc/PID/stat's fields after the command name (fields[0] is the state), [] for a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as handle:
+            return handle.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def started_at(pid: int):
+    """When a process started (seconds since the epoch), None when it is gone."""
+    fields = _stat(pid)
+    if len(fields) < 20:
+        return None
+    return _boot_time() + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def _boot_time() -> float:
+    with open("/proc/stat", encoding="utf-8") as handle:
+        for line in handle:
+            if line.startswith("btime "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def _run_window(run_dir: str) -> tuple:
+    """(start, end) of this node's share of the run: when runctl started launch.sh (its own record, below), and
+    when launch.sh's exit was recorded (now while there is none)."""
+    start = _kept(run_dir).get("start")
+    record = read_json(os.path.join(run_dir, "state", "launcher.exit"))
+    end = record.get("time") if isinstance(record, dict) and isinstance(record.get("time"), (int, float)) else None
+    return (start if isinstance(start, (int, float)) else None), end or time.time()
+
+
+# What runctl keeps about a run for `stop`, where no rank can write: <workdir>/.nodectl/kept/ (the run folder's
+# state/ is written by the ranks, a container's root included, and a container sees the host's pids). It holds
+# when launch.sh started and what each poll saw: pid -> start time of every process proven the run's then. A
+# process that later leaves every proof (its cgroup, launch.sh's tree once launch.sh died, its environment) is
+# still the same process while its pid names one with that start time, and only one that began after the run
+# did counts.
+KEPT_LIMIT = 4096
+KEPT_AGE = 30 * 86400   # seconds: records of runs older than this are swept at the next start
+
+
+def _kept_path(run_dir: str):
+    """<workdir>/.nodectl/kept/<run id>[--<node>].json, None for a folder not shaped as a run's."""
+    parts = os.path.expanduser(run_dir).rstrip("/").split("/")
+    if "runs" not in parts[:-1]:
+        return None
+    at = len(parts) - 1 - parts[::-1].index("runs")
+    folder = trusted_path("/".join(parts[:at]) or "/", (".nodectl", "kept"))
+    return os.path.join(folder, "--".join(parts[at + 1:]) + ".json")
+
+
+def _kept(run_dir: str) -> dict:
+    try:
+        path = _kept_path(run_dir)
+        kept = read_json(path, {}) if path else {}
+    except (OSError, Unsafe):
+        return {}
+    return kept if isinstance(kept, dict) else {}
+
+
+def keep_start(run_dir: str) -> None:
+    """Called by `start` as it starts launch.sh; sweeps the records of long-finished runs."""
+    path = _kept_path(run_dir)
+    if path is None:
+        return
+    folder, now = os.path.dirname(path), time.time()
+    for name in os.listdir(folder):
+        try:
+            if now - os.lstat(os.path.join(folder, name)).st_mtime > KEPT_AGE:
+                os.unlink(os.path.join(folder, name))
+        except OSError:
+            continue
+    write_file(path, json.dumps({"start": now, "seen": {}}), 0o600)
+
+
+def record_seen(run_dir: str, pids: list) -> None:
+    kept = _kept(run_dir)
+    seen = kept.get("seen")
+    if not isinstance(seen, dict) or not isinstance(kept.get("start"), (int, float)):
+        return
+    fresh = {str(pid): began for pid in pids if (began := started_at(pid)) is not None}
+    if any(seen.get(pid) != began for pid, began in fresh.items()):
+        seen.update(fresh)
+        try:
+            write_file(_kept_path(run_dir), json.dumps(dict(kept, seen=dict(list(seen.items())[-KEPT_LIMIT:]))),
+                       0o600)
+        except (OSError, Unsafe):
+            pass
+
+
+def seen_processes(run_dir: str) -> list:
+    """Live pids that a poll proved the run's: the same process (its start time), begun after the run started."""
+    kept = _kept(run_dir)
+    seen, start = kept.get("seen"), kept.get("start")
+    if not isinstance(seen, dict) or not isinstance(start, (int, float)):
+        return []
+    found = []
+    for pid, recorded in seen.items():
+        if not pid.isdigit() or not isinstance(recorded, (int, float)):
+            continue
+        began = started_at(int(pid))
+        if began is not None and abs(began - recorded) < 0.05 and began >= start - 1 and not is_zombie(int(pid)):
+            found.append(int(pid))
+    return found
+
+
+def forget(run_dir: str) -> None:
+    try:
+        path = _kept_path(run_dir)
+        if path:
+            os.unlink(path)
+    except (OSError, Unsafe):
+        pass
+
+
+def unproven(run_dir: str, proven: set) -> list:
+    """Processes nodectl cannot prove the run's and leaves alone, named so the user can look: this user's, begun
+    while the run ran, left to init (parent pid 1), no terminal, no run's markers in their environment. A process
+    that cleared its environment, left the cgroup and double-forked before any poll saw it, after launch.sh
+    died, looks like this; so may a daemon the user started meanwhile, which is why they are named, not signalled."""
+    start, end = _run_window(run_dir)
+    if start is None:
+        return []
+    mine, found = os.getuid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) in proven or int(entry) == os.getpid():
+            continue
+        pid, fields = int(entry), _stat(int(entry))
+        try:
+            if len(fields) < 20 or fields[0] == "Z" or fields[1] != "1" or fields[4] != "0" or \
+                    os.stat(f"/proc/{pid}").st_uid != mine or b"NODECTL_RUN_ID=" in _proc_environ(pid):
+                continue
+            with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as handle:
+                name = handle.read().strip()
+        except OSError:
+            continue
+        began = started_at(pid)
+        if began is not None and start - 1 <= began <= end + 1:
+            found.append({"pid": pid, "name": name[:32], "started": round(began, 1)})
+    return found[:20]
+
+
 def _ours(pid: int, markers: tuple, run_dir) -> bool:
     if belongs(pid, markers):
+        return True
+    if run_dir and pid in seen_processes(run_dir):
         return True
     group = group_of(run_dir) if run_dir else None
     if group and in_group(pid, group):

@@ -7,7 +7,7 @@ import subprocess
 import time
 
 from runctl.common import boot_id, read_json, write_file
-from runctl.processes import become_subreaper, in_group, join_group, new_run_group, remove_group
+from runctl.processes import become_subreaper, in_group, join_group, keep_start, new_run_group, remove_group
 
 
 def cmd_start(args: list, request: dict) -> dict:
@@ -24,6 +24,7 @@ def cmd_start(args: list, request: dict) -> dict:
         if group:
             join_group(group)
 
+    keep_start(run_dir)
     with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as log:
         proc = subprocess.Popen(["/bin/bash", os.path.join(run_dir, "launch.sh")], cwd=run_dir, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -9,7 +9,8 @@ import time
 
 from runctl.common import write_file
 from runctl.containers import remove_container
-from runctl.processes import Proven, group_of, remove_group, run_markers, run_processes
+from runctl.processes import Proven, forget, group_of, remove_group, run_markers, run_processes, seen_processes, \
+    unproven
 
 
 def cmd_stop(args: list, request: dict) -> dict:
@@ -26,9 +27,10 @@ def cmd_stop(args: list, request: dict) -> dict:
     # Every process proven the run's is held by a pidfd from then on: one that leaves the proof behind while
     # stop waits (a rank that left the cgroup, cleared its environment and double-forked, whose subreaper
     # launch.sh exits on SIGTERM, so it is reparented to init) is still the one proven, and still ended.
+    # What escaped every proof after launch.sh died is still the run's where a poll saw it (seen_processes).
     proven = Proven(run_dir, run_markers(run_dir))
     try:
-        targets = proven.add(run_processes(run_dir))
+        targets = proven.add(run_processes(run_dir) + seen_processes(run_dir))
         proven.signal(signal.SIGTERM)
         deadline = time.time() + grace
         while proven.alive() and time.time() < deadline:
@@ -43,11 +45,16 @@ def cmd_stop(args: list, request: dict) -> dict:
             proven.signal(signal.SIGKILL)
             time.sleep(0.1)
         left = proven.alive()
+        doubtful = unproven(run_dir, set(proven.held))
     finally:
         proven.close()
     stopped = {"time": time.time(), "terminated": len(targets), "killed": len(killed)}
+    if doubtful:
+        stopped["unproven"] = doubtful
     if not left:
         remove_group(group_of(run_dir))
+        if not doubtful:
+            forget(run_dir)
     removed = remove_container(run_dir)
     if removed:
         stopped["container"] = removed

@@ -6,7 +6,7 @@ import subprocess
 import time
 
 from runctl.common import READ_LIMIT, boot_id, open_run_file, read_json
-from runctl.processes import belongs, is_zombie, run_markers, run_processes
+from runctl.processes import belongs, is_zombie, record_seen, run_markers, run_processes
 
 
 def rank_state(run_dir: str, rank: int, now: float, markers: tuple) -> dict:
@@ -109,6 +109,7 @@ def cmd_poll(args: list, request: dict) -> dict:
     if node is None:
         return {"error": f"no run at {run_dir}"}
     pids = run_processes(run_dir)
+    record_seen(run_dir, pids)
     answer = {"now": now, "node_rank": node["node_rank"], "alive": len(pids),
               "launcher_exit": read_json(os.path.join(run_dir, "state", "launcher.exit")),
               "started": os.path.exists(os.path.join(run_dir, "state", "pgid")),

@@ -36,6 +36,13 @@ def report_stopped(app: AppContext, results: dict, unstarted: bool = False) -> d
             continue
         app.info(f"{name}: {answer.terminated} process(es) stopped, {answer.killed} needed SIGKILL, "
                  f"{answer.left} left")
+        if answer.unproven:
+            pids = ",".join(str(p.pid) for p in answer.unproven)
+            named = ", ".join(f"{p.pid} ({p.name}, since {time.strftime('%H:%M:%S', time.localtime(p.started))})"
+                              for p in answer.unproven)
+            app.err.print(escape(f"{name}: not signalled, not proven the run's: {named}: begun during the run, left "
+                                 f"to init, no terminal, no run's marker (a process that escaped before any poll saw "
+                                 f"it, or a daemon of yours); look with `ps -o pid,user,lstart,args -p {pids}`"))
     return summary
 
 

@@ -117,6 +117,14 @@ class TailAnswer:
 
 
 @dataclass(frozen=True)
+class Unproven:
+    """A process the node could not prove the run's, named and left alone (runctl.processes.unproven)."""
+    pid: int
+    name: str = ""
+    started: float = 0.0
+
+
+@dataclass(frozen=True)
 class StopAnswer:
     left: int
     terminated: int = 0
@@ -124,6 +132,7 @@ class StopAnswer:
     time: float = 0.0
     removed: bool = False     # a run folder that was never started, removed (its controller died while starting)
     container: dict | None = None   # the run's container on the node: {container, removed, error?}
+    unproven: tuple[Unproven, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,10 @@ def collect_node(transport: Transport, run_dir: str, target: Path, also: tuple[s
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "collect.tar.gz"
         try:
-            transport.get(packed.archive, local)
-        finally:   # Ctrl-C in the middle of a large fetch leaves no archive on the node
+            transport.get(packed.archive, local, remove=True)   # gone from the node once open for reading
+        except BaseException:   # it failed before that: taken away here (SIGKILL: pack's next run replaces it)
             agent.call(transport, "cleanup", packed.archive)
+            raise
         refused = unpack(local, target)
     return Collected(packed.bytes, packed.entries, tuple(refused), packed.skipped, packed.missing,
                      packed.code_written, packed.code_examples, packed.code_left)
@@ -77,9 +78,10 @@ def _fetch_output(transport: Transport, run_dir: str, local: Path) -> None:
     """The run's output/ on this node, as an uncompressed tar (checkpoints do not compress), at `local`."""
     archive = agent.call(transport, "pack", run_dir, timeout=600, request={"only": ["output"]}).archive
     try:
-        transport.get(archive, local)
-    finally:
+        transport.get(archive, local, remove=True)
+    except BaseException:
         agent.call(transport, "cleanup", archive)
+        raise
 
 
 def unpack(archive: Path, target: Path) -> list[str]:

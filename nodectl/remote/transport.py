@@ -173,7 +173,9 @@ class Transport:
     def put(self, local: str | os.PathLike, remote: str) -> None:
         raise NotImplementedError
 
-    def get(self, remote: str, local: str | os.PathLike) -> None:
+    def get(self, remote: str, local: str | os.PathLike, remove: bool = False) -> None:
+        """Fetch a file; with `remove`, the node's copy is unlinked as soon as it is open for reading, so the
+        controller killed mid-transfer (even by SIGKILL) leaves nothing of it on the node."""
         raise NotImplementedError
 
     def open(self) -> None:
@@ -222,9 +224,12 @@ class LocalTransport(Transport):
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(local, target)
 
-    def get(self, remote, local) -> None:
+    def get(self, remote, local, remove=False) -> None:
         Path(local).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(os.path.expanduser(remote), local)
+        with open(os.path.expanduser(remote), "rb") as source, open(local, "wb") as target:
+            if remove:
+                os.unlink(os.path.expanduser(remote))
+            shutil.copyfileobj(source, target, 1 << 20)
 
 
 def _home() -> str:
@@ -355,12 +360,14 @@ class SSHTransport(Transport):
         if code != 0:
             raise TransferError(f"sending {local} to {self.node.name}:{remote} failed (exit {code}): {err.strip()}")
 
-    def get(self, remote, local) -> None:
+    def get(self, remote, local, remove=False) -> None:
         """Fetch a file over the exec channel. Start-up files may print banners first, so the content follows
-        a marker line that carries its size; a short read is an error, not a truncated file."""
+        a marker line that carries its size; a short read is an error, not a truncated file. With `remove`, the
+        file is opened, then unlinked, then read from the open descriptor."""
         marker = f"NODECTL-FILE-{os.urandom(6).hex()}"
         source = quote_path(remote)
-        command = f"size=$(wc -c < {source}) && printf '%s %s\\n' {marker} \"$size\" && exec cat {source}"
+        opened = f"exec 3< {source} && rm -f {source} && " if remove else f"exec 3< {source} && "
+        command = f"size=$(wc -c < {source}) && {opened}printf '%s %s\\n' {marker} \"$size\" && exec cat <&3"
         Path(local).parent.mkdir(parents=True, exist_ok=True)
         with self._channel(command) as channel:
             received, expected = _receive_file(channel, marker.encode(), local, self.options.command_timeout)

@@ -116,3 +116,36 @@ def test_ctrl_c_through_a_proxycommand_host_stops_the_run(tmp_path_factory, tmp_
                 proc.kill()
             if run_id:
                 kill_leftovers(run_id)
+
+
+WRITE = "import os\nout = os.environ['NODECTL_OUTPUT_DIR']\n" \
+        "open(os.path.join(out, 'blob.bin'), 'wb').write(os.urandom(24 << 20))\nprint('written', flush=True)\n"
+
+
+def test_a_collect_killed_with_sigkill_leaves_no_archive_on_the_node(cluster, tmp_path):
+    """`collect` killed by SIGKILL (no handler runs) at several points: while the node packs (runctl notices
+    that its caller is gone and removes the archive) and while the archive travels (it was unlinked on the node
+    as soon as it was open for reading). Before, every kill after the pack left the 24 MB archive there."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "write.py").write_text(WRITE)
+    env = cluster.env(NODECTL_INVENTORY=str(cluster.inventory(count=1)))
+    launched = run_nodectl(["launch", "--skip-preflight", "--", "write.py"], env=env, cwd=project)
+    assert launched.exit_code == 0, launched.output
+    run_id = latest_run_id(project)
+    listing = f"ls -a ~/nodectl/runs/{run_id}"
+    assert "output" in cluster.on_node(0, listing).stdout
+    for after in (1.0, 1.6, 2.4):
+        proc = subprocess.Popen([sys.executable, "-m", "nodectl", "collect", "--run", run_id], env=env, cwd=project,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(after)
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 20
+        while ".collect" in (shown := cluster.on_node(0, listing).stdout) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert ".collect" not in shown, f"an archive is left on the node after SIGKILL at {after} s: {shown}"
+    collected = run_nodectl(["collect", "--run", run_id], env=env, cwd=project)
+    assert collected.exit_code == 0, collected.output
+    assert [p.stat().st_size for p in (project / "runs" / run_id).rglob("blob.bin")] == [24 << 20]
+    assert ".collect" not in cluster.on_node(0, listing).stdout

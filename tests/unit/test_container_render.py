@@ -168,6 +168,16 @@ def test_what_the_ranks_must_not_change_is_mounted_read_only(runtime):
     assert '"$RUN_DIR/$part:$RUN_DIR/$part:ro"' in script and '${ro_mounts[@]+"${ro_mounts[@]}"}' in script
 
 
+def test_enroot_mounts_the_same_parts_read_only_after_the_run_folder():
+    """enroot's --mount takes fstab fields, colon-separated: a bind with `ro`, after the run folder's own mount
+    (in order), so the read-only copies lie over it."""
+    script = rendered("enroot")
+    assert 'for part in node.json launch.sh env.sh lib config; do' in script
+    assert 'ro_mounts+=(--mount "$RUN_DIR/$part:$RUN_DIR/$part:none:bind,ro")' in script
+    words = command_words(script, "enroot start")
+    assert words.index('$RUN_DIR:$RUN_DIR') < [i for i, w in enumerate(words) if w.startswith('${ro_mounts')][0], words
+
+
 @pytest.mark.parametrize("runtime", ["docker", "podman", "apptainer", "enroot"])
 def test_an_env_option_value_goes_to_env_sh_never_to_the_command_line(runtime):
     """`ps` on the node shows the runtime's command line to every user: `-e WANDB_API_KEY=...` among the options

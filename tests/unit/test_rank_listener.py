@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 LAUNCHERS = Path(__file__).resolve().parents[2] / "launchers"
 
 PROGRAM = """\
@@ -105,3 +107,42 @@ def test_a_program_that_takes_sigterm_with_sigtimedwait_gets_it_past_the_listene
     waiting.send_signal(signal.SIGTERM)
     out, _ = waiting.communicate(timeout=30)
     assert waiting.returncode == 0 and "took SIGTERM: checkpoint saved" in out
+
+
+FORKS = """\
+import os, threading, time, warnings
+def fork():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    fork()
+    print("listener only:", len(caught), flush=True)
+    threading.Thread(target=time.sleep, args=(5,), daemon=True).start()
+    fork()
+    print("a thread of its own:", len(caught), [str(w.message)[:40] for w in caught], flush=True)
+"""
+
+
+def fork_warnings(tmp_path: Path, python: str = sys.executable) -> str:
+    run_dir = tmp_path / "run"
+    (run_dir / "flight").mkdir(parents=True, exist_ok=True)
+    fifo = run_dir / "flight" / "rank0.request"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    (tmp_path / "forks.py").write_text(FORKS)
+    env = {**os.environ, "NODECTL_RANK_HELPER": str(fifo), "NODECTL_RUN_DIR": str(run_dir), "RANK": "0",
+           "PYTHONPATH": str(LAUNCHERS)}
+    return subprocess.run([python, str(tmp_path / "forks.py")], env=env, capture_output=True, text=True,
+                          timeout=60).stdout
+
+
+@pytest.mark.skipif(sys.version_info < (3, 12), reason="the multi-threaded fork() warning is Python 3.12's")
+def test_the_listener_alone_brings_no_multithreaded_fork_warning(tmp_path):
+    """Python 3.12 warns at each fork() of a multi-threaded process; the listener thread made every rank's
+    program get it at every fork (issue 40). A program with threads of its own still gets it."""
+    out = fork_warnings(tmp_path)
+    assert "listener only: 0" in out, out
+    assert "a thread of its own: 1" in out and "multi-threaded" in out, out
