@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from nodectl.preflight.network import ib_ports, ib_rate
+from nodectl.preflight.checks import check
 from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get
 
 def _version(report: Mapping, what: str) -> str:
@@ -15,11 +16,26 @@ def _version(report: Mapping, what: str) -> str:
     return str(get(report, "torch", what, default="-"))
 
 
+@check("same torch/python/packages", "cluster", scope="cluster",
+       doc=(("same torch / python",
+            "the reports of every node",
+            "fail on any difference, naming the odd node(s) and each side's version",
+            "one version everywhere"),
+           ("same packages",
+            "installed distributions",
+            "warn on differences, naming for each (up to four) the odd node(s) and the versions on each side "
+            "(`transformers 4.57.1 on node1; 5.24.0 on the other 31`)",
+            "a 32-node table must point at the node to fix")))
 def check_versions(reports: Mapping[str, Mapping]) -> list[CheckResult]:
     """torch and Python minor must agree (fail); other packages should (warn)."""
     return _same(reports, ("version", "python")) + [check_packages(reports)]
 
 
+@check("same cuda/nccl/driver", "cluster", scope="cluster", cuda_only=True,
+       doc=(("same cuda / nccl / driver (GPU nodes)",
+            "the reports of the GPU nodes",
+            "fail on any difference, naming the odd node(s) and each side's version",
+            "one version everywhere; gloo on CPU nodes uses no CUDA, NCCL or driver"),))
 def check_gpu_stack(reports: Mapping[str, Mapping]) -> list[CheckResult]:
     """CUDA, NCCL and the driver must agree across GPU nodes (CPU nodes and gloo use none of them)."""
     return _same(reports, ("cuda", "nccl", "driver"))
@@ -80,18 +96,31 @@ UNIFORM_FACTS = (
 )
 
 
+@check("same kernel/vbios/hca firmware/ofed/swap, cpu governor", "cluster", scope="cluster",
+       doc=(("same kernel / vbios / hca firmware / ofed",
+            "`uname -r`; NVML VBIOS per GPU; `/sys/class/infiniband/*/fw_ver`; `/sys/module/mlx5_core/version`",
+            "warn on differences, naming each value's nodes; skip when no node reports it",
+            "vendors qualify driver, firmware and kernel as a set; a lone odd node is the usual straggler"),
+           ("same swap",
+            "`SwapTotal` in `/proc/meminfo`",
+            "warn when swap is on for some nodes only",
+            "a paging node sets every rank's pace"),
+           ("cpu governor",
+            "`/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor`",
+            "warn when any node is not `performance` or nodes differ; skip without cpufreq (VMs, containers)",
+            "data loading and launch overheads scale with clock")))
 def check_uniformity(reports: Mapping[str, Mapping]) -> list[CheckResult]:
     """Facts that should agree across nodes (warn when they differ; skip when no node could read them), and the
     CPU frequency governor, which should also be `performance` (powersave slows the data path and launches)."""
     results = []
-    for check, read, hint in UNIFORM_FACTS:
+    for name, read, hint in UNIFORM_FACTS:
         facts = _facts_by_node(reports, read)
         if not facts:
-            results.append(CheckResult(check, "cluster", SKIP, "no node reported it"))
+            results.append(CheckResult(name, "cluster", SKIP, "no node reported it"))
         elif len(set(facts.values())) > 1:
-            results.append(CheckResult(check, "cluster", WARN, _spread(facts), hint))
+            results.append(CheckResult(name, "cluster", WARN, _spread(facts), hint))
         else:
-            results.append(CheckResult(check, "cluster", PASS, next(iter(facts.values()))))
+            results.append(CheckResult(name, "cluster", PASS, next(iter(facts.values()))))
     governors = _facts_by_node(reports, lambda r: get(r, "cpu", "governor"))
     slow = {node: g for node, g in governors.items() if g != "performance"}
     if not governors:
@@ -109,6 +138,16 @@ DISTRIBUTED_ENV = ("NCCL_", "TORCH_", "GLOO_", "NVSHMEM_", "UCX_", "FI_", "CUDA_
                    "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 
+@check("same NCCL/torch env", "cluster", scope="cluster",
+       doc=(("same NCCL/torch env",
+            "`NCCL_*`, `TORCH_*`, `GLOO_*`, `NVSHMEM_*`, `UCX_*`, `FI_*`, `PYTORCH_CUDA_ALLOC_CONF`, "
+            "`CUDA_DEVICE_MAX_CONNECTIONS`, `CUDA_LAUNCH_BLOCKING` in the environment each node's ranks get: its "
+            "login environment with its inventory `env:` laid over (the probe runs under it; values travel in its "
+            "source, never on a command line)",
+            "warn when a variable is set differently (or only on some nodes), naming the variable, the nodes and "
+            "both values",
+            "an `NCCL_SOCKET_IFNAME` in one node's ~/.bashrc: the ranks disagree and nothing says why; the "
+            "inventory's `env:` sets them alike"),))
 def check_distributed_env(reports: Mapping[str, Mapping]) -> CheckResult:
     """Variables that change how ranks talk or allocate, set in one node's login environment and not another's
     (an NCCL_SOCKET_IFNAME in one ~/.bashrc): the ranks then disagree, and nothing says why. The inventory's env:
@@ -148,6 +187,11 @@ def check_packages(reports: Mapping[str, Mapping]) -> CheckResult:
     return CheckResult("same packages", "cluster", PASS, f"{len(names)} packages agree")
 
 
+@check("one GPU model", "cluster", scope="cluster", cuda_only=True,
+       doc=(("one GPU model",
+            "models per node",
+            "fail on more than one across the cluster",
+            "a run is as fast as its slowest GPU"),))
 def check_gpu_models(reports: Mapping[str, Mapping]) -> CheckResult:
     models = {node: sorted({d["name"] for d in get(r, "gpus", "devices", default=[]) or [] if "name" in d})
               for node, r in reports.items()}
@@ -159,6 +203,11 @@ def check_gpu_models(reports: Mapping[str, Mapping]) -> CheckResult:
     return CheckResult("one GPU model", "cluster", PASS, ", ".join(next(iter(distinct), ("none",))))
 
 
+@check("ib rate", "cluster", scope="cluster", cuda_only=True,
+       doc=(("ib rate (cluster)",
+            "every active port's rate",
+            "warn on a port below the fastest of its link layer in the cluster, naming node and port",
+            "a downtrained cable or transceiver sets the pace of collectives through it"),))
 def check_ib_rates(reports: Mapping[str, Mapping]) -> CheckResult:
     """Every active port's rate against the fastest active port of its link layer in the cluster: a port that came
     up at a lower rate (a bad cable or transceiver) sets the pace of every collective through it."""

@@ -8,7 +8,8 @@ import statistics
 from typing import Mapping
 
 from nodectl.preflight.network import ib_ports
-from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, gib, skip_if_unreadable, unreadable
+from nodectl.preflight.checks import MEASURED, check
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, gib, unreadable
 
 GPU_BUSY_BYTES = 1 << 30
 
@@ -78,7 +79,15 @@ def nvml_cure(reason: str) -> str:
                 "install the NVIDIA driver and nvidia-ml-py on the node, or use device: cpu")
 
 
-@skip_if_unreadable("gpus", "gpus")
+@check("gpus", "gpu", given=lambda f: (f.report, f.expect.gpus, f.gpus), cuda_only=True, section="gpus",
+       doc=(("gpus",
+            "NVML device count after `CUDA_VISIBLE_DEVICES`; models; each GPU read on its own (one that raises, a "
+            "GPU fallen off the bus, is reported with its error beside the others)",
+            "fail: no GPU, with the cure for NVML's error (an NVML/RM version mismatch: reboot or reload the nvidia "
+            "modules, not a driver install); a GPU that could not be read, by index (the other GPUs' checks stand); "
+            "a `CUDA_VISIBLE_DEVICES` entry naming no GPU of the node; fewer visible GPUs than `--gpus`, else than "
+            "the node's `gpus:`; mixed models on one node",
+            "exact counts"),))
 def check_gpu_count(node: str, report: Mapping, want: int | None, inventory_gpus: int | None = None) -> CheckResult:
     """The GPUs the ranks will see (CUDA_VISIBLE_DEVICES applied by the probe) against what the launch asks:
     --gpus, else the node's `gpus:`; a CUDA_VISIBLE_DEVICES entry that names no GPU of the node fails."""
@@ -113,7 +122,11 @@ def check_gpu_count(node: str, report: Mapping, want: int | None, inventory_gpus
     return CheckResult("gpus", node, PASS, f"{count}x {next(iter(models), '?')}")
 
 
-@skip_if_unreadable("gpu idle", "gpus")
+@check("gpu idle", "gpu", cuda_only=True, section="gpus",
+       doc=(("gpu idle",
+            "NVML compute processes and memory used per visible GPU",
+            "fail on any foreign process (pid, user) or over 1 GiB used with none listed",
+            "1 GiB: above the CUDA context of an idle driver"),))
 def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = frozenset()) -> CheckResult:
     busy, notes = [], []
     for device in _devices(report):
@@ -134,7 +147,12 @@ def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = froze
     return CheckResult("gpu idle", node, PASS, "no foreign compute process")
 
 
-@skip_if_unreadable("ecc", "gpus")
+@check("ecc", "gpu", cuda_only=True, section="gpus",
+       doc=(("ecc",
+            "NVML volatile uncorrectable ECC count, retired pages pending, row remap pending/failed",
+            "fail on any",
+            "any uncorrectable error or pending retirement means a reset or drain (NVIDIA's GPU memory error "
+            "management guide)"),))
 def check_ecc(node: str, report: Mapping) -> CheckResult:
     bad = []
     for d in _devices(report):
@@ -153,7 +171,11 @@ def check_ecc(node: str, report: Mapping) -> CheckResult:
     return CheckResult("ecc", node, PASS, "no uncorrectable errors or pending retirements")
 
 
-@skip_if_unreadable("persistence", "gpus")
+@check("persistence", "gpu", cuda_only=True, section="gpus",
+       doc=(("persistence",
+            "NVML persistence mode",
+            "warn when off",
+            "slow first CUDA calls (nvidia-smi docs)"),))
 def check_persistence(node: str, report: Mapping) -> CheckResult:
     off = [str(d["index"]) for d in _devices(report) if not d.get("persistence_mode")]
     if off:
@@ -162,6 +184,11 @@ def check_persistence(node: str, report: Mapping) -> CheckResult:
     return CheckResult("persistence", node, PASS, "on")
 
 
+@check("p2p", "gpu", given=lambda f: (f.extras.get("p2p"),), cuda_only=True, tiers=MEASURED,
+       doc=(("p2p (default tier)",
+            "the GPU job: a value-checked copy between every visible GPU pair and its bandwidth",
+            "fail on wrong data or an error, with `NCCL_P2P_DISABLE=1` as the fix",
+            "the \"P2P reports available then fails\" case (ACS/IOMMU)"),))
 def check_p2p(node: str, p2p: Mapping | None) -> CheckResult:
     if not p2p:
         return CheckResult("p2p", node, SKIP, "not measured (--quick)")
@@ -185,7 +212,11 @@ def check_p2p(node: str, p2p: Mapping | None) -> CheckResult:
                                           f"slowest {slowest:.0f} GB/s")
 
 
-@skip_if_unreadable("nvlink", "gpus")
+@check("nvlink", "gpu", cuda_only=True, section="gpus",
+       doc=(("nvlink",
+            "NVML NVLink state per link",
+            "fail when a GPU has fewer active links than its peers (none included)",
+            "`nvidia-smi nvlink -s`"),))
 def check_nvlink(node: str, report: Mapping) -> CheckResult:
     """Active NVLink links per GPU: a GPU with fewer than its peers (none at all included) runs the node's NVLink
     traffic at its pace, or falls back to PCIe."""
@@ -203,7 +234,11 @@ def check_nvlink(node: str, report: Mapping) -> CheckResult:
     return CheckResult("nvlink", node, PASS, f"{most} active links per GPU")
 
 
-@skip_if_unreadable("nvlink errors", "gpus")
+@check("nvlink errors", "gpu", cuda_only=True, section="gpus",
+       doc=(("nvlink errors",
+            "NVML field values NVLINK_{CRC_FLIT,CRC_DATA,REPLAY,RECOVERY}_ERROR_COUNT_TOTAL",
+            "warn on any counted error; skip (not pass) when NVML gives no counters",
+            "`nvidia-smi nvlink -e`"),))
 def check_nvlink_errors(node: str, report: Mapping) -> CheckResult:
     """NVLink error counters (NVML field values): replay and recovery counts mean a marginal link. How many links
     are up is check_nvlink's."""
@@ -222,7 +257,11 @@ def check_nvlink_errors(node: str, report: Mapping) -> CheckResult:
     return CheckResult("nvlink errors", node, PASS, "no errors counted")
 
 
-@skip_if_unreadable("pcie link", "gpus")
+@check("pcie link", "gpu", cuda_only=True, section="gpus",
+       doc=(("pcie link",
+            "NVML current vs max PCIe link width",
+            "fail when narrower (the generation trains down at idle, so it is judged under load)",
+            "`nvidia-smi -q -d PCIE`"),))
 def check_pcie_link(node: str, report: Mapping) -> CheckResult:
     """Link width below the maximum is a downtrained link (a reseat or a riser). The generation trains down at idle
     to save power, so it is judged under load, by the GPU job."""
@@ -238,7 +277,11 @@ def check_pcie_link(node: str, report: Mapping) -> CheckResult:
     return CheckResult("pcie link", node, PASS, f"x{'/x'.join(map(str, widths))} on {len(devices)} GPU(s)")
 
 
-@skip_if_unreadable("thermal", "gpus")
+@check("thermal", "gpu", cuda_only=True, section="gpus",
+       doc=(("thermal",
+            "NVML clock event reasons and temperature at rest, slowdown threshold",
+            "fail when slowed by hardware or sw thermal at rest; warn within 5 C of the slowdown temperature",
+            "NVML temperature thresholds"),))
 def check_thermal(node: str, report: Mapping) -> CheckResult:
     """At rest: a GPU already slowed by hardware, or within 5 C of its slowdown temperature, will throttle under
     load."""
@@ -260,7 +303,12 @@ def check_thermal(node: str, report: Mapping) -> CheckResult:
     return CheckResult("thermal", node, PASS, f"{min(temps)}-{max(temps)} C, no slowdown")
 
 
-@skip_if_unreadable("mig", "gpus")
+@check("mig", "gpu", cuda_only=True, section="gpus",
+       doc=(("mig",
+            "NVML MIG mode (current, pending) and compute mode",
+            "fail on MIG enabled or compute mode prohibited; warn on a pending MIG change or an exclusive compute "
+            "mode",
+            "NCCL cannot join MIG instances of different processes into one job"),))
 def check_mig_compute_mode(node: str, report: Mapping) -> CheckResult:
     """MIG splits a GPU into instances that NCCL cannot join into one job; a prohibited compute mode forbids any
     CUDA context. A pending MIG change applies only at the next GPU reset."""
@@ -286,7 +334,12 @@ def check_mig_compute_mode(node: str, report: Mapping) -> CheckResult:
     return CheckResult("mig", node, PASS, "MIG off, compute mode default")
 
 
-@skip_if_unreadable("fabric manager", "gpus")
+@check("fabric manager", "gpu", cuda_only=True, section="gpus",
+       doc=(("fabric manager",
+            "NVML GPU fabric info (state, status)",
+            "fail when an NVSwitch system's GPU is not registered (not started, in progress, or an error status); "
+            "skip without NVSwitch",
+            "CUDA needs the fabric manager before NVLink works on HGX"),))
 def check_fabric(node: str, report: Mapping) -> CheckResult:
     """On NVSwitch systems (HGX) every GPU must be registered with the fabric (nvidia-fabricmanager) before CUDA
     can use NVLink between GPUs; until then CUDA calls fail or hang."""
@@ -304,6 +357,14 @@ def check_fabric(node: str, report: Mapping) -> CheckResult:
     return CheckResult("fabric manager", node, PASS, f"{len(known)} GPU(s) registered with the NVSwitch fabric")
 
 
+@check("xid", "gpu", cuda_only=True,
+       doc=(("xid",
+            "Xid and SXid lines of the kernel log since boot (`/dev/kmsg`, else `dmesg`, else `journalctl -k`) "
+            "mapped to GPUs by PCI address",
+            "fail on 48, 63, 64, 74, 79, 92, 94, 95, 119, 120, 140 (reset or drain); warn on any other Xid or SXid; "
+            "warn, with the reason, when the log is not readable (Ubuntu's `dmesg_restrict=1` for a non-root login): "
+            "a GPU fallen off the bus would show only there",
+            "NVIDIA's Xid catalog"),))
 def check_xid(node: str, report: Mapping) -> CheckResult:
     """Xid (GPU) and SXid (NVSwitch) events in the kernel log since boot."""
     reason = unreadable(report, "kernel_events")
@@ -337,6 +398,11 @@ def check_xid(node: str, report: Mapping) -> CheckResult:
                        "SXid, deserve a look at dmesg")
 
 
+@check("gpudirect", "gpu", cuda_only=True,
+       doc=(("gpudirect",
+            "`/sys/module/nvidia_peermem` (or `nv_peer_mem`) on GPU nodes with IB",
+            "warn when absent",
+            "NCCL's GPUDirect RDMA needs it, or DMA-BUF (open modules, NCCL 2.19+)"),))
 def check_gpudirect(node: str, report: Mapping) -> CheckResult:
     """GPUDirect RDMA lets the NIC read GPU memory directly; without it NCCL stages every message through host
     memory. It needs nvidia_peermem (or, with NCCL 2.19+ and the open kernel modules, DMA-BUF)."""
@@ -353,6 +419,11 @@ def check_gpudirect(node: str, report: Mapping) -> CheckResult:
                        "the collective's NCCL transports")
 
 
+@check("numa", "gpu", cuda_only=True,
+       doc=(("numa",
+            "GPU NUMA node (`/sys/bus/pci/devices/<bus>/numa_node`) vs IB devices' `device/numa_node`",
+            "warn for GPUs with no NIC on their NUMA node",
+            "traffic across the socket link"),))
 def check_numa(node: str, report: Mapping) -> CheckResult:
     """Each GPU should have an InfiniBand/RoCE NIC on its own NUMA node: traffic to a NIC across the socket
     link halves its bandwidth on most two-socket boards."""
@@ -381,6 +452,22 @@ def cluster_medians(jobs: Mapping[str, Mapping | None], reports: Mapping[str, Ma
     return {key: statistics.median(v) for key, v in values.items()}
 
 
+@check("gpu perf, gpu load", "gpu", given=lambda f: (f.extras.get("p2p"), f.medians), cuda_only=True, tiers=MEASURED,
+       doc=(("gpu perf (default tier)",
+            "the GPU job, all GPUs loaded at once: bf16 GEMM TFLOP/s (8192^3, 100 matmuls), HBM copy GB/s (1 GiB, "
+            "read + write, 50 copies); then per GPU pinned host-to-device and device-to-host GB/s (256 MiB x 10); "
+            "wall clock after `synchronize`",
+            "fail for a GPU under 85% (GEMM, HBM) or 70% (host copies) of the median of the node's other GPUs of its "
+            "model, or of the cluster's median",
+            "healthy GPUs of one model land within a few percent of each other (2 x H200 here: GEMM 725/737, HBM "
+            "4242/4227); host copies share PCIe switches, hence the wider margin. Against a plain torch measurement "
+            "at its best settings: job GEMM 92%, HBM 98.5%, host copies 100%"),
+           ("gpu load (default tier)",
+            "NVML sampled every 50 ms during the job: clock event reasons, hottest temperature, PCIe generation "
+            "reached",
+            "fail on hw slowdown, hw thermal slowdown, hw power brake or sw thermal slowdown; warn when a GPU "
+            "reached a lower PCIe generation than the others",
+            "NVML clocks event reasons; \"sw power cap\" is a GEMM at its power limit, normal on H100/H200")))
 def check_gpu_perf(node: str, job: Mapping | None, medians: Mapping | None = None) -> list[CheckResult]:
     """Each GPU's GEMM, HBM, H2D and D2H figures against the median of the node's GPUs of its model and of the
     cluster's; the clock events, temperature and PCIe generation seen while loaded."""

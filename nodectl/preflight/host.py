@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, gib, skip_if_unreadable, unreadable
+from nodectl.preflight.checks import check
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, gib, unreadable
 
 SHM_MIN = 1 << 30
 
@@ -18,6 +19,13 @@ SKEW_WARN, SKEW_FAIL = 1.0, 30.0
 NOFILE_FAIL, NOFILE_WARN = 1024, 65536
 
 
+@check("torch", "host", given=lambda f: (f.report, f.device),
+       doc=(("torch",
+            "default tier: `import torch` on the node (version, CUDA, NCCL, `cuda.is_available`); `--quick`: the "
+            "installed packages (torch, torch/version.py, nvidia-nccl-*, nvidia-cudnn-*)",
+            "fail when it does not import (default tier) or is not installed, or CUDA is unavailable on a `device: "
+            "cuda` node",
+            "-"),))
 def check_torch(node: str, report: Mapping, device: str) -> CheckResult:
     torch = report.get("torch") or {}
     python = get(report, "python", "executable", default="python3")
@@ -33,6 +41,15 @@ def check_torch(node: str, report: Mapping, device: str) -> CheckResult:
                                             f"NCCL {torch.get('nccl') or '-'})")
 
 
+@check("container", "host",
+       doc=(("container (nodes with `container:`)",
+            "runctl's `container` call: the runtime's `version` and `info` as the SSH user, `image inspect` (a "
+            "missing image is pulled first), then the probe run in a throwaway container of the image with the "
+            "node's network, GPUs and hard limits",
+            "fail: runtime not installed, not usable by the user (its words), image absent and not pullable, probe "
+            "not run in the image (an rlimit refusal gets its own hint)",
+            "the node's ranks run what the image holds: the torch, cuda, nccl, python and packages rows of that node "
+            "(and the cluster's `same ...` rows) are the image's"),))
 def check_container(node: str, report: Mapping) -> CheckResult | list[CheckResult]:
     """The node's container runtime, where the node's ranks run in an image (nodectl/container.py); no check at
     all for a node without one."""
@@ -70,6 +87,12 @@ def check_container(node: str, report: Mapping) -> CheckResult | list[CheckResul
                                                 f"{pulled})")
 
 
+@check("environment", "host",
+       doc=(("environment (nodes with `environment:`)",
+            "runctl's `env_status`: the venv of the lock's key, its manifest against the files now",
+            "pass: built and unchanged (the probe then runs its python); warn: not built yet (launch builds it); "
+            "fail: files changed, added or removed since the build, named",
+            "drift is impossible only if a changed venv is never used: launch sets it aside and builds again"),))
 def check_environment(node: str, report: Mapping) -> CheckResult | list[CheckResult]:
     """The node's locked venv (hosts.yaml environment:, nodectl/environment.py); no check for a node without one."""
     facts = report.get("environment")
@@ -96,7 +119,11 @@ def _last_line(text) -> str:
     return lines[-1][:300] if lines else ""
 
 
-@skip_if_unreadable("memlock", "limits")
+@check("memlock", "host", cuda_only=True, section="limits",
+       doc=(("memlock",
+            "`RLIMIT_MEMLOCK`",
+            "fail when not unlimited with InfiniBand present",
+            "NCCL registers memory for RDMA (NCCL docs)"),))
 def check_memlock(node: str, report: Mapping) -> CheckResult:
     soft = get(report, "limits", "memlock_soft")
     if not report.get("infiniband"):
@@ -109,7 +136,11 @@ def check_memlock(node: str, report: Mapping) -> CheckResult:
     return CheckResult("memlock", node, PASS, "unlimited")
 
 
-@skip_if_unreadable("nofile", "limits")
+@check("nofile", "host", section="limits",
+       doc=(("nofile",
+            "`RLIMIT_NOFILE` soft (and hard, shown)",
+            "fail under 1024, warn under 65536",
+            "sockets to every peer per rank, data-loader descriptor sharing; 1024 is the common default soft limit"),))
 def check_nofile(node: str, report: Mapping) -> CheckResult:
     """Open files: every rank holds sockets to its peers (NCCL, gloo, the TCP store), data loader workers share
     tensors through descriptors; 1024 is soon spent at scale, a few hundred at once."""
@@ -125,7 +156,11 @@ def check_nofile(node: str, report: Mapping) -> CheckResult:
     return CheckResult("nofile", node, PASS, f"{soft} open files")
 
 
-@skip_if_unreadable("shm", "disk")
+@check("shm", "host", section="disk",
+       doc=(("shm",
+            "`/dev/shm` size",
+            "fail under 1 GiB",
+            "docker's 64 MB default breaks NCCL's SHM transport and data loaders"),))
 def check_shm(node: str, report: Mapping) -> CheckResult:
     shm = get(report, "disk", "shm_bytes")
     if shm is None:
@@ -137,7 +172,11 @@ def check_shm(node: str, report: Mapping) -> CheckResult:
     return CheckResult("shm", node, PASS, gib(shm))
 
 
-@skip_if_unreadable("disk", "disk")
+@check("disk", "host", section="disk",
+       doc=(("disk",
+            "free bytes under the workdir",
+            "fail under 2 GiB, warn under 20 GiB",
+            "checkpoints of a LoRA run"),))
 def check_disk(node: str, report: Mapping) -> CheckResult:
     free = get(report, "disk", "free_bytes")
     where = get(report, "disk", "workdir", default="workdir")
@@ -156,6 +195,15 @@ SCRATCH_USE = {"tmp": "torch.compile, Triton and data loaders write there",
                "cache": "Hugging Face downloads and Triton kernels are cached there"}
 
 
+@check("tmp, cache", "host",
+       doc=(("tmp, cache",
+            "a 1 MiB test write (flushed) and free space in the temp folder (`$TMPDIR`, else `/tmp`: what gcc, "
+            "ptxas, mktemp and Triton use; not Python's `tempfile.gettempdir()`, which passes over a full /tmp to "
+            "/var/tmp) and the cache folder (`HF_HOME`, `XDG_CACHE_HOME`, else `~/.cache`), with the node's "
+            "inventory `env:` applied as the ranks get it",
+            "fail when not writable (a full disk included), warn under 4 GiB free",
+            "torch.compile and Triton write to the temp folder, Hugging Face and Triton cache under ~/.cache: a "
+            "read-only or full one fails a rank at its first compiled graph or download, long after preflight"),))
 def check_scratch(node: str, report: Mapping) -> list[CheckResult]:
     """The temp folder and the cache folder a rank gets: writable, with room."""
     out = []
@@ -182,7 +230,15 @@ def check_scratch(node: str, report: Mapping) -> list[CheckResult]:
 RANK_MEMORY_FLOOR = 2 << 30   # below this per rank, loading torch and a model's first shards is already killed
 
 
-@skip_if_unreadable("cgroup limits", "cgroup")
+@check("cgroup limits", "host", given=lambda f: (f.report, f.expect.gpus or f.gpus or 1), section="cgroup",
+       doc=(("cgroup limits",
+            "the cgroup the login runs in, which the ranks inherit (`/proc/self/cgroup`): memory (`memory.max`, v1 "
+            "`memory.limit_in_bytes`), CPU quota (`cpu.max`, v1 `cpu.cfs_quota_us`/`cfs_period_us`), the tightest on "
+            "the way to the root, with its file",
+            "fail when memory is under 2 GiB per rank; warn when memory is below the machine's or the CPU quota "
+            "below the rank count; skip when the probe reported none",
+            "/proc/meminfo and the CPU count show the machine: a 1 GiB memory cgroup let preflight pass, then the "
+            "model load was OOM-killed with no message"),))
 def check_cgroup(node: str, report: Mapping, ranks: int) -> CheckResult:
     """The memory and CPU the ranks may use under the login's cgroup, which they inherit: a model load past the
     memory limit is OOM-killed with no message, and a CPU quota below the rank count slows every step, while
@@ -212,6 +268,13 @@ def check_cgroup(node: str, report: Mapping, ranks: int) -> CheckResult:
     return CheckResult("cgroup limits", node, PASS, ", ".join(s for s in shown if s) or "none below the machine's")
 
 
+@check("processes", "host",
+       doc=(("processes",
+            "`RLIMIT_NPROC` soft (`ulimit -u`, which counts the user's threads) and the session's pids cgroup "
+            "(`pids.max`)",
+            "fail under 4096, warn under 16384, naming the lower",
+            "every rank runs dozens of threads (NCCL, gloo, data loaders, torch.compile's worker pool); a "
+            "container's `--pids-limit` or systemd's `TasksMax=` is met as \"can't start new thread\""),))
 def check_processes(node: str, report: Mapping) -> CheckResult:
     """Processes and threads a session may run (RLIMIT_NPROC counts the user's threads; a pids cgroup counts the
     session's): a rank starts dozens of threads, torch.compile a worker pool, each data loader worker more."""
@@ -232,6 +295,11 @@ def check_processes(node: str, report: Mapping) -> CheckResult:
     return CheckResult("processes", node, PASS, f"{lowest} processes and threads ({name})")
 
 
+@check("workdir", "host",
+       doc=(("workdir",
+            "a test write in the workdir",
+            "fail with the path and the error",
+            "-"),))
 def check_workdir(node: str, report: Mapping) -> CheckResult:
     """The workdir must take the run folders: created and written by the login user."""
     reason = unreadable(report, "disk")
@@ -255,6 +323,11 @@ UNSAFE_FIX = ("nodectl keeps its files only in folders the login user owns (mode
               "or set workdir: in hosts.yaml to a folder of your own")
 
 
+@check("clock", "host",
+       doc=(("clock",
+            "node time at the probe's midpoint vs the controller",
+            "warn over 1 s, fail over 30 s (after half the round trip)",
+            "logs and heartbeats are compared by time"),))
 def check_clock(node: str, report: Mapping) -> CheckResult:
     skew = get(report, "clock", "skew_s")
     if skew is None:

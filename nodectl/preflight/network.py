@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
+from nodectl.preflight.checks import MEASURED, check
 from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, unreadable
 
 SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
@@ -62,6 +63,11 @@ def ib_rate(port: Mapping) -> float | None:
     return float(match[1]) if match else None
 
 
+@check("infiniband", "network", cuda_only=True,
+       doc=(("infiniband",
+            "`/sys/class/infiniband/*/ports/*` state, phys state, rate, link layer",
+            "fail when a port is down",
+            "-"),))
 def check_infiniband(node: str, report: Mapping) -> CheckResult:
     devices = report.get("infiniband") or []
     if isinstance(devices, Mapping):  # {"error": ...}: the devices could not be listed
@@ -81,6 +87,12 @@ def check_infiniband(node: str, report: Mapping) -> CheckResult:
                                                  f"{'/'.join(map(str, layers))}")
 
 
+@check("ib errors", "network", cuda_only=True,
+       doc=(("ib errors",
+            "`ports/*/counters/` symbol_error, link_error_recovery, link_downed, port_rcv_errors, "
+            "local_link_integrity_errors, excessive_buffer_overrun_errors, port_rcv_remote_physical_errors",
+            "warn on any non-zero count",
+            "counts since the driver loaded; `perfquery -x`"),))
 def check_ib_errors(node: str, report: Mapping) -> CheckResult:
     ports = ib_ports(report)
     if not ports:
@@ -97,6 +109,13 @@ def check_ib_errors(node: str, report: Mapping) -> CheckResult:
     return CheckResult("ib errors", node, PASS, f"no errors counted on {len(counted)} port(s)")
 
 
+@check("ib hca", "network", given=lambda f: (f.report, f.env), cuda_only=True,
+       doc=(("ib hca",
+            "`NCCL_IB_HCA` from the inventory's env (`^` exclude, `=` exact, `name:port`) vs the ports and their "
+            "state",
+            "fail when an entry names no port, a port that is not ACTIVE, or an exclusion leaves none; the hint "
+            "lists the active ports",
+            "NCCL's environment variable docs"),))
 def check_ib_hca(node: str, report: Mapping, env: Mapping[str, str]) -> CheckResult:
     value = (env or {}).get("NCCL_IB_HCA")
     if not value:
@@ -125,6 +144,13 @@ def check_ib_hca(node: str, report: Mapping, env: Mapping[str, str]) -> CheckRes
     return CheckResult("ib hca", node, PASS, f"NCCL_IB_HCA={value}")
 
 
+@check("socket ifname", "network", given=lambda f: (f.report, f.env),
+       doc=(("socket ifname",
+            "`NCCL_SOCKET_IFNAME` / `GLOO_SOCKET_IFNAME` from the inventory's `env:`, against `/sys/class/net` "
+            "(operstate)",
+            "fail when the value matches no interface (prefix, `=exact`, `^exclude` as NCCL reads it) or only "
+            "interfaces that are down; the hint lists the ones up",
+            "NCCL's environment variable docs"),))
 def check_socket_ifname(node: str, report: Mapping, env: Mapping[str, str]) -> CheckResult:
     """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME from the inventory's env must name an interface the node has, and
     it must be up: a wrong name makes NCCL fail at init ("no socket interface found") and gloo hang or fail."""
@@ -152,6 +178,11 @@ def check_socket_ifname(node: str, report: Mapping, env: Mapping[str, str]) -> C
     return CheckResult("socket ifname", node, PASS, ", ".join(f"{var}={value}" for var, value in named.items()))
 
 
+@check("master port", "network", given=lambda f: (f.extras["port"],), needs="port",
+       doc=(("master port",
+            "node 0 binds the master port (SO_REUSEADDR, like torch's TCPStore)",
+            "fail when in use",
+            "-"),))
 def check_master_port(node: str, port_answer: Mapping | None) -> CheckResult:
     if port_answer is None:
         return CheckResult("master port", node, SKIP, "not node 0")
@@ -161,6 +192,11 @@ def check_master_port(node: str, port_answer: Mapping | None) -> CheckResult:
                        "stop what holds it or set another master_port: in hosts.yaml")
 
 
+@check("reach master", "network", given=lambda f: (f.extras["reach"], f"{f.expect.master_addr}:{f.expect.master_port}"), needs="reach",
+       doc=(("reach master",
+            "every node opens a TCP connection to node 0's master port (a listener is started for the test)",
+            "fail with the error",
+            "-"),))
 def check_reach_master(node: str, answer: Mapping | None, target: str) -> CheckResult:
     if answer is None:
         return CheckResult("reach master", node, SKIP, "not tested")
@@ -171,6 +207,11 @@ def check_reach_master(node: str, answer: Mapping | None, target: str) -> CheckR
                        "an address they can reach")
 
 
+@check("interface", "network", given=lambda f: (f.extras["route"], f.expect.master_addr), needs="route",
+       doc=(("interface",
+            "the route each node takes toward the master address",
+            "recommends `NCCL_SOCKET_IFNAME`/`GLOO_SOCKET_IFNAME` for that device; warns on a virtual bridge",
+            "-"),))
 def check_route(node: str, answer: Mapping | None, master_addr: str) -> CheckResult:
     """The interface a node uses toward the master address; docker, virtual or lo is usually a wrong pick."""
     if not answer or not answer.get("dev"):
@@ -210,6 +251,13 @@ def result_in(log: str) -> dict | None:
     return None
 
 
+@check("collective, nccl transport", "network", scope="job", tiers=MEASURED,
+       doc=(("collective",
+            "an all-reduce job through the launch path: sums checked, busbw 1 MiB .. 1 GiB (GPU) or 64 MiB (CPU); "
+            "NCCL transports from `NCCL_DEBUG=INFO`",
+            "fail on wrong sums, a failed job, or sockets while InfiniBand is present; warn when NCCL uses "
+            "InfiniBand without GDRDMA",
+            "-"),))
 def judge_collective(result: dict | None, transports: dict[str, int], ib_present: bool, nnodes: int,
                      failure: str | None, run_id: str | None = None) -> list[CheckResult]:
     if failure or result is None:
@@ -250,6 +298,11 @@ def judge_collective(result: dict | None, transports: dict[str, int], ib_present
 SLOW_PAIR = 0.7
 
 
+@check("node pairs", "network", scope="job", tiers=("full",),
+       doc=(("node pairs (`--full`, 3+ nodes)",
+            "the same job on each neighbour pair",
+            "warn on pairs under 70% of the median, naming the node common to the slow pairs",
+            "-"),))
 def judge_pairs(pairs: list[dict]) -> list[CheckResult]:
     """Pairs well under the median busbw point at a slow node: the one that is in every slow pair."""
     measured = [p for p in pairs if p.get("busbw_gbs")]

@@ -14,7 +14,8 @@ from nodectl.preflight.collective_job import run_collective, run_pairs
 from nodectl.preflight.gpu import cluster_medians
 from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge_node
 from nodectl.preflight.network import judge_collective, judge_pairs
-from nodectl.preflight.verdict import FAIL, PASS, WARN, CheckResult
+from nodectl.preflight.storage import judge_store
+from nodectl.preflight.verdict import FAIL, WARN, CheckResult
 from nodectl.plan import visible_devices
 from nodectl.remote.answers import AnswerError, parse_gpu_job
 from nodectl.remote.probe_nodes import probe_nodes
@@ -146,23 +147,6 @@ def _store_check(transport: Transport, outputs) -> dict:
     return answer if isinstance(answer, dict) else {"ok": False, "error": "the check answered no object"}
 
 
-def judge_store(results: list[NodeResult]) -> list[CheckResult]:
-    checks = []
-    for r in results:
-        outputs = r.node.outputs
-        answer = r.value if r.ok else {"ok": False, "error": r.error}
-        if answer.get("ok") is True:
-            checks.append(CheckResult("outputs", r.node.name, PASS, f"wrote and deleted a probe object under "
-                                      f"{outputs.url}/ in {answer.get('seconds', 0):.2f}s (boto3 {answer.get('boto3')})"))
-        else:
-            checks.append(CheckResult("outputs", r.node.name, FAIL, f"{outputs.url}: {answer.get('error')}",
-                                      "the node uploads the run's outputs itself: it needs boto3 for its python:, "
-                                      "credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in env:, or a "
-                                      "profile on the node) and a route to the store (endpoint_url: for a server "
-                                      "other than AWS)"))
-    return checks
-
-
 PROBE_HINTS = {
     "reachable": "check SSH: ssh to it by hand, the inventory's user/port/identity_file, known_hosts",
     "python": "python: in hosts.yaml must name an interpreter on that node (with torch for training)",
@@ -206,7 +190,9 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
     uploading = [n for n in inventory.nodes if n.name in reports and n.outputs is not None]
     if uploading:
         phase("object store checks")
-        results += judge_store(cluster.fan_out(lambda t: _store_check(t, t.node.outputs), uploading))
+        stored = cluster.fan_out(lambda t: _store_check(t, t.node.outputs), uploading)
+        results += judge_store([(r.node.name, r.node.outputs.url, r.value if r.ok else {"ok": False, "error": r.error})
+                                for r in stored])
     if len(reports) > 1:
         results += judge_cluster(reports, {k: v for k, v in devices.items() if k in reports}, tier)
     report = PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick,

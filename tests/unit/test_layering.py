@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-PURE_PREFLIGHT = tuple(f"nodectl.preflight.{m}" for m in ("verdict", "host", "gpu", "network", "cluster", "judge"))
+PURE_PREFLIGHT = tuple(f"nodectl.preflight.{m}" for m in ("verdict", "checks", "host", "gpu", "network",
+                                                                 "storage", "cluster", "judge"))
 REMOTE = ("nodectl.remote", "fabric", "paramiko")
 
 

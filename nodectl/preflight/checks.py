@@ -1,0 +1,89 @@
+"""Where a preflight check is declared: `@check` on the function that judges it, in its subject's module (host.py,
+gpu.py, network.py, cluster.py, storage.py). The declaration holds all there is to know about the check besides its
+code: its name and subject, the devices and tiers it runs at, what it is handed from the node's facts, the probe
+section without which it skips, and its row(s) in docs/PREFLIGHT.md's table, which is generated from here (a test
+holds the two equal). judge.py imports every subject module, so the registry is whole there, and runs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from nodectl.preflight.verdict import skip_if_unreadable
+
+TIERS = ("quick", "default", "full")
+MEASURED = ("default", "full")     # tiers that run the GPU job and the all-reduce job
+SCOPES = ("node", "cluster", "job")
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What the launch will ask of the nodes."""
+
+    gpus: int | None          # ranks per node on cuda nodes (None: whatever each node has)
+    master_port: int | None
+    master_addr: str
+
+
+@dataclass(frozen=True)
+class NodeFacts:
+    """What the checks of one node read: its probe report and the answers gathered for it."""
+
+    node: str
+    report: Mapping
+    device: str
+    expect: Expectation
+    extras: Mapping = field(default_factory=dict)   # p2p (the GPU job), port, reach and route answers
+    env: Mapping[str, str] = field(default_factory=dict)   # what the inventory sets for the node's ranks
+    gpus: int | None = None                          # the node's `gpus:`
+    medians: Mapping = field(default_factory=dict)   # per GPU model, the cluster's median GPU job figures
+
+
+@dataclass(frozen=True)
+class DocRow:
+    """One row of docs/PREFLIGHT.md's table."""
+
+    label: str
+    reads: str
+    verdict: str
+    source: str = "-"
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    subject: str                  # host, gpu, network, cluster
+    judge: Callable
+    scope: str = "node"           # node: judge(node, *given(facts)); cluster: judge(reports); job: judged by the
+                                  # preflight run once its job ran (the all-reduce, the node pairs, the bucket)
+    given: Callable[[NodeFacts], tuple] | None = None   # what a node check gets after the node's name (the report)
+    cuda_only: bool = False
+    tiers: tuple[str, ...] = TIERS
+    needs: str | None = None      # an answer in NodeFacts.extras without which the check does not run
+    doc: tuple[DocRow, ...] = ()
+    where: tuple[str, int] = ("", 0)   # the declaring module and line: the order of the output and of the doc
+
+    def run(self, facts: NodeFacts):
+        return self.judge(facts.node, *(self.given(facts) if self.given else (facts.report,)))
+
+
+REGISTRY: list[Check] = []
+
+
+def check(name: str, subject: str, *, scope: str = "node", given: Callable[[NodeFacts], tuple] | None = None,
+          cuda_only: bool = False, tiers: tuple[str, ...] = TIERS, needs: str | None = None,
+          section: str | None = None, doc: tuple = ()):
+    """Declare the decorated function a check. `section`: the probe report's section it reads; when the probe
+    could not read that section, the check says skip with the reason (never pass). `doc`: (label, reads, verdict,
+    source) per row of the table."""
+    if scope not in SCOPES or any(t not in TIERS for t in tiers):
+        raise ValueError(f"check {name!r}: scope {scope!r} or tiers {tiers!r} unknown")
+
+    def register(fn: Callable) -> Callable:
+        judge = skip_if_unreadable(name, section)(fn) if section else fn
+        if any(c.name == name for c in REGISTRY):
+            raise ValueError(f"check {name!r} is declared twice")
+        REGISTRY.append(Check(name, subject, judge, scope, given, cuda_only, tuple(tiers), needs,
+                              tuple(DocRow(*row) for row in doc), (fn.__module__, fn.__code__.co_firstlineno)))
+        return judge
+    return register
