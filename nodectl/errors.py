@@ -9,8 +9,6 @@ import threading
 from contextlib import contextmanager
 from typing import Iterator
 
-import click
-
 EXIT_OK = 0
 EXIT_FAILED = 1        # a check failed or the run failed
 EXIT_USAGE = 2         # usage or inventory error
@@ -30,10 +28,17 @@ def exit_code_for(results) -> int:
     return EXIT_FAILED if any(not r.ok for r in results) else EXIT_OK
 
 
-class NodectlError(click.ClickException):
-    """A problem the user can act on; printed as 'Error: <message>' with the class's exit code."""
+class NodectlError(Exception):
+    """A problem the user can act on; the CLI prints it as 'Error: <message>' and exits with the class's code."""
 
     exit_code = EXIT_FAILED
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def format_message(self) -> str:
+        return self.message
 
 
 class UsageError(NodectlError):

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from nodectl.errors import NodectlError, UsageError
-from nodectl.resources import load_launcher
 from nodectl.secrets import redact_text
 
 KEYS = {"url", "every", "endpoint_url", "region"}
@@ -117,7 +116,10 @@ def from_record(record: Any) -> Outputs | None:
 
 
 def _module():
-    return load_launcher("nodectl_outputs")
+    """launchers/nodectl_outputs.py, which the nodes run: the controller pulls from the bucket as a node does (boto3
+    imported only when used)."""
+    from nodectl.resources.launchers import nodectl_outputs
+    return nodectl_outputs
 
 
 def credentials_from(env: Mapping[str, str]) -> dict[str, str]:

@@ -6,17 +6,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from rich.markup import escape
-
 from nodectl.errors import interruptible, uninterruptible
 from nodectl.remote import agent
 from nodectl.remote.answers import NO_LOG, LogChunk
 from nodectl.remote.poller import Poller
-from nodectl.visible import visible
 from nodectl.runs import RunNode, RunState
 from nodectl.remote.transport import Cluster, NodeResult
 
-COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
 
 
 @dataclass
@@ -195,17 +191,16 @@ def latest_state(line: str) -> str:
 
 @dataclass
 class LogStream:
-    """Complete lines of the followed ranks, prefixed and coloured per rank when following several.
+    """Complete lines of the followed ranks, each handed to `sink(rank, line)` (the CLI prints them, or gathers
+    them for --json).
 
     Memory per rank is bounded: an unfinished line keeps at most LINE_MAX characters (the rest is cut with a
     marker) and a progress bar only its latest \\r state, which is shown once per poll when it changed."""
 
-    console: object
     ranks: dict[int, str]                    # rank -> node name
-    prefixed: bool
+    sink: Callable[[int, str], None]
     offsets: dict[int, int] = field(default_factory=dict)
     partial: dict[int, str] = field(default_factory=dict)
-    sink: object = None                      # callable(rank, line) instead of printing (--json)
     cutting: set = field(default_factory=set)          # ranks inside an over-long line, until its newline
     shown_progress: dict[int, str] = field(default_factory=dict)
 
@@ -252,14 +247,7 @@ class LogStream:
         self.partial.clear()
 
     def emit(self, rank: int, line: str) -> None:
-        if self.sink:
-            self.sink(rank, line)
-        elif self.prefixed:
-            colour = COLOURS[rank % len(COLOURS)]
-            label = escape(f"[{self.ranks[rank]}/{rank}]")
-            self.console.print(f"[{colour}]{label}[/] {escape(visible(line))}")
-        else:
-            self.console.print(escape(visible(line)))
+        self.sink(rank, line)
 
 
 def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream | None, *, interval: float = 1.0,

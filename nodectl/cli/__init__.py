@@ -13,7 +13,7 @@ import click
 from nodectl import __version__
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
-from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, install_signal_handlers
+from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, NodectlError, install_signal_handlers
 from nodectl.remote.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, TransportOptions
 
 
@@ -85,8 +85,11 @@ class NodectlGroup(click.Group):
             return super().main(*args, standalone_mode=False, **kwargs)
         except click.exceptions.Exit as exc:
             raise SystemExit(exc.exit_code) from None
-        except click.ClickException as exc:
+        except click.ClickException as exc:   # click's own: a usage error shows the usage line too
             exc.show()
+            raise SystemExit(exc.exit_code) from None
+        except NodectlError as exc:   # the library's: what was wrong, where, what to do
+            click.echo(f"Error: {exc.format_message()}", err=True)
             raise SystemExit(exc.exit_code) from None
         except (click.Abort, KeyboardInterrupt):
             click.echo("interrupted", err=True)

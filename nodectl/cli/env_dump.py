@@ -15,7 +15,7 @@ from nodectl.envdump import diff_reports, summary_row
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE, NodectlError, UsageError
 from nodectl.remote.envs import use_built
 from nodectl.remote.probe_nodes import probe_nodes
-from nodectl.tables import Column, make_table
+from nodectl.cli.tables import Column, make_table
 
 
 @click.command("env-dump")

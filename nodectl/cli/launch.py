@@ -3,7 +3,6 @@ record, start) and the attended run (nodectl/attend.py: watch, fail-fast, restar
 from __future__ import annotations
 
 import os
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -23,10 +22,10 @@ from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, ignore_sig
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.job import (Job, JobSpec, StartFailed, launch_argv, plan_job, processes_left, record_job, save_preflight,
                          settle_job, start_job, stop_run)
-from nodectl.resources import resource_dir
 from nodectl.runs import Run, RunState
 from nodectl.secrets import REDACTED, redact_args
 from nodectl.visible import visible
+from nodectl.cli.loglines import printer
 from nodectl.watch import LogStream, StopHurried, poll
 
 
@@ -264,7 +263,7 @@ def _provision(app: AppContext, inventory):
 def _preflight(app: AppContext, inventory, gpus, skip: bool, dry_run: bool) -> tuple[dict, dict | None]:
     """(probe reports per node, the preflight document): the quick preflight, or a passing report from the last
     10 minutes. A dry run touches no node: it uses such a report when there is one, as the launch would."""
-    from nodectl.preflight.gate import quick_gate
+    from nodectl.cli.preflight_gate import quick_gate
     from nodectl.preflight.run import reusable
 
     if skip:
@@ -296,7 +295,7 @@ def _stream_maker(app: AppContext, follow: str):
     def make(run_nodes) -> LogStream:
         ranks = {rank: rn.node.name for rn in run_nodes for rank in rn.ranks}
         followed = ranks if follow == "all" else {0: ranks[0]}
-        return LogStream(console, followed, prefixed=follow == "all")
+        return LogStream(followed, printer(console, followed, prefixed=follow == "all"))
     return make
 
 
@@ -340,16 +339,9 @@ def _check_recipe(config: str | None, overrides: tuple[str, ...]) -> None:
 
 
 def _trainer_config():
-    """trainer/config.py, the recipe's one definition (plain Python and yaml: no torch), from nodectl's resources."""
-    import importlib.util
-
-    name = "nodectl._trainer_config"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, resource_dir("trainer") / "config.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """trainer/config.py, the recipe's one definition (plain Python and yaml: no torch)."""
+    from nodectl.resources.trainer import config
+    return config
 
 
 def _refuse_if_running(app: AppContext, previous: Run) -> None:

@@ -9,7 +9,7 @@ from nodectl import environment as environments
 from nodectl.remote.envs import use_built
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
-from nodectl.preflight.table import print_report
+from nodectl.cli.preflight_table import print_report
 from nodectl.preflight.collective_job import DEFAULT_DEADLINE_S
 from nodectl.preflight.run import run_preflight, save
 

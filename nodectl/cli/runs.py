@@ -15,7 +15,7 @@ from nodectl.cli.runs_cmds import refresh_state, warn_untrusted
 from nodectl.errors import UsageError
 from nodectl.hostlist import fold
 from nodectl.runs import Manifest, Run, RunState, list_runs
-from nodectl.tables import Column, make_table
+from nodectl.cli.tables import Column, make_table
 from nodectl.remote.transport import Cluster, TransportOptions
 from nodectl.watch import poll
 

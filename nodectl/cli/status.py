@@ -13,7 +13,7 @@ from nodectl.errors import exit_code_for
 from nodectl.runs import RunState
 from nodectl.remote.answers import PollAnswer, RankState
 from nodectl.visible import visible
-from nodectl.tables import Column, make_table
+from nodectl.cli.tables import Column, make_table
 from nodectl.watch import Failure, failure_lines, poll, rank_failures
 
 

@@ -13,6 +13,7 @@ from nodectl.errors import EXIT_UNREACHABLE, UsageError
 from nodectl.runs import Run, RunNode
 from nodectl.remote.answers import NO_LOG
 from nodectl.visible import visible
+from nodectl.cli.loglines import printer
 from nodectl.watch import LogStream, poll, tail_lines
 
 MAX_TAIL_LINES = 100_000
@@ -56,15 +57,17 @@ def command(app: AppContext, target: str, follow: bool, lines: int, run_id: str 
     ranks = resolve_target(run, target)
     run_nodes = [rn for rn in run.nodes() if any(r in rn.ranks for r in ranks)]
     collected: list[dict] = []
-    sink = (lambda rank, line: collected.append({"node": ranks[rank], "rank": rank, "line": line})) if app.json else None
-    stream = LogStream(app.err if app.json else app.out, ranks, prefixed=len(ranks) > 1, sink=sink)
+    console = app.err if app.json else app.out
+    sink = (lambda rank, line: collected.append({"node": ranks[rank], "rank": rank, "line": line})) if app.json \
+        else printer(console, ranks, prefixed=len(ranks) > 1)
+    stream = LogStream(ranks, sink)
     unreachable = False
     with app.cluster_for(run_nodes) as cluster:
         for rn in run_nodes:
             mine = [r for r in ranks if r in rn.ranks]
             logs = tail_lines(cluster, rn, mine, lines)
             if not logs:
-                unreachable |= not _from_collected(run, rn, mine, lines, stream)
+                unreachable |= not _from_collected(run, rn, mine, lines, stream, console)
                 continue
             for rank in mine:
                 entry = logs.get(rank, NO_LOG)
@@ -85,7 +88,7 @@ def command(app: AppContext, target: str, follow: bool, lines: int, run_id: str 
         raise SystemExit(EXIT_UNREACHABLE)
 
 
-def _from_collected(run: Run, rn: RunNode, ranks: list[int], lines: int, stream: LogStream) -> bool:
+def _from_collected(run: Run, rn: RunNode, ranks: list[int], lines: int, stream: LogStream, console) -> bool:
     found = False
     for rank in ranks:
         path = _collected(run, rn.node.name, rank)
@@ -94,7 +97,7 @@ def _from_collected(run: Run, rn: RunNode, ranks: list[int], lines: int, stream:
             for line in path.read_text(errors="replace").splitlines()[-lines:] if lines else []:
                 stream.emit(rank, line)
     if not found:
-        stream.console.print(f"{rn.node.name} cannot be reached and its logs were not collected")
+        console.print(f"{rn.node.name} cannot be reached and its logs were not collected")
     return found
 
 

@@ -15,7 +15,7 @@ from nodectl.cli.options import Seconds
 from nodectl.cli.runs_cmds import opened, refresh_state, run_option
 from nodectl.cli.status import rank_rows
 from nodectl.runs import FINAL_STATES, Run
-from nodectl.tables import Column, make_table
+from nodectl.cli.tables import Column, make_table
 from nodectl.watch import poll
 
 

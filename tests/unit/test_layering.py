@@ -115,3 +115,42 @@ def test_only_nodectl_remote_opens_connections():
             continue
         bad = sorted(m for m in imports(path) if m.split(".")[0] in ("fabric", "paramiko", "invoke"))
         assert not bad, f"{name} imports {bad}: connections belong in nodectl/remote/"
+
+
+OUTPUT_CALLS = {"print", "echo", "secho", "pprint"}
+PATH_LOADS = {"spec_from_file_location", "exec_module", "run_path", "load_source", "exec()", "compile()", "eval()"}
+
+
+def _calls(path: Path) -> set[str]:
+    """Names of what `path` calls: `x.attr(...)` as attr, a bare builtin `f(...)` as f and "f()"."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Call):
+            func = node.func
+            if isinstance(func, ast.Attribute):
+                names.add(func.attr)
+            elif isinstance(func, ast.Name):
+                names.update((func.id, f"{func.id}()"))
+    return names
+
+
+def test_only_the_cli_prints_or_uses_click_and_rich():
+    """The library returns data, events and errors; nodectl/cli/ turns them into output (and the program's first
+    lines, nodectl.entry, say "interrupted" before anything is loaded)."""
+    for name, path in package_modules("nodectl").items():
+        if name.startswith("nodectl.cli") or name in ("nodectl.__main__", "nodectl.entry"):
+            continue
+        ui = sorted(m for m in imports(path) if m.split(".")[0] in ("click", "rich"))
+        assert not ui, f"{name} imports {ui}: output belongs to nodectl/cli/"
+        shown = sorted(_calls(path) & OUTPUT_CALLS)
+        assert not shown, f"{name} calls {shown}: output belongs to nodectl/cli/"
+        text = path.read_text()
+        assert "sys.stdout" not in text and "sys.stderr" not in text, f"{name} writes to the terminal"
+
+
+def test_no_code_is_loaded_by_path():
+    """Node code the controller shares (the redaction rules, the recipe, the bucket client) is imported through
+    nodectl.resources, so an import shows the dependency; what travels to a node is sent, never executed here."""
+    for name, path in package_modules("nodectl").items():
+        loads = sorted(_calls(path) & PATH_LOADS)
+        assert not loads, f"{name} calls {loads}: import the module instead"

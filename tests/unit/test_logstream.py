@@ -26,7 +26,7 @@ def drain(path, stream: LogStream, rank: int = 0, polls: int = 500) -> None:
 
 def collect(**kwargs) -> tuple[LogStream, list[str]]:
     lines: list[str] = []
-    return LogStream(None, {0: "n"}, prefixed=False, sink=lambda rank, line: lines.append(line), **kwargs), lines
+    return LogStream({0: "n"}, lambda rank, line: lines.append(line), **kwargs), lines
 
 
 def test_thirty_thousand_progress_updates_then_lines(tmp_path):

@@ -346,7 +346,7 @@ def test_the_preflight_table_fits_80_columns_with_a_gpu_nodes_thirty_checks():
     from rich.console import Console
 
     from nodectl.preflight.run import PreflightReport
-    from nodectl.preflight.table import print_report
+    from nodectl.cli.preflight_table import print_report
 
     names = ["gpu-node-with-a-long-name-01", "gpu-node-with-a-long-name-02"]
     results = []

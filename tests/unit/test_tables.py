@@ -15,7 +15,7 @@ from nodectl.cli import env_dump, runs, status, top
 from nodectl.preflight import judge
 from nodectl.preflight.judge import Expectation, NodeFacts
 from nodectl.preflight.run import PreflightReport
-from nodectl.preflight.table import print_report
+from nodectl.cli.preflight_table import print_report
 from nodectl.preflight.verdict import FAIL, CheckResult
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "probe"

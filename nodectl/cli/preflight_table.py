@@ -8,7 +8,7 @@ from rich.markup import escape
 
 from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN
 from nodectl.preflight.run import PreflightReport
-from nodectl.tables import Column, make_table
+from nodectl.cli.tables import Column, make_table
 
 STYLE = {PASS: "green", WARN: "yellow", FAIL: "bold red", SKIP: "dim"}
 

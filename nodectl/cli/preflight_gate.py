@@ -4,7 +4,7 @@ from __future__ import annotations
 from nodectl.errors import RunFailed, UnreachableError, UsageError
 from nodectl.preflight.host import UNSAFE_FIX
 from nodectl.inventory import Inventory
-from nodectl.preflight.table import print_report
+from nodectl.cli.preflight_table import print_report
 from nodectl.preflight.run import reusable, run_preflight, save
 
 
