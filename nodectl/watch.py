@@ -21,7 +21,7 @@ class Failure:
     node: str
     rank: int | None = None
     code: int | None = None
-    time: float = 0.0
+    time: float = 0.0        # when, in seconds since the epoch (a rank's or torchrun's exit: the node's clock)
     detail: str = ""
     last_lines: str = ""
     processes_left: dict = field(default_factory=dict)
@@ -315,7 +315,7 @@ def _lost_node(run_nodes: list[RunNode], answers: dict, last_good: dict[str, flo
         else:
             reason = answer.result.error
             detail = f"unreachable for {silent:.0f}s ({reason})"
-        return Failure("lost", name, detail=detail, time=now - silent)
+        return Failure("lost", name, detail=detail, time=time.time() - silent)   # `now` is monotonic
     return None
 
 

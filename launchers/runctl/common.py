@@ -29,6 +29,12 @@ class NotARun(Exception):
     """A path that is not shaped as a run folder: runctl acts on none (a record may name any path)."""
 
 
+def no_run(run_dir: str, why: str = "") -> dict:
+    """The answer for a run this node does not have (never prepared, or removed): the controller reads the flag,
+    never the words."""
+    return {"error": f"no run at {run_dir}{why}", "no_run": True}
+
+
 def _owner(uid: int) -> str:
     try:
         import pwd

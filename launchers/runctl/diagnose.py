@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from runctl.common import open_run_file, read_json
+from runctl.common import no_run, open_run_file, read_json
 from runctl.processes import run_markers, signal_run_process
 from runctl.watch import cmd_tail, gpu_sample, rank_state
 
@@ -131,7 +131,7 @@ def cmd_diagnose(args: list, request: dict) -> dict:
     run_dir = os.path.expanduser(args[0])
     node = read_json(os.path.join(run_dir, "node.json"))
     if node is None:
-        return {"error": f"no run at {run_dir}"}
+        return no_run(run_dir)
     wait, lines = float(request.get("wait", 5.0)), int(request.get("lines", 20))
     markers, started = run_markers(run_dir), time.monotonic()
     states = {rank: rank_state(run_dir, rank, time.time(), markers) for rank in node["ranks"]}

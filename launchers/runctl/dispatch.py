@@ -6,7 +6,7 @@ import os
 import sys
 
 from runctl.collect import cmd_cleanup, cmd_fill, cmd_pack, cmd_pull
-from runctl.common import NotARun, Unsafe, trusted_path, trusted_run_dir
+from runctl.common import NotARun, Unsafe, no_run, trusted_path, trusted_run_dir
 from runctl.containers import cmd_container
 from runctl.diagnose import cmd_diagnose, cmd_stacks
 from runctl.envs import cmd_env_build, cmd_env_status
@@ -84,7 +84,7 @@ def main() -> None:
     except Unsafe as exc:
         answer = {"error": str(exc), "unsafe": {"path": exc.path, "why": exc.why}}
     except NotARun as exc:
-        answer = {"error": f"no run at {exc} (not a run folder: <workdir>/runs/<run id>[/<node>])"}
+        answer = no_run(str(exc), " (not a run folder: <workdir>/runs/<run id>[/<node>])")
     except Exception as exc:  # reported to the controller, which shows it with the node's name
         answer = {"error": f"{name}: {exc.__class__.__name__}: {exc}"}
     sys.stdout.write(json.dumps(answer) + "\n")

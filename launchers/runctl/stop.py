@@ -7,7 +7,7 @@ import shutil
 import signal
 import time
 
-from runctl.common import write_file
+from runctl.common import no_run, write_file
 from runctl.containers import remove_container
 from runctl.processes import Proven, forget, group_of, remove_group, run_markers, run_processes, seen_processes, \
     unproven
@@ -17,13 +17,13 @@ def cmd_stop(args: list, request: dict) -> dict:
     """SIGTERM every process of this node's share of the run, SIGKILL what is left after the grace period."""
     run_dir, grace = os.path.expanduser(args[0]), float(request.get("grace", 10))
     if not os.path.isdir(run_dir):
-        return {"error": f"no run at {run_dir}"}
+        return no_run(run_dir)
     if request.get("unstarted") and not os.path.exists(os.path.join(run_dir, "state", "pgid")) \
             and not (os.path.exists(os.path.join(run_dir, "node.json")) and run_processes(run_dir)):
         shutil.rmtree(run_dir, ignore_errors=True)   # prepared (or half-prepared) by a controller that died
         return {"time": time.time(), "terminated": 0, "killed": 0, "left": 0, "removed": True}
     if not os.path.exists(os.path.join(run_dir, "node.json")):
-        return {"error": f"no run at {run_dir}"}
+        return no_run(run_dir)
     # Every process proven the run's is held by a pidfd from then on: one that leaves the proof behind while
     # stop waits (a rank that left the cgroup, cleared its environment and double-forked, whose subreaper
     # launch.sh exits on SIGTERM, so it is reparented to init) is still the one proven, and still ended.

@@ -5,7 +5,7 @@ import os
 import subprocess
 import time
 
-from runctl.common import READ_LIMIT, boot_id, open_run_file, read_json
+from runctl.common import READ_LIMIT, boot_id, no_run, open_run_file, read_json
 from runctl.processes import belongs, is_zombie, record_seen, run_markers, run_processes
 
 
@@ -107,7 +107,7 @@ def cmd_poll(args: list, request: dict) -> dict:
     run_dir, now = os.path.expanduser(args[0]), time.time()
     node = read_json(os.path.join(run_dir, "node.json"))
     if node is None:
-        return {"error": f"no run at {run_dir}"}
+        return no_run(run_dir)
     pids = run_processes(run_dir)
     record_seen(run_dir, pids)
     answer = {"now": now, "node_rank": node["node_rank"], "alive": len(pids),

@@ -74,13 +74,17 @@ class AppContext:
                             TimeElapsedColumn(), console=self.err, transient=True,
                             disable=self.quiet or not self.err.is_terminal)
         with progress:
-            task = progress.add_task(label, total=total)
+            yield _Bar(progress, progress.add_task(label, total=total))
 
-            def advance(result: NodeResult) -> None:
-                progress.advance(task)
 
-            def phase(text: str) -> None:
-                progress.update(task, description=text, total=None, completed=0)
+class _Bar:
+    """The bar as the library's NodeProgress (nodectl/progress.py)."""
 
-            advance.phase = phase
-            yield advance
+    def __init__(self, progress: Progress, task) -> None:
+        self.progress, self.task = progress, task
+
+    def __call__(self, result: NodeResult) -> None:
+        self.progress.advance(self.task)
+
+    def phase(self, text: str) -> None:
+        self.progress.update(self.task, description=text, total=None, completed=0)

@@ -402,7 +402,7 @@ def _start(app: AppContext, job: Job, run: Run, cluster, grace: float) -> None:
     began = time.monotonic()
 
     def ready(prepared) -> None:  # every node has its code and run folder; nothing started yet
-        sent = sum(r.value[1] for r in prepared)
+        sent = sum(r.value.sent for r in prepared)
         app.info(f"code ready on {len(prepared)} node(s) in {time.monotonic() - began:.1f}s "
                  f"({sent / 2**20:.1f} MiB sent); starting")
 

@@ -40,7 +40,7 @@ def never_started(states: dict) -> bool:
         if result.ok:
             if result.value.started:
                 return False
-        elif result.unreachable or "no run at" not in (result.error or ""):
+        elif not result.no_run:
             return False
     return bool(states)
 

@@ -24,7 +24,7 @@ def rank_rows(states: dict, run_nodes, stall_after: float) -> list[dict]:
         answer = result.value if result.ok else None
         if not answer:
             reason = result.error
-            state = "not started" if not result.unreachable and "no run at" in (reason or "") else "lost"
+            state = "not started" if result.no_run else "lost"
             rows += [{"node": rn.node.name, "rank": r, "state": state, "detail": reason} for r in rn.ranks]
             continue
         for rank in answer.ranks:

@@ -21,7 +21,7 @@ def report_stopped(app: AppContext, results: dict, unstarted: bool = False) -> d
     summary = {}
     for name, result in list(results.items()):
         answer = result.value if result.ok else None
-        if not answer and unstarted and "no run at" in (result.error or ""):
+        if not answer and unstarted and result.no_run:
             summary[name] = {"left": 0, "absent": True}
             app.info(f"{name}: nothing there (the run never reached it)")
             results.pop(name)

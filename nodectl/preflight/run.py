@@ -17,6 +17,7 @@ from nodectl.preflight.network import judge_collective, judge_pairs
 from nodectl.preflight.storage import judge_store
 from nodectl.preflight.verdict import FAIL, WARN, CheckResult
 from nodectl.plan import visible_devices
+from nodectl.progress import NodeProgress
 from nodectl.remote.answers import AnswerError, parse_gpu_job
 from nodectl.remote.probe_nodes import probe_nodes
 from nodectl.resources import resource_dir
@@ -90,9 +91,9 @@ def _gpu_job(transport: Transport) -> dict:
 
 
 def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], port: int | None,
-           quick: bool = True) -> dict[str, dict]:
-    """The GPU job on GPU nodes (not --quick), node 0's master port, every node's connection to it and route
-    toward it."""
+           quick: bool = True) -> tuple[dict[str, dict], int | None]:
+    """(per node: the GPU job on GPU nodes (not --quick), node 0's master port, every node's connection to it and
+    route toward it; the master port the checks tried, None when node 0 could not take one)."""
     master = inventory.nodes[0]
     reachable = [n for n in inventory.nodes if n.name in reports]
     extras: dict[str, dict] = {n.name: {} for n in reachable}
@@ -101,14 +102,14 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], por
     for r in cluster.fan_out(_gpu_job, [] if quick else gpu_nodes):
         extras[r.node.name]["p2p"] = r.value if r.ok else {"error": r.error}
     if master.name not in reports:
-        return extras
+        return extras, None
     port_answer = cluster.fan_out(lambda t: agent.call(t, "port", str(port or 0)), [master])[0]
     if not port_answer.ok:
-        return extras
+        return extras, None
     extras[master.name]["port"] = asdict(port_answer.value)   # the judges read plain facts, as saved
     chosen = port_answer.value.port if port_answer.value.free else None
     if chosen is None:
-        return extras
+        return extras, None
     listener = cluster.fan_out(lambda t: agent.call(t, "listen", str(chosen), "30"), [master])[0]
     try:
         reach = cluster.fan_out(lambda t: agent.call(t, "connect", master.addr, str(chosen)), reachable)
@@ -120,8 +121,7 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], por
         extras[r.node.name]["reach"] = asdict(r.value) if r.ok else {"ok": False, "error": r.error}
     for r in route:
         extras[r.node.name]["route"] = asdict(r.value) if r.ok else None
-    extras["_port"] = {"port": chosen}
-    return extras
+    return extras, chosen
 
 
 # Runs a launcher read from stdin (its length first), which then reads its request from the rest of stdin: the
@@ -166,7 +166,8 @@ def _probe_failure(result: NodeResult) -> CheckResult:
 
 
 def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, quick: bool, full: bool,
-                  connect_timeout: float, on_probe=None, deadline: float | None = None) -> PreflightReport:
+                  connect_timeout: float, on_probe: NodeProgress | None = None,
+                  deadline: float | None = None) -> PreflightReport:
     # --quick reads torch's versions from its installed files (importing it is most of a quick preflight on a GPU
     # node: 3-4 s); the default tier imports it and asks CUDA.
     probed: list[NodeResult[dict]] = probe_nodes(cluster, on_done=on_probe, import_torch=not quick,
@@ -174,10 +175,9 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
     reports = {r.node.name: r.value for r in probed if r.ok and "error" not in r.value}
     unreachable = {r.node.name: r.error for r in probed if r.unreachable}
     results = [_probe_failure(r) for r in probed if r.node.name not in reports]
-    phase = getattr(on_probe, "phase", lambda text: None)
+    phase = on_probe.phase if on_probe is not None else (lambda text: None)
     phase("port checks" if quick else "GPU load, P2P and port checks")
-    extras = _facts(cluster, inventory, reports, inventory.master_port, quick)
-    port = (extras.pop("_port", None) or {}).get("port")
+    extras, port = _facts(cluster, inventory, reports, inventory.master_port, quick)
     expect = Expectation(gpus=gpus, master_port=port, master_addr=inventory.nodes[0].addr)
     devices = {n.name: n.device for n in inventory.nodes}
     tier = "quick" if quick else "full" if full else "default"

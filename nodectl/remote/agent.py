@@ -22,6 +22,13 @@ class AgentError(NodeError):
     """runctl answered with an error, or not with JSON."""
 
 
+class NoRun(AgentError):
+    """The node has no such run: never prepared there, or removed (a NodeResult's `no_run`)."""
+
+    def __init__(self, message: str, **kwargs) -> None:
+        super().__init__(message, kind="no_run", **kwargs)
+
+
 MAIN = b"from runctl.dispatch import main\n\nmain()\n"
 
 
@@ -88,7 +95,8 @@ def _answer(node, command: str, result):
     if answer.get("unsafe"):
         raise unsafe_error(node, answer)
     if answer.get("error"):
-        raise AgentError(f"{node.name}: {_printable(answer['error'])}", command=what, exit_code=result.exit_code)
+        error = NoRun if answer.get("no_run") is True else AgentError
+        raise error(f"{node.name}: {_printable(answer['error'])}", command=what, exit_code=result.exit_code)
     try:
         return answers.parse(command, answer)
     except answers.AnswerError as exc:
@@ -135,7 +143,7 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
     node = transport.node
     path = agent_path(node.workdir)
     body = json.dumps(request or {})
-    if not getattr(transport, "runctl_seen", False):  # first call on this connection: install on the way
+    if not transport.runctl_seen:  # first call on this connection: install on the way
         source = _runctl()[0]
         bootstrap = " ".join([quote_path(node.python), "-S", "-c", shlex.quote(BOOTSTRAP), quote_path(path),
                               str(len(source)), shlex.quote(command), *_quoted(args)])

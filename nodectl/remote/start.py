@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from nodectl.container import container_name
 from nodectl.remote import agent
@@ -20,6 +20,12 @@ from nodectl.runs import live_runs_on
 from nodectl.plan import LaunchPlan, NodePlan, with_port
 from nodectl.render import RenderedNode
 from nodectl.remote.transport import Cluster, NodeResult, Transport
+
+
+class Prepared(NamedTuple):
+    """A node ready to start: its code in its store and run folder laid out."""
+    files: int      # the project's files in its run folder
+    sent: int       # bytes sent to it for that (what its store lacked)
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,7 @@ def _node_json(plan: LaunchPlan, node_plan: NodePlan) -> str:
 
 def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, rendered: RenderedNode,
                  files: list[sync.SyncFile], cancel: threading.Event,
-                 missing: list[str] | None = None) -> tuple[int, int]:
+                 missing: list[str] | None = None) -> Prepared:
     """Send what the node lacks (`missing`, or asked now) and lay out its run folder, in one call when
     anything is sent; (files, bytes sent)."""
     request = {
@@ -119,7 +125,7 @@ def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, re
         sent, prepared = sync.send_objects(transport, files, missing, cancel, then=request)
     else:
         sent, prepared = 0, agent.call(transport, "prepare", request=request)
-    return prepared.files, sent
+    return Prepared(prepared.files, sent)
 
 
 def pull_outputs(transport: Transport, plan: LaunchPlan, node_plan: NodePlan):
@@ -177,7 +183,7 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, 
 
     def start(transport: Transport) -> NodeStart:
         started = agent.call(transport, "start", plans[transport.node.name].run_dir)
-        file_count, sent = counts[transport.node.name]
-        return NodeStart(transport.node.name, started.pgid, file_count, sent)
+        ready = counts[transport.node.name]
+        return NodeStart(transport.node.name, started.pgid, ready.files, ready.sent)
 
     return cluster.fan_out(start, nodes, on_done=on_done)

@@ -549,7 +549,8 @@ def make_transport(node: Node, options: TransportOptions) -> Transport:
 class NodeFailure:
     """Why one node gave no value, as one type (invoke's UnexpectedExit, per node). `kind`: unreachable (connect,
     authentication, host key, a dropped connection), timeout (the command outlived its limit), and NodeError's
-    answered, exited, malformed; internal for a bug of nodectl's."""
+    answered, exited, malformed, no_run (the node has no such run: never prepared there, or removed), unsafe;
+    internal for a bug of nodectl's."""
 
     kind: str
     message: str
@@ -593,6 +594,11 @@ class NodeResult(Generic[T]):
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def no_run(self) -> bool:
+        """The node answered that it has no such run (NoRun): not started there, as opposed to lost."""
+        return self.failure is not None and self.failure.kind == "no_run"
 
     @property
     def said(self) -> str:

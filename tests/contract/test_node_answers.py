@@ -208,7 +208,8 @@ def test_a_node_failure_is_one_type_with_its_kind_command_exit_code_and_last_lin
                            f"python: {sys.executable}, workdir: {tmp_path / 'w2'}}}\n")
     with Cluster(fine.nodes, TransportOptions()) as cluster:
         [answered] = cluster.fan_out(lambda t: agent.call(t, "stop", str(tmp_path / "no-run")))
-    assert answered.failure.kind == "answered" and "no run at" in answered.error and not answered.unreachable
+    assert answered.no_run and answered.failure.kind == "no_run" and not answered.unreachable
+    assert "no run at" in answered.error
     gone = parse_inventory("nodes:\n  - {host: 127.0.0.1, port: 1, name: gone, device: cpu}\n")
     with Cluster(gone.nodes, TransportOptions(connect_timeout=2)) as cluster:
         [far] = cluster.fan_out(lambda t: agent.call(t, "port", "0"))
