@@ -85,8 +85,8 @@ def attend(job: Job, run: Run, cluster: Cluster, *, grace: float, connect_timeou
     failure stops the run on every node first (fail-fast); each restart is the same run's next attempt."""
     restarts_left = job.plan.max_restarts
     while True:
-        failure = watch(run, cluster, grace=grace, lost_after=connect_timeout + 5, stall_after=stall_after,
-                        keep_stalled=keep_stalled, stream_for=stream_for, notify=notify, progress=progress)
+        failure = follow(run, cluster, grace=grace, lost_after=connect_timeout + 5, stall_after=stall_after,
+                         keep_stalled=keep_stalled, stream_for=stream_for, notify=notify, progress=progress)
         if failure is None or not restarts_left:
             return Outcome(job, run, failure)
         restarts_left -= 1
@@ -102,10 +102,10 @@ def attend(job: Job, run: Run, cluster: Cluster, *, grace: float, connect_timeou
         start_job(job, run, cluster, grace=grace, progress=progress)
 
 
-def watch(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_after: float | None = None,
-          keep_stalled: bool = False,
-          stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
-          notify: Callable[[Event], None] = lambda event: None, progress: Progress = no_progress) -> Failure | None:
+def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_after: float | None = None,
+           keep_stalled: bool = False,
+           stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
+           notify: Callable[[Event], None] = lambda event: None, progress: Progress = no_progress) -> Failure | None:
     """Follow the run to its end: None when it succeeded, else its first failure (the run stopped everywhere,
     the failing rank's last lines kept). A stall is diagnosed first; with `keep_stalled` the run goes on."""
     run_nodes = run.nodes()

@@ -7,11 +7,11 @@ import click
 from rich.markup import escape
 
 from nodectl.cli.context import AppContext
-from nodectl.cli.runs_cmds import opened, run_option
+from nodectl.cli.run_option import opened, run_option
 from nodectl.errors import InventoryError, UsageError, exit_code_for
 from nodectl.outputs import download_run
 from nodectl.remote.collect import collect_node
-from nodectl.visible import visible
+from nodectl.terminal_text import visible
 
 
 @click.command("collect")

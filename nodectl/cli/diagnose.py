@@ -5,11 +5,11 @@ import click
 from rich.markup import escape
 
 from nodectl.cli.context import AppContext
-from nodectl.cli.runs_cmds import opened, run_option
+from nodectl.cli.run_option import opened, run_option
 from nodectl.diagnose.gather import Diagnosis, diagnose
 from nodectl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE
 from nodectl.secrets import redact_tree, redact_words
-from nodectl.visible import visible
+from nodectl.terminal_text import visible
 
 NOT_A_HANG = ("healthy", "ended", "unknown")
 

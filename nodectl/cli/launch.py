@@ -1,5 +1,5 @@
 """`nodectl launch`: parse, then the job pipeline (nodectl/job.py: plan, render, [--dry-run stops], settle,
-record, start) and the attended run (nodectl/attend.py: watch, fail-fast, restart); this file prints."""
+record, start) and the attended run (nodectl/attend.py: follow, fail-fast, restart); this file prints."""
 from __future__ import annotations
 
 import os
@@ -17,14 +17,14 @@ from nodectl.cli.context import AppContext
 from nodectl.cli.diagnose import print_diagnosis
 from nodectl.cli.stop import report_stopped
 from nodectl.cli.options import Seconds, node_selection
-from nodectl.cli.runs_cmds import opened
+from nodectl.cli.run_option import opened
 from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, ignore_signals_while_cleaning
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.job import (Job, JobSpec, StartFailed, launch_argv, plan_job, processes_left, record_job, save_preflight,
                          settle_job, start_job, stop_run)
 from nodectl.runs import Run, RunState
 from nodectl.secrets import REDACTED, redact_args
-from nodectl.visible import visible
+from nodectl.terminal_text import visible
 from nodectl.cli.loglines import printer
 from nodectl.watch import LogStream, StopHurried, poll
 

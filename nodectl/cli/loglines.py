@@ -5,7 +5,7 @@ from typing import Callable
 
 from rich.markup import escape
 
-from nodectl.visible import visible
+from nodectl.terminal_text import visible
 
 COLOURS = ("cyan", "magenta", "green", "yellow", "blue", "bright_red", "bright_cyan", "bright_magenta")
 

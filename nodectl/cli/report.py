@@ -6,7 +6,7 @@ import json
 import click
 
 from nodectl.cli.context import AppContext
-from nodectl.cli.runs_cmds import run_option
+from nodectl.cli.run_option import run_option
 from nodectl.errors import UsageError
 from nodectl.report import load_collected, render, summarise
 from nodectl.runs import open_run

@@ -11,7 +11,7 @@ import click
 from rich.markup import escape
 
 from nodectl.cli.context import AppContext
-from nodectl.cli.runs_cmds import refresh_state, warn_untrusted
+from nodectl.cli.run_option import refresh_state, warn_untrusted
 from nodectl.errors import UsageError
 from nodectl.hostlist import fold
 from nodectl.runs import Manifest, Run, RunState, list_runs

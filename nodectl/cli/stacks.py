@@ -6,7 +6,7 @@ from rich.markup import escape
 
 from nodectl.remote import agent
 from nodectl.cli.context import AppContext
-from nodectl.cli.runs_cmds import opened, run_option
+from nodectl.cli.run_option import opened, run_option
 from nodectl.errors import EXIT_FAILED, exit_code_for
 
 

@@ -8,11 +8,11 @@ from rich.markup import escape
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
-from nodectl.cli.runs_cmds import opened, refresh_state, run_option
+from nodectl.cli.run_option import opened, refresh_state, run_option
 from nodectl.errors import exit_code_for
 from nodectl.runs import RunState
 from nodectl.remote.answers import PollAnswer, RankState
-from nodectl.visible import visible
+from nodectl.terminal_text import visible
 from nodectl.cli.tables import Column, make_table
 from nodectl.watch import Failure, failure_lines, poll, rank_failures
 

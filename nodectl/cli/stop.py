@@ -9,7 +9,7 @@ from rich.markup import escape
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
-from nodectl.cli.runs_cmds import opened, run_option
+from nodectl.cli.run_option import opened, run_option
 from nodectl.errors import EXIT_INTERRUPTED, exit_code_for
 from nodectl.runs import RunState, controller_gone
 from nodectl.watch import StopHurried, stop_nodes

@@ -8,11 +8,11 @@ from pathlib import Path
 import click
 
 from nodectl.cli.context import AppContext
-from nodectl.cli.runs_cmds import opened, run_option
+from nodectl.cli.run_option import opened, run_option
 from nodectl.errors import EXIT_UNREACHABLE, UsageError
 from nodectl.runs import Run, RunNode
 from nodectl.remote.answers import NO_LOG
-from nodectl.visible import visible
+from nodectl.terminal_text import visible
 from nodectl.cli.loglines import printer
 from nodectl.watch import LogStream, poll, tail_lines
 

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
-from nodectl.cli.runs_cmds import opened, refresh_state, run_option
+from nodectl.cli.run_option import opened, refresh_state, run_option
 from nodectl.cli.status import rank_rows
 from nodectl.runs import FINAL_STATES, Run
 from nodectl.cli.tables import Column, make_table

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nodectl.diagnose.flight import read_recorder, read_threads
-from nodectl.diagnose.judge import RankView, Verdict, judge
+from nodectl.diagnose.verdicts import RankView, Verdict, judge
 from nodectl.remote import agent
 from nodectl.remote.answers import DiagnoseAnswer, RankDump
 from nodectl.remote.transport import Cluster, NodeResult

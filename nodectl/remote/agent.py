@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from nodectl.resources import resource_dir
 from nodectl.remote import answers
-from nodectl.visible import visible
+from nodectl.terminal_text import visible
 from nodectl.remote.transport import NodeError, Transport, quote_path
 
 AGENT_TIMEOUT = 120.0

@@ -54,7 +54,7 @@ def test_wheel_holds_every_module_and_resource_of_the_tree(wheel):
     names = wheelenv.wheel_names(wheel)
     files = {n for n in names if ".dist-info/" not in n}
     expected = expected_files()
-    assert "nodectl/diagnose/judge.py" in expected and "nodectl/resources/trainer/requirements.txt" in expected
+    assert "nodectl/diagnose/verdicts.py" in expected and "nodectl/resources/trainer/requirements.txt" in expected
     assert sorted(expected - files) == [], "the wheel lacks these files of the tree"
     assert sorted(files - expected) == [], "the wheel holds files the tree does not (a stale build?)"
     assert {n.split("/")[0] for n in files} == {"nodectl"}, "a wheel must claim no top-level name but nodectl"

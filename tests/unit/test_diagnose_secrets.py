@@ -9,7 +9,7 @@ from rich.console import Console
 
 from nodectl.cli.diagnose import print_diagnosis
 from nodectl.diagnose.gather import Diagnosis
-from nodectl.diagnose.judge import Verdict
+from nodectl.diagnose.verdicts import Verdict
 from nodectl.secrets import redact_tree
 
 TOKEN = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz012345"

@@ -12,7 +12,7 @@ import pytest
 
 from nodectl.diagnose.flight import read_recorder
 from nodectl.diagnose.gather import view_of
-from nodectl.diagnose.judge import RankView, judge
+from nodectl.diagnose.verdicts import RankView, judge
 from nodectl.remote.answers import AnswerError, parse
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "diagnose"

@@ -14,7 +14,7 @@ from nodectl.inventory import parse_inventory
 from nodectl.plan import build_plan
 from nodectl.remote.collect import unpack
 from nodectl.render import render_plan
-from nodectl.visible import visible
+from nodectl.terminal_text import visible
 
 
 def archive(tmp_path: Path, members: list[tuple[tarfile.TarInfo, bytes | None]]) -> Path:
