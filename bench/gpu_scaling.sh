@@ -2,6 +2,8 @@
 # Issue 39's scaling figures on one 4-GPU machine (nvidia-h200-x4), one phase per call (each under 10 minutes):
 #     bash bench/gpu_scaling.sh qwen-a   # Qwen3-30B-A3B: the plain script's best on 1 GPU, nodectl 1x1 and 1x4
 #     bash bench/gpu_scaling.sh qwen-b   # Qwen3-30B-A3B: nodectl 1x2 and 2x2 (auto)
+#     bash bench/gpu_scaling.sh qwen-ep  # Qwen3-30B-A3B 2x2: auto (replicate) and node-local expert, side by side
+#                                        # (EP_SHAPE=1x2 for one node of 2 GPUs, on nvidia-h200-x2)
 #     bash bench/gpu_scaling.sh glm      # the whole GLM-4.5-Air: 1x4 and 2x2 (auto), bytes against fsdp's
 #     bash bench/gpu_scaling.sh glm-mb2  # GLM-4.5-Air 1x4 at micro-batch 2, half the layers checkpointed
 #     bash bench/gpu_scaling.sh dense    # 8B dense: 1x1, 2x1 (auto) and 2x1 with the base sharded (fsdp)
@@ -12,7 +14,7 @@ set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 WORK=${WORK:-/tmp/w}
-PHASE=${1:?phase: qwen-a, qwen-b, glm, glm-mb2 or dense}
+PHASE=${1:?phase: qwen-a, qwen-b, qwen-ep, glm, glm-mb2 or dense}
 Q=train.micro_batch_size=2,model.activation_checkpointing=0.1,model.compile=true
 G=train.micro_batch_size=1,model.activation_checkpointing=true,model.compile=true
 case "$PHASE" in
@@ -23,6 +25,11 @@ case "$PHASE" in
   qwen-b)
     python3 bench/gpu_moe_speed.py --work "$WORK/q" --shape qwen3-30b-a3b --steps 14 --skip 5 --no-ref \
       --examples 240 --launch "q1x2:1x2:$Q" --launch "q2x2:2x2:$Q" --base q1x2 --out "$WORK/qwen-b.json" ;;
+  qwen-ep)   # experts split inside each node (all_to_all inside the node), the rest hsdp; auto's choice beside it
+    python3 bench/gpu_moe_speed.py --work "$WORK/q" --shape qwen3-30b-a3b --steps 14 --skip 5 --no-ref \
+      --examples 240 --launch "q${EP_SHAPE:-2x2}:${EP_SHAPE:-2x2}:$Q" \
+      --launch "q${EP_SHAPE:-2x2}-expert:${EP_SHAPE:-2x2}:$Q,model.parallelism=expert" --base "q${EP_SHAPE:-2x2}" \
+      --out "$WORK/qwen-ep.json" ;;
   glm)
     python3 bench/gpu_moe_speed.py --work "$WORK/g" --shape glm-4.5-air --steps 8 --skip 3 --no-ref \
       --examples 60 --launch "g1x4:1x4:$G" --launch "g2x2:2x2:$G" --base g1x4 --out "$WORK/glm.json" ;;

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Mapping
 
 from nodectl.errors import UsageError
-from nodectl.inventory import Inventory, Node
-from nodectl.outputs import Outputs
+from nodectl.inventory import ENV_NAME_RE, MAX_RANKS_PER_NODE, Inventory, Node, node_from_record
+from nodectl.outputs import Outputs, from_record as outputs_from_record
 from nodectl.resources import NODE_TRAINER
 
 # Good distributed defaults (docs/REFERENCE.md §4); the inventory's env: overrides any of them.
@@ -100,6 +100,64 @@ class LaunchPlan:
                     entry["node"]["environment"]["index_url"] = redact_text(entry["node"]["environment"]["index_url"])
             entry["ranks"] = list(range(entry["node_rank"] * entry["nproc"], (entry["node_rank"] + 1) * entry["nproc"]))
         return data
+
+    @classmethod
+    def from_json(cls, data, source: str = "the run record") -> "LaunchPlan":
+        """A recorded plan (`to_json`'s, in a manifest) read back as one, checked as the inventory is: a record is
+        data a person or another program may have written, so every field is taken only with its type and
+        range, every node through the inventory's own rules (node_from_record), and anything else is a
+        UsageError naming the field. Its env values are the redacted ones recorded."""
+        def fail(key: str, expected: str):
+            raise UsageError(f"{source}: plan.{key}: expected {expected}")
+
+        def take(key: str, kind, expected: str, where=None, optional: bool = False):
+            value = (where if where is not None else data).get(key)
+            if value is None and optional:
+                return None
+            if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+                fail(key, expected)
+            return value
+
+        def words(key: str) -> tuple[str, ...]:
+            value = data.get(key) or []
+            if not isinstance(value, list) or not all(isinstance(word, str) for word in value):
+                fail(key, "a list of strings")
+            return tuple(value)
+
+        if not isinstance(data, Mapping):
+            raise UsageError(f"{source}: the plan is not a mapping")
+        entries = take("nodes", list, "a list of nodes")
+        if not entries:
+            fail("nodes", "at least one node")
+        nodes = []
+        for index, entry in enumerate(entries):
+            if not isinstance(entry, Mapping):
+                fail(f"nodes[{index}]", "a mapping")
+            nproc = take("nproc", int, f"an integer 1-{MAX_RANKS_PER_NODE}", entry)
+            if not 1 <= nproc <= MAX_RANKS_PER_NODE or take("node_rank", int, "an integer", entry) != index:
+                fail(f"nodes[{index}]", f"node_rank {index} and nproc 1-{MAX_RANKS_PER_NODE}")
+            env = take("env", Mapping, "a mapping of variables", entry)
+            if not all(isinstance(k, str) and ENV_NAME_RE.match(k) and isinstance(v, str) for k, v in env.items()):
+                fail(f"nodes[{index}].env", "variable names with string values")
+            node = node_from_record(take("node", Mapping, "a node", entry), source)
+            nodes.append(NodePlan(node, index, nproc, take("run_dir", str, "a path", entry), dict(env)))
+        port = take("master_port", int, "a port 1-65535")
+        if not 1 <= port <= 65535:
+            fail("master_port", "a port 1-65535")
+        backend = take("backend", str, "nccl or gloo")
+        if backend not in ("nccl", "gloo"):
+            fail("backend", "nccl or gloo")
+        counts = {key: take(key, int, "an integer >= 0", optional=True) or 0 for key in ("max_restarts", "attempt")}
+        if any(count < 0 for count in counts.values()):
+            fail("max_restarts", "an integer >= 0")
+        return cls(run_id=take("run_id", str, "a run id"), nodes=tuple(nodes), backend=backend,
+                   master_addr=take("master_addr", str, "an address"), master_port=port,
+                   port_was_chosen=bool(take("port_was_chosen", bool, "true or false", optional=True)),
+                   command=words("command"), sync_dir=take("sync_dir", str, "a path"),
+                   builtin_trainer=take("builtin_trainer", bool, "true or false"),
+                   config=take("config", str, "a path", optional=True), overrides=words("overrides"),
+                   created=float(take("created", (int, float), "a time", optional=True) or 0.0),
+                   outputs=outputs_from_record(data.get("outputs")), **counts)
 
 
 def flight_recorder_env(run_dir: str, torch_version: str | None) -> dict[str, str]:

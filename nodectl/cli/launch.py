@@ -20,6 +20,7 @@ from nodectl.cli.options import Seconds, node_selection
 from nodectl.cli.run_option import opened
 from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, ignore_signals_while_cleaning
 from nodectl.inventory import MAX_RANKS_PER_NODE
+from nodectl.plan import LaunchPlan
 from nodectl.job import (Job, JobSpec, StartFailed, launch_argv, plan_job, processes_left, record_job, save_preflight,
                          settle_job, start_job, stop_run)
 from nodectl.runs import Run, RunState
@@ -359,43 +360,37 @@ def _resume_args(app: AppContext, run_id: str, command: tuple, config: str | Non
                  overrides: tuple[str, ...]):
     """What --resume relaunches: the recorded nodes (with today's inventory settings), ranks, command, config."""
     previous = opened(app, run_id)
-    plan = previous.read().plan
+    plan = LaunchPlan.from_json(previous.read().plan, f"run {previous.run_id}'s record")
     if command:
         raise UsageError("--resume relaunches the recorded command; give no SCRIPT")
-    names = [entry["node"]["name"] for entry in plan["nodes"]]
     current = app.inventory()
     if current.builtin:
-        current = current.select(len(names))
-    nodes = tuple(replace(current.node(name), index=i) for i, name in enumerate(names))
-    recorded_envs = {entry["node"]["name"]: entry["node"].get("environment") for entry in plan["nodes"]}
-    nodes = tuple(_recorded_environment(node, recorded_envs.get(node.name)) for node in nodes)
-    # the run's bucket: today's inventory's, else the one the run recorded (so a resume on fresh nodes finds it)
-    recorded = {entry["node"]["name"]: entry["node"].get("outputs") for entry in plan["nodes"]}
-    nodes = tuple(node if node.outputs is not None else replace(node, outputs=stores.from_record(recorded.get(node.name)))
-                  for node in nodes)
-    inventory = replace(current, nodes=nodes)
-    gpus = plan["nodes"][0]["nproc"]
-    recorded = tuple(plan["command"])
-    if REDACTED in recorded and not plan["builtin_trainer"]:
+        current = current.select(plan.nnodes)
+    nodes = tuple(_recorded_settings(replace(current.node(np.node.name), index=i), np.node)
+                  for i, np in enumerate(plan.nodes))
+    recorded = plan.command
+    if REDACTED in recorded and not plan.builtin_trainer:
         raise UsageError(f"run {run_id}'s command held a secret, recorded as {REDACTED}, so it cannot be replayed; "
                          f"launch it again with the secret in the inventory's env: (or the environment) instead")
-    if plan["builtin_trainer"]:
+    if plan.builtin_trainer:
         recorded = ()
-        config = config or plan.get("config")
-    overrides = overrides or tuple(plan.get("overrides") or ())
-    return (previous, inventory, gpus, recorded, config, plan["sync_dir"], max_restarts or plan.get("max_restarts", 0),
-            overrides)
+        config = config or plan.config
+    return (previous, replace(current, nodes=nodes), plan.nodes[0].nproc, recorded, config, plan.sync_dir,
+            max_restarts or plan.max_restarts, overrides or plan.overrides)
 
 
-def _recorded_environment(node, recorded):
-    """A run launched with --environment resumes in a venv of the same file (built again if it changed)."""
-    if node.environment is not None or node.container is not None or not isinstance(recorded, dict):
+def _recorded_settings(node, recorded):
+    """Today's inventory settings for a node of the run, with what the run recorded where today's say nothing: a
+    run launched with --environment resumes in a venv of the same file (built again if it changed), and the run's
+    bucket is found again from fresh nodes."""
+    if recorded.outputs is not None and node.outputs is None:
+        node = replace(node, outputs=recorded.outputs)
+    if node.environment is not None or node.container is not None or recorded.environment is None:
         return node
-    if REDACTED in str(recorded.get("index_url") or ""):
+    if REDACTED in str(recorded.environment.index_url or ""):
         raise UsageError(f"{node.name}: the run's environment index held credentials, recorded as {REDACTED}; set "
                          f"environment: {{file: ..., install: index, index_url: ...}} for it in hosts.yaml and resume")
-    return replace(node, environment=environments.Environment(
-        file=recorded["file"], install=recorded.get("install", "wheels"), index_url=recorded.get("index_url")))
+    return replace(node, environment=recorded.environment)
 
 
 def _start(app: AppContext, job: Job, run: Run, cluster, grace: float) -> None:

@@ -195,3 +195,47 @@ def test_a_name_the_file_system_will_not_take_is_refused_and_the_rest_unpacked(t
     refused = unpack(archive(tmp_path, members), target)
     assert refused == [long_name[:200]]
     assert (target / "logs" / "rank0.log").read_bytes() == b"fine\n" and (target / "output" / "ok.txt").is_file()
+
+
+def test_a_recorded_plan_reads_back_as_one_and_a_crafted_one_is_refused_by_field():
+    """--resume reads the manifest's plan through LaunchPlan.from_json, checked like the inventory: the plan a
+    launch recorded comes back whole (its secrets as recorded: ***), and a record with a wrong type, a node name
+    that is a path, a python of two lines, or a rank count out of range is a UsageError naming the field
+    (exit 2), never a KeyError or a Node built from whatever the record said."""
+    import copy
+    import json
+
+    from nodectl.errors import UsageError
+    from nodectl.inventory import parse_inventory
+    from nodectl.plan import LaunchPlan, build_plan
+
+    inventory = parse_inventory("master_port: 29500\ndefaults: {gpus: 2, env: {HF_TOKEN: hf_secret_value}}\n"
+                                "nodes:\n  - {host: 10.0.0.11, name: node0}\n  - {host: 10.0.0.12, name: node1}\n")
+    plan = build_plan(inventory, gpus=None, command=("train.py", "--hf-token", "x"), sync_dir="/src/project",
+                      run_id="20260101-000000-abcd", max_restarts=2)
+    recorded = json.loads(json.dumps(plan.to_json()))
+    back = LaunchPlan.from_json(recorded)
+    assert [(np.node.name, np.node.host, np.node_rank, np.nproc, np.run_dir) for np in back.nodes] == \
+        [(np.node.name, np.node.host, np.node_rank, np.nproc, np.run_dir) for np in plan.nodes]
+    assert back.command == ("train.py", "--hf-token", "***") and back.max_restarts == 2
+    assert back.nodes[0].env["HF_TOKEN"] == "***" and back.master_port == plan.master_port
+    again = json.loads(json.dumps(back.to_json()))
+    for entry in again["nodes"] + recorded["nodes"]:   # a recorded node keeps no env of its own (the plan's has it)
+        entry["node"].pop("env"), entry["node"].pop("line")   # nor the hosts.yaml line it came from
+    assert again == recorded
+
+    def crafted(change) -> str:
+        bad = copy.deepcopy(recorded)
+        change(bad)
+        with pytest.raises(UsageError) as raised:
+            LaunchPlan.from_json(bad, "run X's record")
+        return str(raised.value)
+
+    assert "plan.nodes: expected a list of nodes" in crafted(lambda p: p.update(nodes="node0"))
+    assert "nodes[1]" in crafted(lambda p: p["nodes"][1].update(nproc=0))
+    assert "name" in crafted(lambda p: p["nodes"][0]["node"].update(name="../../.."))
+    assert "python" in crafted(lambda p: p["nodes"][0]["node"].update(python="python3\nrm -rf ~"))
+    assert "plan.master_port" in crafted(lambda p: p.update(master_port=True))
+    assert "plan.command: expected a list of strings" in crafted(lambda p: p.update(command=[1, 2]))
+    assert "plan.backend" in crafted(lambda p: p.update(backend="mpi"))
+    assert "nodes[0].env" in crafted(lambda p: p["nodes"][0]["env"].update({"A B": "x"}))
