@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from nodectl.errors import interruptible, uninterruptible
+from nodectl.resources.launchers import runlayout as layout
 from nodectl.remote import agent
 from nodectl.remote.answers import NO_LOG, LogChunk
 from nodectl.remote.poller import Poller
@@ -180,7 +181,7 @@ def finished_ok(states: dict[str, NodeResult]) -> bool:
     return len(answers) == len(states) and all(a.launcher_exit and a.launcher_exit.code == 0 for a in answers)
 
 
-LINE_MAX = 16 * 1024
+LINE_MAX = layout.LINE_MAX   # the node cuts a longer line the same way (runctl's poll and tail)
 
 
 def latest_state(line: str) -> str:

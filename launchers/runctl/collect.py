@@ -8,6 +8,7 @@ import stat
 import sys
 import tarfile
 
+import runlayout as layout
 from runctl.common import last_json, quiet, read_json
 from runctl.runfolder import SYNCED_CODE
 from runctl.store import STREAM_BUFFER
@@ -56,7 +57,8 @@ def _pack(run_dir: str, target: str, only, synced: set, request: dict, packed: d
             relative = os.path.relpath(folder, run_dir)
             if relative == ".":
                 dirs[:] = [d for d in dirs if d != "lib" and (not only or d in only) and (d != "code" or synced)]
-                names = [] if only else [n for n in names if n not in SECRET_FILES and not n.startswith(".collect")]
+                names = [] if only else [n for n in names
+                                         if n not in layout.SECRET_FILES and not n.startswith(".collect")]
             elif relative == "flight":
                 names = [n for n in names if not n.endswith(".request")]   # the listeners' FIFOs are nodectl's
             elif relative == "code" or relative.startswith("code/"):
@@ -70,13 +72,12 @@ def _pack(run_dir: str, target: str, only, synced: set, request: dict, packed: d
     _check_caller()
 
 
-SECRET_FILES = ("env.sh", "launch.sh")
 
 
 def _pack_also(tar, run_dir: str, also: str, packed: dict) -> None:
     """One more path inside the run folder (relative, no `..`, never the files that hold secrets)."""
     parts = [p for p in str(also).split("/") if p not in ("", ".")]
-    if not parts or ".." in parts or str(also).startswith("/") or parts[-1] in SECRET_FILES:
+    if not parts or ".." in parts or str(also).startswith("/") or parts[-1] in layout.SECRET_FILES:
         packed["missing"].append(f"{also} (not a path inside the run folder)")
         return
     path = os.path.join(run_dir, *parts)

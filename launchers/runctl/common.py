@@ -7,7 +7,6 @@ import stat
 import subprocess
 
 
-STATE_DIRS = ("code", "lib", "logs", "state", "heartbeat", "stacks", "output", "flight", "timing", "metrics")
 READ_LIMIT = 256 * 1024
 
 

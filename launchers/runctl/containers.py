@@ -6,6 +6,7 @@ import re
 import resource
 import shutil
 
+import runlayout as layout
 from runctl.common import last_json, quiet, read_json
 
 
@@ -68,7 +69,7 @@ def remove_container(run_dir: str) -> dict:
     """The run's container on this node, removed with whatever still runs in it; what the runtime said, or {} when
     the run has none. Only the container nodectl named for this run, and (docker, podman) only while it still
     carries this run's label: a rewritten node.json never names another container to remove."""
-    node = read_json(os.path.join(run_dir, "node.json"), {}) or {}
+    node = read_json(os.path.join(run_dir, layout.NODE_JSON), {}) or {}
     container = node.get("container") if isinstance(node, dict) else None
     if not isinstance(container, dict) or container.get("runtime") not in ("docker", "podman", "enroot"):
         return {}

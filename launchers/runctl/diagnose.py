@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import runlayout as layout
 from runctl.common import no_run, open_run_file, read_json
 from runctl.processes import run_markers, signal_run_process
 from runctl.watch import cmd_tail, gpu_sample, rank_state
@@ -17,7 +18,7 @@ from runctl.watch import cmd_tail, gpu_sample, rank_state
 def cmd_stacks(args: list, request: dict) -> dict:
     """Every rank's Python stack: py-spy where installed, else SIGUSR1 to programs that registered for it."""
     run_dir = os.path.expanduser(args[0])
-    node = read_json(os.path.join(run_dir, "node.json"), {})
+    node = read_json(os.path.join(run_dir, layout.NODE_JSON), {})
     py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=os.path.dirname(sys.executable))
     stacks = {}
     for rank in node.get("ranks", []):
@@ -129,7 +130,7 @@ def cmd_diagnose(args: list, request: dict) -> dict:
     its listener answers from inside the process (every thread's stack, the flight recorder), its CPU use over
     about a second, its last log lines; py-spy or faulthandler for a rank without a listener."""
     run_dir = os.path.expanduser(args[0])
-    node = read_json(os.path.join(run_dir, "node.json"))
+    node = read_json(os.path.join(run_dir, layout.NODE_JSON))
     if node is None:
         return no_run(run_dir)
     wait, lines = float(request.get("wait", 5.0)), int(request.get("lines", 20))
@@ -169,5 +170,5 @@ def cmd_diagnose(args: list, request: dict) -> dict:
     timeout_dumps = sorted(name for name in os.listdir(flight) if name.startswith("rank_")) \
         if os.path.isdir(flight) else []
     return {"now": time.time(), "node_rank": node["node_rank"], "ranks": out,
-            "launcher_exit": read_json(os.path.join(run_dir, "state", "launcher.exit")),
+            "launcher_exit": read_json(os.path.join(run_dir, layout.LAUNCHER_EXIT)),
             "gpu_sample": gpu_sample() if shutil.which("nvidia-smi") else None, "timeout_dumps": timeout_dumps}

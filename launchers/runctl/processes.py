@@ -6,6 +6,7 @@ import os
 import signal
 import time
 
+import runlayout as layout
 from runctl.common import Unsafe, open_run_file, read_json, trusted_path, write_file
 
 
@@ -91,8 +92,8 @@ def in_group(pid: int, group: dict) -> bool:
 def group_of(run_dir: str):
     """The run's cgroup as start recorded it, only when it is one runctl makes: <mount>/nodectl/<run id>-<node
     rank> of a hierarchy mounted here, its path that group's own (never empty: "" would match every process)."""
-    group = read_json(os.path.join(run_dir, "state", "cgroup"))
-    node = read_json(os.path.join(run_dir, "node.json"))
+    group = read_json(os.path.join(run_dir, layout.CGROUP))
+    node = read_json(os.path.join(run_dir, layout.NODE_JSON))
     if not (isinstance(group, dict) and all(isinstance(group.get(k), str) for k in ("dir", "key", "path"))
             and isinstance(node, dict)):
         return None
@@ -149,7 +150,7 @@ def _parents() -> dict:
 def _launcher(run_dir: str, markers: tuple):
     """launch.sh's pid while it lives and is this run's (its environment proves it), else None."""
     try:
-        with open_run_file(os.path.join(run_dir, "state", "pgid")) as handle:
+        with open_run_file(os.path.join(run_dir, layout.PGID)) as handle:
             pid = int(handle.read())
     except (OSError, ValueError):
         return None
@@ -178,7 +179,7 @@ def _proc_environ(pid: int) -> bytes:
 
 
 def run_markers(run_dir: str) -> tuple:
-    node = read_json(os.path.join(run_dir, "node.json"), {})
+    node = read_json(os.path.join(run_dir, layout.NODE_JSON), {})
     return (f"NODECTL_RUN_ID={node.get('run_id')}".encode(), f"NODECTL_NODE_RANK={node.get('node_rank')}".encode())
 
 
@@ -232,7 +233,7 @@ def _run_window(run_dir: str) -> tuple:
     """(start, end) of this node's share of the run: when runctl started launch.sh (its own record, below), and
     when launch.sh's exit was recorded (now while there is none)."""
     start = _kept(run_dir).get("start")
-    record = read_json(os.path.join(run_dir, "state", "launcher.exit"))
+    record = read_json(os.path.join(run_dir, layout.LAUNCHER_EXIT))
     end = record.get("time") if isinstance(record, dict) and isinstance(record.get("time"), (int, float)) else None
     return (start if isinstance(start, (int, float)) else None), end or time.time()
 

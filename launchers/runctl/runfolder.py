@@ -5,7 +5,8 @@ import json
 import os
 import shutil
 
-from runctl.common import STATE_DIRS, write_file
+import runlayout as layout
+from runctl.common import write_file
 from runctl.processes import run_processes
 
 
@@ -35,7 +36,7 @@ def cmd_prepare(args: list, request: dict) -> dict:
     os.chmod(run_dir, 0o700)
     if request.get("new_attempt"):
         _archive_attempt(run_dir)
-    for name in STATE_DIRS:
+    for name in layout.FOLDERS:
         os.makedirs(os.path.join(run_dir, name), exist_ok=True)
     real_run_dir = os.path.realpath(run_dir)  # the workdir may be reached through a symlink
     for entry in request["files"]:
@@ -55,7 +56,6 @@ def cmd_prepare(args: list, request: dict) -> dict:
 SYNCED_CODE = "lib/synced-code.json"   # what `prepare` put in code/: what `pack` leaves there (the user's project)
 
 
-ATTEMPT_DIRS = ("logs", "state", "heartbeat", "stacks", "flight", "timing")
 
 
 def _archive_attempt(run_dir: str) -> None:
@@ -63,11 +63,11 @@ def _archive_attempt(run_dir: str) -> None:
     to attempts/<n>/. Refused while any process of the run still lives."""
     if run_processes(run_dir):
         raise RuntimeError("the run is still running here; `nodectl stop --run RUN` first")
-    if not os.path.exists(os.path.join(run_dir, "state", "pgid")):
+    if not os.path.exists(os.path.join(run_dir, layout.PGID)):
         return
     number = len(os.listdir(os.path.join(run_dir, "attempts"))) if os.path.isdir(os.path.join(run_dir, "attempts")) else 0
     target = os.path.join(run_dir, "attempts", str(number))
     os.makedirs(target)
-    for name in ATTEMPT_DIRS:
+    for name in layout.PER_ATTEMPT:
         if os.path.exists(os.path.join(run_dir, name)):
             os.replace(os.path.join(run_dir, name), os.path.join(target, name))

@@ -6,6 +6,7 @@ import os
 import subprocess
 import time
 
+import runlayout as layout
 from runctl.common import boot_id, read_json, write_file
 from runctl.processes import become_subreaper, in_group, join_group, keep_start, new_run_group, remove_group
 
@@ -13,8 +14,8 @@ from runctl.processes import become_subreaper, in_group, join_group, keep_start,
 def cmd_start(args: list, request: dict) -> dict:
     """Start launch.sh detached in its own session; it survives the SSH connection that started it."""
     run_dir = os.path.expanduser(args[0])
-    node = read_json(os.path.join(run_dir, "node.json"))
-    if os.path.exists(os.path.join(run_dir, "state", "pgid")):
+    node = read_json(os.path.join(run_dir, layout.NODE_JSON))
+    if os.path.exists(os.path.join(run_dir, layout.PGID)):
         return {"error": f"{run_dir} was already started"}
     env = dict(os.environ, NODECTL_RUN_ID=node["run_id"], NODECTL_NODE_RANK=str(node["node_rank"]))
     group = new_run_group(f"{node['run_id']}-{node['node_rank']}")
@@ -25,16 +26,16 @@ def cmd_start(args: list, request: dict) -> dict:
             join_group(group)
 
     keep_start(run_dir)
-    with open(os.path.join(run_dir, "logs", "launcher.log"), "ab") as log:
+    with open(os.path.join(run_dir, layout.LAUNCHER_LOG), "ab") as log:
         proc = subprocess.Popen(["/bin/bash", os.path.join(run_dir, "launch.sh")], cwd=run_dir, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=enter)
     tracked = bool(group) and in_group(proc.pid, group)
     if tracked:
-        write_file(os.path.join(run_dir, "state", "cgroup"), json.dumps(group), 0o600)
+        write_file(os.path.join(run_dir, layout.CGROUP), json.dumps(group), 0o600)
     else:
         remove_group(group)
-    write_file(os.path.join(run_dir, "state", "pgid"), str(proc.pid))
-    write_file(os.path.join(run_dir, "state", "started"), str(time.time()))
-    write_file(os.path.join(run_dir, "state", "boot"), boot_id() or "")
+    write_file(os.path.join(run_dir, layout.PGID), str(proc.pid))
+    write_file(os.path.join(run_dir, layout.STARTED), str(time.time()))
+    write_file(os.path.join(run_dir, layout.BOOT), boot_id() or "")
     return {"pgid": proc.pid, "tracked_by": "cgroup" if tracked else "subreaper"}

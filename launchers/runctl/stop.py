@@ -7,6 +7,7 @@ import shutil
 import signal
 import time
 
+import runlayout as layout
 from runctl.common import no_run, write_file
 from runctl.containers import remove_container
 from runctl.processes import Proven, forget, group_of, remove_group, run_markers, run_processes, seen_processes, \
@@ -18,11 +19,11 @@ def cmd_stop(args: list, request: dict) -> dict:
     run_dir, grace = os.path.expanduser(args[0]), float(request.get("grace", 10))
     if not os.path.isdir(run_dir):
         return no_run(run_dir)
-    if request.get("unstarted") and not os.path.exists(os.path.join(run_dir, "state", "pgid")) \
-            and not (os.path.exists(os.path.join(run_dir, "node.json")) and run_processes(run_dir)):
+    if request.get("unstarted") and not os.path.exists(os.path.join(run_dir, layout.PGID)) \
+            and not (os.path.exists(os.path.join(run_dir, layout.NODE_JSON)) and run_processes(run_dir)):
         shutil.rmtree(run_dir, ignore_errors=True)   # prepared (or half-prepared) by a controller that died
         return {"time": time.time(), "terminated": 0, "killed": 0, "left": 0, "removed": True}
-    if not os.path.exists(os.path.join(run_dir, "node.json")):
+    if not os.path.exists(os.path.join(run_dir, layout.NODE_JSON)):
         return no_run(run_dir)
     # Every process proven the run's is held by a pidfd from then on: one that leaves the proof behind while
     # stop waits (a rank that left the cgroup, cleared its environment and double-forked, whose subreaper
@@ -59,5 +60,5 @@ def cmd_stop(args: list, request: dict) -> dict:
     if removed:
         stopped["container"] = removed
     if targets:
-        write_file(os.path.join(run_dir, "state", "stopped"), json.dumps(stopped))
+        write_file(os.path.join(run_dir, layout.STOPPED), json.dumps(stopped))
     return dict(stopped, left=len(left))

@@ -5,34 +5,35 @@ import os
 import subprocess
 import time
 
+import runlayout as layout
 from runctl.common import READ_LIMIT, boot_id, no_run, open_run_file, read_json
 from runctl.processes import belongs, is_zombie, record_seen, run_markers, run_processes
 
 
 def rank_state(run_dir: str, rank: int, now: float, markers: tuple) -> dict:
-    state = {"rank": rank, "exit": read_json(os.path.join(run_dir, "state", f"rank{rank}.exit"))}
+    state = {"rank": rank, "exit": read_json(os.path.join(run_dir, layout.rank_exit(rank)))}
     try:
-        with open_run_file(os.path.join(run_dir, "state", f"rank{rank}.pid")) as handle:
+        with open_run_file(os.path.join(run_dir, layout.rank_pid(rank))) as handle:
             pid = int(handle.read())
         state["pid"], state["alive"] = pid, belongs(pid, markers) and not is_zombie(pid)
     except (OSError, ValueError):
         state["pid"], state["alive"] = None, False
-    heartbeat = read_json(os.path.join(run_dir, "heartbeat", f"rank{rank}.json"))
+    heartbeat = read_json(os.path.join(run_dir, layout.heartbeat(rank)))
     if isinstance(heartbeat, dict):
         state["heartbeat"] = heartbeat
         state["heartbeat_age"] = round(now - float(heartbeat.get("time", now)), 1)
-    log = os.path.join(run_dir, "logs", f"rank{rank}.log")
+    log = os.path.join(run_dir, layout.rank_log(rank))
     state["log_size"] = os.path.getsize(log) if os.path.exists(log) else 0
     return state
 
 
-LINE_MAX = 16 * 1024
 
 
 def _read_from(path: str, offset: int) -> tuple:
     """(new offset, text) of a log from `offset`: whole lines, up to READ_LIMIT bytes, or what there is at the
     end of the file. A line longer than READ_LIMIT is never waited for (that stalled the stream for good): it is
-    shortened to LINE_MAX characters with a marker, keeping its latest \\r state (a progress bar), else its start."""
+    shortened to layout.LINE_MAX characters with a marker, keeping its latest \\r state (a progress bar), else its
+    start."""
     try:
         with open_run_file(path, text=False) as handle:
             handle.seek(offset)
@@ -44,8 +45,8 @@ def _read_from(path: str, offset: int) -> tuple:
                 return offset + cut, data[:cut].decode("utf-8", errors="replace")
             end = _next_newline(handle, offset + len(data))
             stop = end if end is not None else os.fstat(handle.fileno()).st_size
-            handle.seek(max(offset, stop - LINE_MAX))
-            tail = handle.read(stop - max(offset, stop - LINE_MAX))
+            handle.seek(max(offset, stop - layout.LINE_MAX))
+            tail = handle.read(stop - max(offset, stop - layout.LINE_MAX))
     except OSError:
         return offset, ""
     if b"\r" in tail:
@@ -53,9 +54,9 @@ def _read_from(path: str, offset: int) -> tuple:
     elif b"\r" in data:
         kept = tail
     else:
-        kept = data[:LINE_MAX]
+        kept = data[:layout.LINE_MAX]
     marker = f" [line cut by nodectl: {stop - offset} bytes]"
-    text = kept[:LINE_MAX].decode("utf-8", errors="replace") + marker
+    text = kept[:layout.LINE_MAX].decode("utf-8", errors="replace") + marker
     return (end + 1, text + "\n") if end is not None else (stop, text)
 
 
@@ -105,28 +106,28 @@ def gpu_sample() -> dict:
 def cmd_poll(args: list, request: dict) -> dict:
     """The node's state for one run, plus new log text for the ranks asked for (from their offsets)."""
     run_dir, now = os.path.expanduser(args[0]), time.time()
-    node = read_json(os.path.join(run_dir, "node.json"))
+    node = read_json(os.path.join(run_dir, layout.NODE_JSON))
     if node is None:
         return no_run(run_dir)
     pids = run_processes(run_dir)
     record_seen(run_dir, pids)
     answer = {"now": now, "node_rank": node["node_rank"], "alive": len(pids),
-              "launcher_exit": read_json(os.path.join(run_dir, "state", "launcher.exit")),
-              "started": os.path.exists(os.path.join(run_dir, "state", "pgid")),
-              "stopped": os.path.exists(os.path.join(run_dir, "state", "stopped")),
+              "launcher_exit": read_json(os.path.join(run_dir, layout.LAUNCHER_EXIT)),
+              "started": os.path.exists(os.path.join(run_dir, layout.PGID)),
+              "stopped": os.path.exists(os.path.join(run_dir, layout.STOPPED)),
               "ranks": [rank_state(run_dir, rank, now, run_markers(run_dir)) for rank in node["ranks"]], "logs": {}}
     try:
-        with open_run_file(os.path.join(run_dir, "state", "boot")) as handle:
+        with open_run_file(os.path.join(run_dir, layout.BOOT)) as handle:
             started_boot = handle.read().strip()
         answer["same_boot"] = bool(started_boot) and started_boot == boot_id()
     except OSError:
         pass
     for rank, offset in (request.get("offsets") or {}).items():
-        new_offset, text = _read_from(os.path.join(run_dir, "logs", f"rank{rank}.log"), int(offset))
+        new_offset, text = _read_from(os.path.join(run_dir, layout.rank_log(rank)), int(offset))
         answer["logs"][rank] = {"from": int(offset), "offset": new_offset, "text": text}
     if request.get("gpus"):
         answer["gpu_sample"] = gpu_sample()
-    upload = read_json(os.path.join(run_dir, "state", "upload.json"))
+    upload = read_json(os.path.join(run_dir, layout.UPLOAD))
     if isinstance(upload, dict):
         answer["upload"] = _upload_state(upload, now, run_markers(run_dir))
     return answer

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from nodectl.resources.launchers import runlayout as layout
 from nodectl.cli.context import AppContext
 from nodectl.cli.run_option import opened, run_option
 from nodectl.errors import EXIT_UNREACHABLE, UsageError
@@ -37,7 +38,7 @@ def resolve_target(run: Run, target: str) -> dict[int, str]:
 
 
 def _collected(run: Run, node: str, rank: int) -> Path:
-    return run.folder / "nodes" / node / "logs" / f"rank{rank}.log"
+    return run.folder / "nodes" / node / layout.rank_log(rank)
 
 
 @click.command("tail")
@@ -111,7 +112,7 @@ def _launcher_logs(app: AppContext, run: Run, lines: int, follow: bool) -> None:
         for rn in run_nodes:
             logs = tail_lines(cluster, rn, ["launcher"], lines)
             if not logs:
-                collected = run.folder / "nodes" / rn.node.name / "logs" / "launcher.log"
+                collected = run.folder / "nodes" / rn.node.name / layout.LAUNCHER_LOG
                 text = collected.read_text(errors="replace") if collected.is_file() else None
                 unreachable |= text is None
                 text = "\n".join(text.splitlines()[-lines:]) if text and lines else text

@@ -34,14 +34,16 @@ MAIN = b"from runctl.dispatch import main\n\nmain()\n"
 
 @lru_cache(maxsize=1)
 def _runctl() -> tuple[bytes, str, str]:
-    """runctl's artifact: the package launchers/runctl/ as one zip with a __main__ (`python -S FILE` runs it), the
-    short hash that names it on the nodes, and its full sha256. Every controller of one version builds the same
-    bytes: entries in order, fixed times and modes, stored uncompressed."""
-    package = resource_dir("launchers") / "runctl"
+    """runctl's artifact: the package launchers/runctl/ and the run folder's layout (launchers/runlayout.py, which
+    the controller imports too) as one zip with a __main__ (`python -S FILE` runs it), the short hash that names it
+    on the nodes, and its full sha256. Every controller of one version builds the same bytes: entries in order,
+    fixed times and modes, stored uncompressed."""
+    launchers = resource_dir("launchers")
     buffer = io.BytesIO()
+    entries = [("__main__.py", MAIN), ("runlayout.py", (launchers / "runlayout.py").read_bytes()),
+               *((f"runctl/{path.name}", path.read_bytes()) for path in sorted((launchers / "runctl").glob("*.py")))]
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
-        for name, data in [("__main__.py", MAIN), *((f"runctl/{path.name}", path.read_bytes())
-                                                     for path in sorted(package.glob("*.py")))]:
+        for name, data in entries:
             info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
             info.external_attr = 0o644 << 16
             archive.writestr(info, data)

@@ -48,15 +48,17 @@ def test_a_rank_killed_with_sigkill_is_killed_not_lost(tmp_path):
         kill_leftovers(run_id)
 
 
-ESCAPE = r"""
+# The audit's escape: a process out of every cgroup nodectl could have put it in, in a session of its own after a
+# double fork, with no environment, deaf to SIGTERM; its pid written to `marker` once it is all that.
+ESCAPE_FUNCTION = r"""
 import os, signal, sys, time
-if os.environ["RANK"] == "0":
+
+def escape(marker):
     child = os.fork()
     if child == 0:
         os.setsid()
         if os.fork():
             os._exit(0)
-        # the grandchild: out of every cgroup nodectl could have put it in, no environment, deaf to SIGTERM
         with open("/proc/self/mounts") as mounts:
             for fields in (line.split() for line in mounts):
                 if fields[2] in ("cgroup", "cgroup2"):
@@ -66,11 +68,15 @@ if os.environ["RANK"] == "0":
                     except OSError:
                         pass
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        with open(sys.argv[1] + ".tmp", "w") as out:
+        with open(marker + ".tmp", "w") as out:
             out.write(str(os.getpid()))
-        os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+        os.rename(marker + ".tmp", marker)
         os.execve("/bin/sleep", ["sleep", "300"], {})
     os.waitpid(child, 0)
+"""
+ESCAPE = ESCAPE_FUNCTION + r"""
+if os.environ["RANK"] == "0":
+    escape(sys.argv[1])
 time.sleep(300)
 """
 
@@ -110,30 +116,7 @@ def test_a_rank_that_leaves_its_cgroup_session_and_environment_is_still_stopped(
         kill_leftovers(run_id)
 
 
-ESCAPE_TWICE = r"""
-import os, signal, sys, time
-
-def escape(marker):
-    child = os.fork()
-    if child == 0:
-        os.setsid()
-        if os.fork():
-            os._exit(0)
-        with open("/proc/self/mounts") as mounts:
-            for fields in (line.split() for line in mounts):
-                if fields[2] in ("cgroup", "cgroup2"):
-                    try:
-                        with open(os.path.join(fields[1], "cgroup.procs"), "w") as procs:
-                            procs.write(str(os.getpid()))
-                    except OSError:
-                        pass
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        with open(marker + ".tmp", "w") as out:
-            out.write(str(os.getpid()))
-        os.rename(marker + ".tmp", marker)
-        os.execve("/bin/sleep", ["sleep", "300"], {})
-    os.waitpid(child, 0)
-
+ESCAPE_TWICE = ESCAPE_FUNCTION + r"""
 folder = sys.argv[1]
 escape(os.path.join(folder, "first.pid"))
 while not os.path.exists(os.path.join(folder, "go")):

@@ -18,11 +18,12 @@ from nodectl.resources import resource_dir
 
 sys.path.insert(0, str(resource_dir("launchers")))
 import runctl  # noqa: E402
+import runlayout  # noqa: E402
 
 
 def make_run(tmp_path, run_id="20260101-000000-abcd", node_rank=0):
     run_dir = tmp_path / "run"
-    for name in runctl.common.STATE_DIRS:
+    for name in runlayout.FOLDERS:
         (run_dir / name).mkdir(parents=True, exist_ok=True)
     (run_dir / "node.json").write_text(json.dumps({"run_id": run_id, "node_rank": node_rank, "ranks": [0]}))
     return run_dir

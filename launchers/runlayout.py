@@ -1,0 +1,41 @@
+"""A run folder's layout on a node, `<workdir>/runs/<run id>[/<node>]/`: one module both sides import (runctl, in
+whose artifact it travels, and nodectl on the controller, as `nodectl.resources.launchers.runlayout`), so a file's
+name is written once. Paths are relative to the run folder. Standard library only; imports nothing.
+"""
+from __future__ import annotations
+
+# the folders a run folder holds; those of one attempt are archived when the run is resumed or restarted
+FOLDERS = ("code", "lib", "logs", "state", "heartbeat", "stacks", "output", "flight", "timing", "metrics")
+PER_ATTEMPT = ("logs", "state", "heartbeat", "stacks", "flight", "timing")
+
+NODE_JSON = "node.json"                 # what the node's share of the run is (run id, node rank, ranks)
+SECRET_FILES = ("env.sh", "launch.sh")  # hold the real secrets: never packed, never shown
+
+STARTED = "state/started"               # when runctl started launch.sh
+PGID = "state/pgid"                     # launch.sh's pid (a run was started here when this exists)
+BOOT = "state/boot"                     # the kernel's boot id at the start
+CGROUP = "state/cgroup"                 # the run's cgroup, where the login could make one
+STOPPED = "state/stopped"               # what `stop` did
+LAUNCHER_EXIT = "state/launcher.exit"   # torchrun's exit code and time, written by launch.sh's trap
+UPLOAD = "state/upload.json"            # the bucket uploader's record
+LAUNCHER_LOG = "logs/launcher.log"      # launch.sh's and torchrun's own output
+
+# a log line longer than this is cut with a marker: by the node when it sends logs (poll, tail), and by the
+# controller in a followed stream (memory per rank stays bounded)
+LINE_MAX = 16 * 1024
+
+
+def rank_log(rank: int) -> str:
+    return f"logs/rank{rank}.log"
+
+
+def rank_exit(rank: int) -> str:
+    return f"state/rank{rank}.exit"
+
+
+def rank_pid(rank: int) -> str:
+    return f"state/rank{rank}.pid"
+
+
+def heartbeat(rank: int) -> str:
+    return f"heartbeat/rank{rank}.json"
