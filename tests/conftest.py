@@ -16,6 +16,26 @@ from sshcluster import NodeSpec, SSHCluster, isolation_available, sshd_available
 
 REPO = Path(__file__).resolve().parent.parent
 
+# The files that take longest first, so the two workers finish together: xdist hands whole files out in
+# collection order (pyproject.toml turns off its own reordering by test count, which sent these one-test files
+# last and left one worker running them alone for minutes). Then the other files that start processes, then the
+# pure ones. The order of the tests inside a file is kept.
+LONGEST_FIRST = ("integration/test_environments.py", "integration/test_trainer_layouts.py", "installed/test_wheel.py",
+                 "integration/test_resume_eval.py", "integration/test_outputs_store.py",
+                 "integration/test_containers.py", "integration/test_real_machines.py",
+                 "integration/test_preflight_ssh.py", "integration/test_trainer_moe.py",
+                 "integration/test_bench_reference.py", "faults/test_node_lost.py")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    def weight(item) -> tuple[int, int]:
+        relative = item.nodeid.split("::", 1)[0].split("tests/", 1)[-1]
+        if relative in LONGEST_FIRST:
+            return 0, LONGEST_FIRST.index(relative)
+        return (1 if relative.split("/", 1)[0] in ("integration", "faults", "installed", "gpu") else 2), 0
+
+    items.sort(key=weight)
+
 
 @dataclass
 class CLIResult:
