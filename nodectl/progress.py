@@ -2,7 +2,8 @@
 (cli/context.py `node_progress`), and a caller without a display passes nothing."""
 from __future__ import annotations
 
-from typing import Protocol
+from contextlib import nullcontext
+from typing import Callable, ContextManager, Protocol
 
 
 class NodeProgress(Protocol):
@@ -12,3 +13,19 @@ class NodeProgress(Protocol):
     def __call__(self, result) -> None: ...
 
     def phase(self, text: str) -> None: ...
+
+
+# progress(label, total) -> a context that yields the NodeProgress advanced once per node (the CLI's bar)
+Progress = Callable[[str, int], ContextManager[NodeProgress]]
+
+
+class _Silent:
+    def __call__(self, result) -> None:
+        pass
+
+    def phase(self, text: str) -> None:
+        pass
+
+
+def no_progress(label: str, total: int) -> ContextManager[NodeProgress]:
+    return nullcontext(_Silent())

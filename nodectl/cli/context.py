@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from nodectl.inventory import Inventory, load_inventory, resolve_inventory_path
-from nodectl.remote.transport import Cluster, NodeResult, TransportOptions
+from nodectl.remote.transport import Cluster, NodeResult, Session, TransportOptions
 
 
 PIPED_WIDTH = 1000
@@ -48,6 +48,10 @@ class AppContext:
 
     def cluster_for(self, run_nodes) -> Cluster:
         return Cluster([rn.node for rn in run_nodes], self.transport_options)
+
+    def session(self) -> Session:
+        """One set of connections shared by a command's steps (launch, preflight, stop), with the progress bar."""
+        return Session(self.transport_options, self.node_progress)
 
     def info(self, message: str) -> None:
         """Progress and notes: stderr, so --json keeps stdout clean."""

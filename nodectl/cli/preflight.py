@@ -10,7 +10,7 @@ from nodectl.remote.envs import use_built
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
 from nodectl.cli.preflight_table import print_report
-from nodectl.preflight.collective_job import DEFAULT_DEADLINE_S
+from nodectl.preflight.collective_job import DEFAULT_DEADLINE_S, add_collectives
 from nodectl.preflight.run import run_preflight, save
 
 
@@ -32,11 +32,13 @@ def command(app: AppContext, inventory_path, nodes, exclude, gpus, quick, full, 
     depth = "quick" if quick else "full" if full else "default"
     inventory = app.inventory(inventory_path).select(nodes, exclude)
     inventory = environments.bind_locks(inventory, ".")   # environment: files are read from the project here
-    with app.cluster(inventory) as cluster, app.node_progress("probing nodes", len(inventory.nodes)) as advance:
-        inventory = use_built(cluster, inventory)
-        report = run_preflight(inventory, cluster, gpus=gpus, quick=depth == "quick", full=depth == "full",
-                               connect_timeout=app.transport_options.connect_timeout, on_probe=advance,
-                               deadline=collective_timeout)
+    with app.session() as session, \
+            session.progress("probing nodes", len(inventory.nodes)) as advance:
+        inventory = use_built(session.cluster(inventory.nodes), inventory)
+        report = run_preflight(inventory, session, gpus=gpus, quick=depth == "quick", full=depth == "full",
+                               on_probe=advance)
+        add_collectives(report, inventory, session, gpus=gpus, full=depth == "full", deadline=collective_timeout,
+                        phase=advance.phase)
     path = save(report, inventory, gpus)
     if app.json:
         app.emit_json({**report.to_json(), "saved": str(path)})

@@ -11,8 +11,9 @@ from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
 from nodectl.cli.run_option import opened, run_option
 from nodectl.errors import EXIT_INTERRUPTED, exit_code_for
+from nodectl.launch.job import stop_run
 from nodectl.runs import RunState, controller_gone
-from nodectl.watch import StopHurried, stop_nodes
+from nodectl.watch import StopHurried
 
 
 def report_stopped(app: AppContext, results: dict, unstarted: bool = False) -> dict:
@@ -60,17 +61,16 @@ def command(app: AppContext, run_id: str | None, grace: float) -> None:
         (manifest.state == RunState.STARTING and controller_gone(manifest))
     app.info(f"stopping run {run.run_id} ({run.folder}) on {len(run_nodes)} node(s)")
     hurried = False
-    with app.cluster_for(run_nodes) as cluster, app.node_progress("stopping", len(run_nodes)) as advance:
+    with app.session() as session:
         try:
-            results = stop_nodes(cluster, run_nodes, grace, on_done=advance, unstarted=unstarted)
+            results = stop_run(run, session.cluster(rn.node for rn in run_nodes), grace, RunState.STOPPED,
+                               progress=session.progress, remove_unstarted=unstarted, left_out=True, confirmed=True)
         except StopHurried as stopped:
             results, hurried = stopped.results, True
     if hurried:
         app.err.print("interrupted: what was left got SIGKILL without waiting out the grace period")
     summary = report_stopped(app, results, unstarted)
     code = exit_code_for(results.values())
-    if not run.read().state.final and not code:
-        run.update(state=RunState.STOPPED, ended=time.time())
     if app.json:
         app.emit_json({"run_id": run.run_id, "nodes": summary})
     if code or hurried:

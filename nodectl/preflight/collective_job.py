@@ -1,20 +1,21 @@
-"""The collective test: a short torchrun job through the launch pipeline (nodectl/job.py), and what its logs say of NCCL's
-transports. Parsing is pure and unit-tested on saved log lines."""
+"""The collective test: a short torchrun job through the launch pipeline (nodectl/launch/: its stages PLAN to
+ATTEND, in the preflight's session), and what its logs say of NCCL's transports. Parsing is pure and unit-tested
+on saved log lines."""
 from __future__ import annotations
 
 import tempfile
-import time
 from dataclasses import replace
 
-from nodectl.remote import sync
-from nodectl.errors import ignore_signals_while_cleaning
 from nodectl.inventory import Inventory
-from nodectl.job import JobSpec, StartFailed, plan_job, record_job, settle_job, start_job, stop_run
-from nodectl.preflight.network import result_in, transports_in
-from nodectl.runs import RunState
-from nodectl.remote.transport import Cluster
+from nodectl.launch import LaunchRequest, Stage, launch
+from nodectl.launch.job import JobSpec, StartFailed
+from nodectl.preflight.network import judge_collective, judge_pairs, result_in, transports_in
+from nodectl.remote import sync
 from nodectl.remote.answers import NO_LOG
-from nodectl.watch import stop_nodes, tail_lines, wait_for_end
+from nodectl.remote.transport import Cluster, Session
+from nodectl.watch import tail_lines
+
+STAGES = (Stage.PLAN, Stage.SETTLE, Stage.RECORD, Stage.START, Stage.ATTEND)
 
 GPU_MAX, GPU_FULL_MAX, CPU_MAX = 1 << 30, 4 << 30, 64 << 20  # the all-reduce's largest message
 
@@ -23,8 +24,8 @@ PAIR_GPU_MAX, PAIR_CPU_MAX = 256 << 20, 16 << 20
 DEFAULT_DEADLINE_S = 120  # per peer connection and per collective; torch's own: 10 min (NCCL), 30 min (gloo)
 
 
-def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, connect_timeout: float,
-              deadline: float | None = None, facts: dict | None = None) -> list[dict]:
+def run_pairs(inventory: Inventory, session: Session, *, gpus: int | None, deadline: float | None = None,
+              facts: dict | None = None) -> list[dict]:
     """The collective on each ring neighbour pair (node i with node i+1), one pair at a time."""
     nodes, pairs = inventory.nodes, []
     for i in range(len(nodes)):
@@ -32,9 +33,8 @@ def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, conne
         sub = replace(inventory, nodes=tuple(replace(n, index=k) for k, n in enumerate(pair)))
         limit = PAIR_GPU_MAX if pair[0].device == "cuda" else PAIR_CPU_MAX
         # only the largest size: the pair's bandwidth is what finds a slow node, and each smaller size cost ~1 s
-        result, _, failure, run_id = run_collective(sub, cluster, gpus=gpus, full=False,
-                                                    connect_timeout=connect_timeout, max_bytes=limit, min_bytes=limit,
-                                                    deadline=deadline, facts=facts)
+        result, _, failure, run_id = run_collective(sub, session, gpus=gpus, full=False, max_bytes=limit,
+                                                    min_bytes=limit, deadline=deadline, facts=facts)
         entry = {"nodes": [n.name for n in pair], "run": run_id}
         if result and all(s["ok"] for s in result["sizes"]):
             entry["busbw_gbs"] = result["sizes"][-1]["busbw_gbs"]
@@ -44,10 +44,8 @@ def run_pairs(inventory: Inventory, cluster: Cluster, *, gpus: int | None, conne
     return pairs
 
 
-def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, full: bool,
-                   connect_timeout: float, grace: float = 5.0,
-                   max_bytes: int | None = None,
-                   min_bytes: int | None = None, deadline: float | None = None,
+def run_collective(inventory: Inventory, session: Session, *, gpus: int | None, full: bool, grace: float = 5.0,
+                   max_bytes: int | None = None, min_bytes: int | None = None, deadline: float | None = None,
                    facts: dict | None = None) -> tuple[dict | None, dict[str, int], str | None, str]:
     """(result, transports, failure, run id) of the all-reduce job on every selected node and rank."""
     gpu_run = inventory.nodes[0].device == "cuda"
@@ -61,25 +59,37 @@ def run_collective(inventory: Inventory, cluster: Cluster, *, gpus: int | None, 
     spec = JobSpec(inventory, command=("../lib/collective.py", *sweep), sync_dir=empty,
                    files=tuple(sync.nodectl_files(False, None, ("collective.py",))), gpus=gpus, facts=facts or {},
                    kind="preflight", argv=("nodectl", "preflight", "(collective test)"))
-    job = settle_job(plan_job(spec), cluster)
-    run = record_job(job)
-    run_nodes = run.nodes()
     try:
-        start_job(job, run, cluster, grace=grace)
-        outcome, failure = wait_for_end(cluster, run_nodes, None, lost_after=connect_timeout + 5)
+        outcome = launch(LaunchRequest(spec, grace=grace, skip_preflight=True), session, STAGES)
     except StartFailed as failed:
-        return None, {}, str(failed.message), job.run_id
-    except KeyboardInterrupt:  # the user stopped preflight: its job must not outlive it
-        ignore_signals_while_cleaning()
-        stop_run(run, cluster, grace, RunState.INTERRUPTED, remove_unstarted=True)
-        raise
-    if outcome != RunState.SUCCEEDED:
-        stop_nodes(cluster, run_nodes, grace)
-    run.update(state=outcome, ended=time.time())
+        return None, {}, str(failed.message), failed.run_id
+    run_nodes, cluster = outcome.run.nodes(), session.cluster(inventory.nodes)
     logs = ""
     for run_node in run_nodes:
         logs += tail_lines(cluster, run_node, [run_node.ranks[0]], 5000).get(run_node.ranks[0], NO_LOG).text
-    return result_in(logs), transports_in(logs), _failure_text(cluster, run_nodes, failure), job.run_id
+    return result_in(logs), transports_in(logs), _failure_text(cluster, run_nodes, outcome.failure), outcome.job.run_id
+
+
+def add_collectives(report, inventory: Inventory, session: Session, *, gpus: int | None, full: bool,
+                    deadline: float | None, phase=lambda text: None) -> None:
+    """The default and full tiers' jobs, after the probe's checks passed everywhere: the all-reduce over every
+    node (and, with --full and over two nodes, each neighbour pair), judged into `report`."""
+    if report.quick or report.unreachable or report.failed:
+        return
+    reports = report.reports
+    ib = any(r.get("infiniband") for r in reports.values())
+    phase(f"all-reduce test on {len(inventory.nodes)} node(s)")
+    result, transports, failure, run_id = run_collective(inventory, session, gpus=gpus, full=full,
+                                                         deadline=deadline, facts=reports)
+    report.results += judge_collective(result, transports, ib, len(inventory.nodes), failure, run_id)
+    report.collective, report.collective_run = result, run_id
+    if transports:
+        report.collective = {**(result or {}), "transports": transports}
+    if full and len(inventory.nodes) > 2:
+        phase("node-pair bandwidth tests")
+        pairs = run_pairs(inventory, session, gpus=gpus, deadline=deadline, facts=reports)
+        report.results += judge_pairs(pairs)
+        report.collective = {**(report.collective or {}), "pairs": pairs}
 
 
 def _failure_text(cluster: Cluster, run_nodes, failure) -> str | None:

@@ -10,10 +10,8 @@ from pathlib import Path
 
 from nodectl.remote import agent
 from nodectl.inventory import Inventory
-from nodectl.preflight.collective_job import run_collective, run_pairs
 from nodectl.preflight.gpu import cluster_medians
 from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge_node
-from nodectl.preflight.network import judge_collective, judge_pairs
 from nodectl.preflight.storage import judge_store
 from nodectl.preflight.verdict import FAIL, WARN, CheckResult
 from nodectl.plan import visible_devices
@@ -22,7 +20,7 @@ from nodectl.remote.answers import AnswerError, parse_gpu_job
 from nodectl.remote.probe_nodes import probe_nodes
 from nodectl.resources import resource_dir
 from nodectl.runs import private_folder, runs_root
-from nodectl.remote.transport import Cluster, NodeResult, Transport, quote_path
+from nodectl.remote.transport import Cluster, NodeResult, Session, Transport, quote_path
 
 REUSE_SECONDS = 600
 
@@ -165,11 +163,13 @@ def _probe_failure(result: NodeResult) -> CheckResult:
                        PROBE_HINTS.get(check, PROBE_HINTS["probe"]))
 
 
-def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, quick: bool, full: bool,
-                  connect_timeout: float, on_probe: NodeProgress | None = None,
-                  deadline: float | None = None) -> PreflightReport:
+def run_preflight(inventory: Inventory, session: Session, *, gpus: int | None, quick: bool, full: bool,
+                  on_probe: NodeProgress | None = None) -> PreflightReport:
+    """The probe's checks on every node, and outside --quick the GPU job: what a launch's quick gate and a
+    restart's node check judge. The tiers' collective jobs come after (collective_job.add_collectives)."""
     # --quick reads torch's versions from its installed files (importing it is most of a quick preflight on a GPU
     # node: 3-4 s); the default tier imports it and asks CUDA.
+    cluster = session.cluster(inventory.nodes)
     probed: list[NodeResult[dict]] = probe_nodes(cluster, on_done=on_probe, import_torch=not quick,
                                                  visible=visible_devices(inventory, gpus), ranks_env=True)
     reports = {r.node.name: r.value for r in probed if r.ok and "error" not in r.value}
@@ -195,25 +195,8 @@ def run_preflight(inventory: Inventory, cluster: Cluster, *, gpus: int | None, q
                                 for r in stored])
     if len(reports) > 1:
         results += judge_cluster(reports, {k: v for k, v in devices.items() if k in reports}, tier)
-    report = PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick,
-                             gpu_jobs=jobs)
-    if not quick and not unreachable and not report.failed:
-        ib = any(r.get("infiniband") for r in reports.values())
-        phase(f"all-reduce test on {len(inventory.nodes)} node(s)")
-        result, transports, failure, run_id = run_collective(inventory, cluster, gpus=gpus, full=full,
-                                                             connect_timeout=connect_timeout, deadline=deadline,
-                                                             facts=reports)
-        report.results += judge_collective(result, transports, ib, len(inventory.nodes), failure, run_id)
-        report.collective, report.collective_run = result, run_id
-        if transports:
-            report.collective = {**(result or {}), "transports": transports}
-        if full and len(inventory.nodes) > 2:
-            phase("node-pair bandwidth tests")
-            pairs = run_pairs(inventory, cluster, gpus=gpus, connect_timeout=connect_timeout, deadline=deadline,
-                              facts=reports)
-            report.results += judge_pairs(pairs)
-            report.collective = {**(report.collective or {}), "pairs": pairs}
-    return report
+    return PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick,
+                           gpu_jobs=jobs)
 
 
 def save(report: PreflightReport, inventory: Inventory, gpus: int | None) -> Path:

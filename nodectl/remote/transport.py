@@ -24,6 +24,7 @@ from typing import Callable, Generic, Iterable, Iterator, Sequence, TypeVar
 
 from nodectl.remote import ssh
 from nodectl.inventory import Node
+from nodectl.progress import Progress, no_progress
 
 T = TypeVar("T")
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -607,13 +608,30 @@ class NodeResult(Generic[T]):
         return error if error.startswith(f"{self.node.name}: ") else f"{self.node.name}: {error}"
 
 
-class Cluster:
-    """Transports for a set of nodes, opened lazily and reused until `close`."""
+def _connection_key(node: Node) -> tuple:
+    """What a transport's connection depends on; the rest of a node's settings (its python, env:) may change
+    between a command's steps (a built venv) over the same connection."""
+    return node.name, node.is_local, node.host, node.port, node.user, node.identity_file, node.workdir
 
-    def __init__(self, nodes: Iterable[Node], options: TransportOptions | None = None) -> None:
+
+class Cluster:
+    """Transports for a set of nodes, opened lazily and reused until `close`. Made by a Session, it borrows the
+    session's transports (the session closes them)."""
+
+    def __init__(self, nodes: Iterable[Node], options: TransportOptions | None = None,
+                 pool: dict[tuple, Transport] | None = None) -> None:
         self.options = options or TransportOptions()
         self.nodes = tuple(nodes)
-        self.transports = {node.name: make_transport(node, self.options) for node in self.nodes}
+        self.borrowed = pool is not None
+        pool = {} if pool is None else pool
+        self.transports = {}
+        for node in self.nodes:
+            key = _connection_key(node)
+            if key not in pool:
+                pool[key] = make_transport(node, self.options)
+            transport = pool[key]
+            transport.node = node   # this step's settings of the node, over the session's connection
+            self.transports[node.name] = transport
 
     def __enter__(self) -> "Cluster":
         return self
@@ -655,17 +673,49 @@ class Cluster:
         return results
 
     def close(self) -> None:
-        """Close every connection at once: paramiko joins each transport's thread, which waits out its 0.1 s
-        socket poll, so closing 32 one after another took 2 s."""
-        def close_one(transport: Transport) -> None:
-            try:
-                transport.close()
-            except Exception:  # closing a dead connection must not mask the real outcome
-                pass
+        """Close every connection at once (a session's are closed with the session)."""
+        if not self.borrowed:
+            close_all(self.transports.values(), self.options.fanout)
 
-        if len(self.transports) > 1:
-            with ThreadPoolExecutor(max_workers=min(self.options.fanout, len(self.transports))) as pool:
-                list(pool.map(close_one, self.transports.values()))
-        else:
-            for transport in self.transports.values():
-                close_one(transport)
+
+class Session:
+    """One set of connections for one command, and its progress display: each step asks for the nodes it works on
+    (`cluster(nodes)`), and a node's connection is opened the first time a step needs it and reused by every later
+    step, also when a step changed the node's settings (a built venv's python)."""
+
+    def __init__(self, options: TransportOptions | None = None, progress: Progress = no_progress) -> None:
+        self.options = options or TransportOptions()
+        self.progress = progress
+        self._pool: dict[tuple, Transport] = {}
+
+    def cluster(self, nodes: Iterable[Node]) -> Cluster:
+        return Cluster(nodes, self.options, self._pool)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        close_all(self._pool.values(), self.options.fanout)
+        self._pool.clear()
+
+
+def close_all(transports: Iterable[Transport], fanout: int) -> None:
+    """Close connections at once: paramiko joins each transport's thread, which waits out its 0.1 s socket poll,
+    so closing 32 one after another took 2 s."""
+    transports = list(transports)
+
+    def close_one(transport: Transport) -> None:
+        try:
+            transport.close()
+        except Exception:  # closing a dead connection must not mask the real outcome
+            pass
+
+    if len(transports) > 1:
+        with ThreadPoolExecutor(max_workers=min(fanout, len(transports))) as pool:
+            list(pool.map(close_one, transports))
+    else:
+        for transport in transports:
+            close_one(transport)

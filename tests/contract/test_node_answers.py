@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from nodectl.inventory import parse_inventory
-from nodectl.job import JobSpec, plan_job, record_job, settle_job, start_job, stop_run
+from nodectl.launch.job import JobSpec, plan_job, record_job, settle_job, start_job, stop_run
 from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge_node
 from nodectl.preflight.verdict import SKIP
 from nodectl.remote import agent, answers, sync

@@ -11,7 +11,7 @@ import pytest
 
 from nodectl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, exit_code_for
 from nodectl.inventory import parse_inventory
-from nodectl.job import JobSpec, plan_job, record_job
+from nodectl.launch.job import JobSpec, plan_job, record_job
 from nodectl.remote.transport import NodeResult
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from nodectl.errors import EXIT_USAGE, exit_code_for
 from nodectl.inventory import parse_inventory
-from nodectl.job import StartFailed
+from nodectl.launch.job import StartFailed
 from nodectl.remote.transport import NodeFailure, NodeResult
 
 

@@ -1,105 +1,50 @@
-"""The attended run: watch a started job to its end, fail fast, restart it, leave out nodes that fail.
+"""Stage.ATTEND: watch a started job to its end, fail fast, restart it, leave out nodes that fail.
 
-Prints nothing. What happens reaches the caller as events (the dataclasses below, through `notify`); the ranks'
-log lines go to the LogStream the caller makes (`stream_for`).
+Prints nothing. What happens reaches the caller as events (nodectl/launch/events.py, through `notify`); the ranks'
+log lines go to the LogStream the caller makes (`stream_for`). A restart goes back through the pipeline's settle,
+record and start stages (`restart`).
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable
 
 from nodectl.errors import RunFailed
-from nodectl.job import Job, Progress, no_progress, next_attempt, record_job, settle_job, start_job, stop_run
+from nodectl.launch.events import (CheckingNodes, Diagnosed, Event, LeavingOut, NotAnswering,
+                                   Restarting, Stopping)
+from nodectl.launch.job import Job, next_attempt, stop_run
+from nodectl.progress import Progress, no_progress
 from nodectl.secrets import redact_words
 from nodectl.runs import Run, RunNode, RunState
-from nodectl.remote.transport import Cluster
+from nodectl.remote.transport import Cluster, Session
 from nodectl.watch import Failure, LogStream, failure_lines, wait_for_end
 
 
-@dataclass(frozen=True)
-class Stopping:
-    """A rank failed (or a node was lost, or a rank stalled): the run is being stopped on every node."""
-    failure: Failure
+Restart = Callable[[Job, list[dict]], tuple[Job, Run]]
 
 
-@dataclass(frozen=True)
-class NotAnswering:
-    """A node did not confirm the stop: its processes may live on."""
-    node: str
-    run_id: str
-
-
-@dataclass(frozen=True)
-class Restarting:
-    run_id: str
-    failure: Failure
-    attempt: int          # the attempt about to start
-    restarts_left: int
-
-
-@dataclass(frozen=True)
-class CheckingNodes:
-    """--exclude-failed: the quick preflight on the run's nodes before a restart."""
-    run_id: str
-    count: int
-
-
-@dataclass(frozen=True)
-class LeavingOut:
-    node: str
-    why: str
-
-
-@dataclass(frozen=True)
-class AttemptRecorded:
-    run_id: str
-    attempt: int
-    nnodes: int
-
-
-@dataclass(frozen=True)
-class Diagnosed:
-    """A rank stalled: why, across every rank (nodectl/diagnose/), before the run is stopped or while it is kept."""
-    failure: Failure
-    diagnosis: object       # nodectl.diagnose.gather.Diagnosis, or None when gathering it failed
-    kept: bool              # --on-stall keep: the run goes on
-    error: str = ""
-
-
-Event = Stopping | NotAnswering | Restarting | CheckingNodes | LeavingOut | AttemptRecorded | Diagnosed
-
-
-@dataclass(frozen=True)
-class Outcome:
-    job: Job              # the last attempt's
-    run: Run
-    failure: Failure | None  # None: the run succeeded
-
-
-def attend(job: Job, run: Run, cluster: Cluster, *, grace: float, connect_timeout: float,
-           stall_after: float | None = None, keep_stalled: bool = False, exclude_failed: bool = False,
+def attend(job: Job, run: Run, session: Session, *, grace: float, restart: Restart, stall_after: float | None = None,
+           keep_stalled: bool = False, exclude_failed: bool = False,
            stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
-           notify: Callable[[Event], None] = lambda event: None, progress: Progress = no_progress) -> Outcome:
-    """Watch the started `job` until it succeeds, or fails with no restart left (`plan.max_restarts`). A
-    failure stops the run on every node first (fail-fast); each restart is the same run's next attempt."""
+           notify: Callable[[Event], None] = lambda event: None) -> tuple[Job, Run, Failure | None]:
+    """Watch the started `job` until it succeeds, or fails with no restart left (`plan.max_restarts`): the last
+    attempt's job and run, and its failure (None: it succeeded). A failure stops the run on every node first
+    (fail-fast); each restart is the same run's next attempt, started by `restart(job, left_out)`."""
     restarts_left = job.plan.max_restarts
+    lost_after = session.options.connect_timeout + 5
     while True:
-        failure = follow(run, cluster, grace=grace, lost_after=connect_timeout + 5, stall_after=stall_after,
-                         keep_stalled=keep_stalled, stream_for=stream_for, notify=notify, progress=progress)
+        failure = follow(run, session.cluster(np.node for np in job.plan.nodes), grace=grace, lost_after=lost_after,
+                         stall_after=stall_after, keep_stalled=keep_stalled, stream_for=stream_for, notify=notify,
+                         progress=session.progress)
         if failure is None or not restarts_left:
-            return Outcome(job, run, failure)
+            return job, run, failure
         restarts_left -= 1
         notify(Restarting(job.run_id, failure, job.plan.attempt + 1, restarts_left))
         left_out, inventory = [], None
         if exclude_failed:
-            inventory, left_out = _passing_nodes(job, failure, cluster, connect_timeout, notify, progress)
-        job = settle_job(next_attempt(job, inventory=inventory), cluster, survey_nodes=False)
-        run = record_job(job, run)
-        notify(AttemptRecorded(job.run_id, job.plan.attempt, job.plan.nnodes))
-        if left_out:  # `stop` still reaches them once they are back: their processes may live on
-            run.update(left_out=run.read().left_out + left_out)
-        start_job(job, run, cluster, grace=grace, progress=progress)
+            inventory, left_out = _passing_nodes(job, failure, session, notify)
+        job, run = restart(next_attempt(job, inventory=inventory), left_out)
 
 
 def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_after: float | None = None,
@@ -171,8 +116,7 @@ def _diagnose_stall(run: Run, cluster: Cluster, failure: Failure, kept: bool, no
     return {**diagnosis.verdict.to_json(), "folder": str(diagnosis.folder)}
 
 
-def _passing_nodes(job: Job, failure: Failure, cluster: Cluster, connect_timeout: float, notify,
-                   progress: Progress):
+def _passing_nodes(job: Job, failure: Failure, session: Session, notify):
     """(the inventory of the next attempt, the plan entries left out): the run's nodes without those that
     fail the quick preflight now or were lost; node ranks close up in inventory order, and a new master is
     chosen if node 0 went. None when every node passes. The built-in trainer continues from its checkpoint's
@@ -182,9 +126,8 @@ def _passing_nodes(job: Job, failure: Failure, cluster: Cluster, connect_timeout
     plan = job.plan
     current = replace(job.spec.inventory, nodes=tuple(np.node for np in plan.nodes))
     notify(CheckingNodes(plan.run_id, len(current.nodes)))
-    with progress("checking nodes", len(current.nodes)) as advance:
-        report = run_preflight(current, cluster, gpus=job.spec.gpus, quick=True, full=False,
-                               connect_timeout=connect_timeout, on_probe=advance)
+    with session.progress("checking nodes", len(current.nodes)) as advance:
+        report = run_preflight(current, session, gpus=job.spec.gpus, quick=True, full=False, on_probe=advance)
     bad = dict(report.unreachable)
     for result in report.failed:
         bad.setdefault(result.node, f"{result.check}: {result.detail}")

@@ -1,10 +1,11 @@
-"""Starting a job on the nodes: one pipeline for `launch`, its restarts, `--resume` and preflight's collective test.
+"""The job stages' work, which the pipeline (nodectl/launch/pipeline.py) runs in order:
 
-    JobSpec --plan_job--> Job (plan + rendered scripts)      `launch --dry-run` stops here
-            --settle_job--> Job (nodes' workdirs surveyed, master port checked)
-            --record_job--> Run (runs/<run_id>/, a new run or the next attempt of one)
-            --start_job---> every node synced, then started (or nothing started, and the run says why)
+    JobSpec --plan_job--> Job (plan + rendered scripts)      Stage.PLAN (`launch --dry-run` stops here)
+            --settle_job--> Job (nodes' workdirs surveyed, master port checked)      Stage.SETTLE
+            --record_job--> Run (runs/<run_id>/, a new run or the next attempt of one)      Stage.RECORD
+            --start_job---> every node synced, then started (or nothing started, and the run says why)  Stage.START
 
+and `stop_run`, the one way a run is stopped and its state recorded (a failure, Ctrl-C, `nodectl stop`).
 Like torchx's `schedule(submit_dryrun(...))`: the dry run and the real start are the same calls with the same
 inputs. Nothing here prints; callers hear of progress through `progress` and `on_ready`.
 """
@@ -14,28 +15,20 @@ import json
 import sys
 import threading
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from typing import Callable, ContextManager, Mapping
+from typing import Callable, Mapping
 
 from nodectl.remote import sync
 from nodectl.errors import INTERRUPTED, NodectlError, exit_code_for
 from nodectl.inventory import Inventory
 from nodectl.remote.start import NodeStart, settle_master_port, start_run, survey
 from nodectl.plan import LaunchPlan, build_plan
+from nodectl.progress import Progress, no_progress
 from nodectl.render import RenderedNode, render_plan
 from nodectl.runs import Run, RunState, create_run, git_revision, this_controller
 from nodectl.secrets import redact_args
 from nodectl.remote.transport import Cluster, NodeResult
-from nodectl.watch import stop_nodes
-
-# progress(label, total) -> a context that yields the callback advanced once per node (the CLI's progress bar)
-Progress = Callable[[str, int], ContextManager[Callable[[NodeResult], None]]]
-
-
-def no_progress(label: str, total: int) -> ContextManager[Callable[[NodeResult], None]]:
-    return nullcontext(lambda result: None)
-
+from nodectl.watch import StopHurried, stop_nodes
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -173,17 +166,26 @@ def start_job(job: Job, run: Run, cluster: Cluster, *, grace: float, cancel: thr
 
 
 def stop_run(run: Run, cluster: Cluster, grace: float, state: RunState, *, progress: Progress = no_progress,
-             failure: dict | None = None, remove_unstarted: bool = False) -> dict[str, NodeResult]:
-    """Stop the run's current attempt on every node (SIGTERM, SIGKILL after `grace`) and record `state`, also
-    when a Ctrl-C hurried the stop (StopHurried is raised after the record). `remove_unstarted`: the run is
-    being given up before it ran everywhere: a node's folder prepared for it but never started is removed."""
-    run_nodes = run.nodes()
+             failure: dict | None = None, remove_unstarted: bool = False, left_out: bool = False,
+             confirmed: bool = False) -> dict[str, NodeResult]:
+    """Stop the run's current attempt on every node (SIGTERM, SIGKILL after `grace`; with `left_out`, also the
+    nodes a restart left out) and record `state`, also when a Ctrl-C hurried the stop (StopHurried is raised after
+    the record). `remove_unstarted`: the run is being given up before it ran everywhere: a node's folder prepared
+    for it but never started is removed. `confirmed` (`nodectl stop`): `state` is recorded only when every node
+    confirmed the stop and the run had not ended already."""
+    run_nodes = run.nodes(left_out=left_out)
     changes = {"failure": failure} if failure else {}
+    results: dict[str, NodeResult] = {}
     try:
         with progress("stopping", len(run_nodes)) as advance:
-            return stop_nodes(cluster, run_nodes, grace, on_done=advance, unstarted=remove_unstarted)
+            results = stop_nodes(cluster, run_nodes, grace, on_done=advance, unstarted=remove_unstarted)
+        return results
+    except StopHurried as hurried:
+        results = hurried.results
+        raise
     finally:
-        run.update(state=state, ended=time.time(), **changes)
+        if not confirmed or (results and not exit_code_for(results.values()) and not run.read().state.final):
+            run.update(state=state, ended=time.time(), **changes)
 
 
 def processes_left(stopped: Mapping[str, NodeResult]) -> int:

@@ -1,0 +1,142 @@
+"""What a launch tells its caller as it goes (`launch(..., events=...)`), one type per happening. The pipeline
+prints nothing; the CLI turns each event into its lines (nodectl/cli/launch_output.py), preflight's collective
+test ignores them."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from nodectl.watch import Failure
+
+
+@dataclass(frozen=True)
+class EnvironmentsReady:
+    """Stage.PROVISION: every node's venv built or reused."""
+    provisioned: Any         # nodectl.remote.envs.Provisioned
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PreflightReused:
+    """Stage.PREFLIGHT: a passing report of the same nodes from the last 10 minutes stands in for a new one."""
+
+
+@dataclass(frozen=True)
+class PreflightProbing:
+    """Stage.PREFLIGHT: the quick preflight is reading every node."""
+    count: int
+
+
+@dataclass(frozen=True)
+class PreflightFailed:
+    """Stage.PREFLIGHT: a node failed the quick preflight; the launch stops (the error follows as an exception)."""
+    report: Any              # nodectl.preflight.run.PreflightReport
+
+
+@dataclass(frozen=True)
+class Planned:
+    """The last stage was Stage.PLAN (a dry run): the rendered scripts, and what only the nodes could settle."""
+    job: Any                 # nodectl.launch.job.Job
+    unsettled: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SharedWorkdirs:
+    """Stage.SETTLE: these nodes' workdirs are one storage (a network home); each gets its own run folder."""
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """Stage.RECORD: the run folder holds the plan; `resumed` when it is a recorded run's next attempt."""
+    job: Any
+    resumed: bool
+
+
+@dataclass(frozen=True)
+class CodeReady:
+    """Stage.START: every node has its code and run folder; nothing started yet."""
+    nodes: int
+    seconds: float
+    sent: int
+
+
+@dataclass(frozen=True)
+class Started:
+    """Stage.START: every node started the run."""
+    job: Any
+    run: Any                 # nodectl.runs.Run
+
+
+@dataclass(frozen=True)
+class Stopping:
+    """A rank failed (or a node was lost, or a rank stalled): the run is being stopped on every node."""
+    failure: Failure
+
+
+@dataclass(frozen=True)
+class NotAnswering:
+    """A node did not confirm the stop: its processes may live on."""
+    node: str
+    run_id: str
+
+
+@dataclass(frozen=True)
+class Restarting:
+    run_id: str
+    failure: Failure
+    attempt: int          # the attempt about to start
+    restarts_left: int
+
+
+@dataclass(frozen=True)
+class CheckingNodes:
+    """--exclude-failed: the quick preflight on the run's nodes before a restart."""
+    run_id: str
+    count: int
+
+
+@dataclass(frozen=True)
+class LeavingOut:
+    node: str
+    why: str
+
+
+@dataclass(frozen=True)
+class AttemptRecorded:
+    run_id: str
+    attempt: int
+    nnodes: int
+
+
+@dataclass(frozen=True)
+class Diagnosed:
+    """A rank stalled: why, across every rank (nodectl/diagnose/), before the run is stopped or while it is kept."""
+    failure: Failure
+    diagnosis: object       # nodectl.diagnose.gather.Diagnosis, or None when gathering it failed
+    kept: bool              # --on-stall keep: the run goes on
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class Interrupting:
+    """Ctrl-C or SIGTERM after the run was recorded: whatever may have started is being stopped."""
+    run_id: str
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """The interrupted run stopped (KeyboardInterrupt follows): per node, what the stop did."""
+    run_id: str
+    stopped: Mapping[str, Any]   # node -> NodeResult[StopAnswer]
+    hurried: bool                # a second Ctrl-C: SIGKILL without the grace period
+
+
+Event = (EnvironmentsReady | PreflightReused | PreflightProbing | PreflightFailed | Planned | SharedWorkdirs
+         | Recorded | CodeReady | Started | Stopping | NotAnswering | Restarting | CheckingNodes | LeavingOut
+         | AttemptRecorded | Diagnosed | Interrupting | Interrupted)
+Listener = Callable[[Event], None]
+
+
+def ignore(event: Event) -> None:
+    pass
