@@ -17,6 +17,8 @@ import json
 import os
 import time
 
+import runlayout as layout   # beside this file in lib/: the run folder's names, written once
+
 _last_time = None
 
 
@@ -30,13 +32,13 @@ def report(step: int, **values: float) -> None:
     if "tokens" in record and _last_time is not None and now > _last_time:
         record["tokens_per_s"] = record["tokens"] / (now - _last_time)
     _last_time = now
-    heartbeat = os.path.join(run_dir, "heartbeat", f"rank{rank}.json")
+    heartbeat = os.path.join(run_dir, layout.heartbeat(rank))
     tmp = f"{heartbeat}.tmp{os.getpid()}"
     try:
         with open(tmp, "w", encoding="utf-8") as handle:
             json.dump(record, handle)
         os.replace(tmp, heartbeat)
-        path = os.environ.get("NODECTL_METRICS") or os.path.join(run_dir, "metrics", f"rank{rank}.jsonl")
+        path = os.environ.get("NODECTL_METRICS") or os.path.join(run_dir, layout.rank_metrics(rank))
         with open(path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")
     except OSError:  # a full disk must not stop the training that reports

@@ -15,6 +15,8 @@ import subprocess
 import sys
 import time
 
+import runlayout as layout   # beside this file in lib/: the run folder's names, written once
+
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
 
@@ -39,20 +41,20 @@ def _request_fifo(path: str) -> str:
 
 def main() -> int:
     run_dir, rank = os.environ["NODECTL_RUN_DIR"], os.environ["RANK"]
-    env = dict(os.environ, NODECTL_STACK_FILE=f"{run_dir}/stacks/rank{rank}.txt",
-               NODECTL_METRICS=f"{run_dir}/metrics/rank{rank}.jsonl")
+    at = lambda relative: os.path.join(run_dir, relative)  # noqa: E731
+    env = dict(os.environ, NODECTL_STACK_FILE=at(layout.rank_stack(rank)), NODECTL_METRICS=at(layout.rank_metrics(rank)))
     lib = os.path.dirname(os.path.abspath(__file__))  # nodectl_metrics.py, after the program's own paths
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), lib) if p)
-    env["NODECTL_RANK_HELPER"] = _request_fifo(f"{run_dir}/flight/rank{rank}.request")
-    exit_file = f"{run_dir}/state/rank{rank}.exit"
+    env["NODECTL_RANK_HELPER"] = _request_fifo(at(layout.rank_request(rank)))
+    exit_file = at(layout.rank_exit(rank))
     if os.path.exists(exit_file):  # torchrun restarted this rank (--max-restarts): keep the earlier exit aside
         os.replace(exit_file, f"{exit_file}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', 'prev')}")
-    with open(f"{run_dir}/logs/rank{rank}.log", "ab", buffering=0) as log:
+    with open(at(layout.rank_log(rank)), "ab", buffering=0) as log:
         child = subprocess.Popen([sys.executable, "-u", *sys.argv[1:]], stdout=log, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, env=env)
     for signum in FORWARDED:
         signal.signal(signum, lambda sig, _frame: child.send_signal(sig))
-    write_atomic(f"{run_dir}/state/rank{rank}.pid", str(child.pid))
+    write_atomic(at(layout.rank_pid(rank)), str(child.pid))
     code = child.wait()
     write_atomic(exit_file, json.dumps({"code": code, "time": time.time()}))
     if code < 0:  # died of a signal: die of the same one, so torchrun sees what happened

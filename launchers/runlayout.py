@@ -1,6 +1,7 @@
-"""A run folder's layout on a node, `<workdir>/runs/<run id>[/<node>]/`: one module both sides import (runctl, in
-whose artifact it travels, and nodectl on the controller, as `nodectl.resources.launchers.runlayout`), so a file's
-name is written once. Paths are relative to the run folder. Standard library only; imports nothing.
+"""A run folder's layout on a node, `<workdir>/runs/<run id>[/<node>]/`: one module every side imports (runctl, in
+whose artifact it travels; the ranks' helpers in lib/, beside which it is synced; nodectl on the controller, as
+`nodectl.resources.launchers.runlayout`), so a file's name is written once. Paths are relative to the run folder.
+Standard library only; imports nothing.
 """
 from __future__ import annotations
 
@@ -39,3 +40,26 @@ def rank_pid(rank: int) -> str:
 
 def heartbeat(rank: int) -> str:
     return f"heartbeat/rank{rank}.json"
+
+
+def rank_stack(rank) -> str:
+    """Where a rank's faulthandler writes its stacks on SIGUSR1."""
+    return f"stacks/rank{rank}.txt"
+
+
+def rank_metrics(rank) -> str:
+    """What nodectl_metrics appends, a JSON line per report."""
+    return f"metrics/rank{rank}.jsonl"
+
+
+FLIGHT = "flight"                       # the rank listener's answers and the flight recorders' dumps
+
+
+def rank_request(rank) -> str:
+    """The FIFO on which a rank's listener (lib/sitecustomize.py) takes `diagnose`'s requests."""
+    return f"{FLIGHT}/rank{rank}.request"
+
+
+def rank_answer(rank) -> str:
+    """Where the listener writes its answer to one request (atomically, with the request's id)."""
+    return f"{FLIGHT}/rank{rank}.answer.json"

@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 import sys
 
+import runlayout as layout   # beside this file in lib/: the run folder's names, written once
+
 ENTRIES_PER_GROUP = 32      # the latest collectives of each process group kept in the JSON answer
 FRAMES_PER_THREAD = 48
 FRAMES_PER_ENTRY = 12
@@ -33,7 +35,7 @@ def _start() -> None:
         return
     import threading
 
-    listener = threading.Thread(target=_serve, args=(fifo, os.path.join(run_dir, "flight"), rank),
+    listener = threading.Thread(target=_serve, args=(fifo, run_dir, rank),
                                 name="nodectl-diagnose", daemon=True)
     listener.start()
     _quiet_fork(listener)
@@ -70,7 +72,7 @@ def _quiet_fork(listener) -> None:
     os.register_at_fork(before=before, after_in_parent=after, after_in_child=after)
 
 
-def _serve(fifo: str, folder: str, rank: str) -> None:
+def _serve(fifo: str, run_dir: str, rank: str) -> None:
     import signal
 
     # Every signal blocked in this thread: a signal sent to the process then goes to the program's own threads,
@@ -87,13 +89,13 @@ def _serve(fifo: str, folder: str, rank: str) -> None:
         interval = sys.getswitchinterval()
         sys.setswitchinterval(1e-5)   # a main thread spinning in Python holds the GIL 5 ms per hand-over
         try:
-            answer = _snapshot(folder, rank)
+            answer = _snapshot(os.path.join(run_dir, layout.FLIGHT), rank)
         except Exception as exc:  # noqa: BLE001 - whatever fails here must never reach the rank's program
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             sys.setswitchinterval(interval)
         answer["request"] = request
-        _write_json(os.path.join(folder, f"rank{rank}.answer.json"), answer)
+        _write_json(os.path.join(run_dir, layout.rank_answer(rank)), answer)
 
 
 def _snapshot(folder: str, rank: str) -> dict:

@@ -22,7 +22,7 @@ from nodectl.inventory import ENV_NAME_RE as ENV_NAME
 from nodectl.plan import LaunchPlan, NodePlan
 from nodectl.resources import resource_dir
 from nodectl.secrets import redact_args, redact_env, redact_text
-from nodectl.remote.transport import quote_path
+from nodectl.transport import quote_path
 
 LAUNCH_TEMPLATE = "launch_node.sh.j2"
 ENV_TEMPLATE = "env.sh.j2"

@@ -8,11 +8,11 @@ from typing import Callable
 
 from nodectl.errors import interruptible, uninterruptible
 from nodectl.resources.launchers import runlayout as layout
-from nodectl.remote import agent
 from nodectl.remote.answers import NO_LOG, LogChunk
 from nodectl.remote.poller import Poller
 from nodectl.runs import RunNode, RunState
-from nodectl.remote.transport import Cluster, NodeResult
+from nodectl.transport import Cluster, NodeResult
+from nodectl.remote.client import NodeClient
 
 
 
@@ -59,8 +59,7 @@ def poll(cluster: Cluster, run_nodes: list[RunNode], offsets: dict[int, int] | N
     def work(transport):
         rn = by_name[transport.node.name]
         wanted = {str(r): o for r, o in (offsets or {}).items() if r in rn.ranks}
-        request = {"offsets": wanted, **({"gpus": True} if gpus else {})}
-        return agent.call(transport, "poll", rn.run_dir, request=request, timeout=30)
+        return NodeClient(transport).poll(rn.run_dir, wanted, gpus=gpus, timeout=30)
 
     return {r.node.name: r for r in cluster.fan_out(work, [rn.node for rn in run_nodes])}
 
@@ -92,8 +91,7 @@ def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
     def stop_all(nodes: list, seconds: float, done) -> dict[str, NodeResult]:
         def work(transport):
             rn = by_name[transport.node.name]
-            return agent.call(transport, "stop", rn.run_dir, request={"grace": seconds, "unstarted": unstarted},
-                              timeout=seconds + STOP_SLACK)
+            return NodeClient(transport).stop(rn.run_dir, seconds, unstarted, timeout=seconds + STOP_SLACK)
 
         return {r.node.name: r for r in cluster.fan_out(work, nodes, on_done=done, abandon_on_interrupt=True)}
 
@@ -117,8 +115,7 @@ def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int | str], line
                timeout: float = 30) -> dict[int | str, LogChunk]:
     """The last `lines` lines of these ranks' logs ("launcher": torchrun's own log) on one node; {} when the node
     did not answer."""
-    result = cluster.fan_out(lambda t: agent.call(t, "tail", run_node.run_dir, timeout=timeout,
-                                                  request={"ranks": ranks, "lines": lines}),
+    result = cluster.fan_out(lambda t: NodeClient(t).tail(run_node.run_dir, ranks, lines, timeout=timeout),
                              [run_node.node])[0]
     if not result.ok:
         return {}

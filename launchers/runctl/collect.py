@@ -9,7 +9,8 @@ import sys
 import tarfile
 
 import runlayout as layout
-from runctl.common import last_json, quiet, read_json
+from runctl.common import quiet, read_json
+from wire import last_json
 from runctl.runfolder import SYNCED_CODE
 from runctl.store import STREAM_BUFFER
 

@@ -158,11 +158,3 @@ def quiet(argv: list, timeout: float, stdin: str | None = None) -> tuple:
     return proc.returncode, proc.stdout, proc.stderr
 
 
-def last_json(text: str):
-    for line in reversed(text.strip().splitlines()):
-        if line.startswith("{"):
-            try:
-                return json.loads(line)
-            except (ValueError, RecursionError):
-                continue
-    return None

@@ -7,7 +7,8 @@ import resource
 import shutil
 
 import runlayout as layout
-from runctl.common import last_json, quiet, read_json
+from runctl.common import quiet, read_json
+from wire import last_json
 
 
 def cmd_container(args: list, request: dict) -> dict:

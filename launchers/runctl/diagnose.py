@@ -59,12 +59,12 @@ def _stack_of(run_dir: str, rank: int, pid: int, py_spy) -> dict:
 
 def _listener_stack(run_dir: str, rank: int, wait: float = 5.0) -> str:
     """Every thread's stack from the rank's own listener (lib/sitecustomize.py), as text; "" without an answer."""
-    flight, request_id = os.path.join(run_dir, "flight"), f"stacks-{time.time_ns()}-{os.getpid()}"
+    request_id = f"stacks-{time.time_ns()}-{os.getpid()}"
     deadline = time.monotonic() + wait
-    if not _ask_listener(os.path.join(flight, f"rank{rank}.request"), request_id, time.monotonic() + 1.0):
+    if not _ask_listener(os.path.join(run_dir, layout.rank_request(rank)), request_id, time.monotonic() + 1.0):
         return ""
     while time.monotonic() < deadline:
-        answer = read_json(os.path.join(flight, f"rank{rank}.answer.json"))
+        answer = read_json(os.path.join(run_dir, layout.rank_answer(rank)))
         if isinstance(answer, dict) and answer.get("request") == request_id and answer.get("threads"):
             lines = [f"Process {answer.get('pid')} (rank {rank}; from its listener)"]
             for thread in answer["threads"]:
@@ -139,13 +139,12 @@ def cmd_diagnose(args: list, request: dict) -> dict:
     live = {rank: state["pid"] for rank, state in states.items() if state["alive"]}
     before = {rank: _cpu_ticks(pid) for rank, pid in live.items()}
     request_id = f"{time.time_ns()}-{os.getpid()}"
-    flight = os.path.join(run_dir, "flight")
     asked = {rank for rank in live
-             if _ask_listener(os.path.join(flight, f"rank{rank}.request"), request_id, started + 1.0)}
+             if _ask_listener(os.path.join(run_dir, layout.rank_request(rank)), request_id, started + 1.0)}
     answers, deadline = {}, started + wait
     while len(answers) < len(asked) and time.monotonic() < deadline:
         for rank in asked - set(answers):
-            answer = read_json(os.path.join(flight, f"rank{rank}.answer.json"))
+            answer = read_json(os.path.join(run_dir, layout.rank_answer(rank)))
             if isinstance(answer, dict) and answer.get("request") == request_id:
                 answers[rank] = answer
         time.sleep(0.05)
@@ -167,6 +166,7 @@ def cmd_diagnose(args: list, request: dict) -> dict:
                                            if rank in asked else "no listener in the process")
                 entry["stack"] = _stack_of(run_dir, rank, live[rank], py_spy)
         out[str(rank)] = entry
+    flight = os.path.join(run_dir, layout.FLIGHT)
     timeout_dumps = sorted(name for name in os.listdir(flight) if name.startswith("rank_")) \
         if os.path.isdir(flight) else []
     return {"now": time.time(), "node_rank": node["node_rank"], "ranks": out,

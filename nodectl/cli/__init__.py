@@ -14,7 +14,7 @@ from nodectl import __version__
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
 from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, NodectlError, install_signal_handlers
-from nodectl.remote.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, TransportOptions
+from nodectl.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, TransportOptions
 
 
 def quiet_libraries() -> None:

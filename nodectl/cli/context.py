@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from nodectl.inventory import Inventory, load_inventory, resolve_inventory_path
-from nodectl.remote.transport import Cluster, NodeResult, Session, TransportOptions
+from nodectl.transport import Cluster, NodeResult, Session, TransportOptions
 
 
 PIPED_WIDTH = 1000

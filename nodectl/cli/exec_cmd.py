@@ -12,7 +12,7 @@ from nodectl import hostlist
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds, node_selection
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE, UsageError
-from nodectl.remote.transport import NodeResult
+from nodectl.transport import NodeResult
 
 MAX_STDIN = 64 * 2**20
 KILL_AFTER = 5

@@ -16,7 +16,7 @@ from nodectl.errors import UsageError
 from nodectl.hostlist import fold
 from nodectl.runs import Manifest, Run, RunState, list_runs
 from nodectl.cli.tables import Column, make_table
-from nodectl.remote.transport import Cluster, TransportOptions
+from nodectl.transport import Cluster, TransportOptions
 from nodectl.watch import poll
 
 

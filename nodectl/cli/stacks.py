@@ -4,10 +4,10 @@ from __future__ import annotations
 import click
 from rich.markup import escape
 
-from nodectl.remote import agent
 from nodectl.cli.context import AppContext
 from nodectl.cli.run_option import opened, run_option
 from nodectl.errors import EXIT_FAILED, exit_code_for
+from nodectl.remote.client import NodeClient
 
 
 @click.command("stacks")
@@ -21,7 +21,7 @@ def command(app: AppContext, run_id: str | None) -> None:
     folder.mkdir(exist_ok=True)
     with app.cluster_for(run_nodes.values()) as cluster, \
             app.node_progress("gathering stacks", len(run_nodes)) as advance:
-        results = cluster.fan_out(lambda t: agent.call(t, "stacks", run_nodes[t.node.name].run_dir, timeout=120),
+        results = cluster.fan_out(lambda t: NodeClient(t).stacks(run_nodes[t.node.name].run_dir),
                                   on_done=advance)
     gathered = {}
     for result in results:

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from nodectl.diagnose.flight import read_recorder, read_threads
 from nodectl.diagnose.verdicts import RankView, Verdict, judge
-from nodectl.remote import agent
 from nodectl.remote.answers import DiagnoseAnswer, RankDump
-from nodectl.remote.transport import Cluster, NodeResult
+from nodectl.transport import Cluster, NodeResult
 from nodectl.runs import Run, RunNode
 from nodectl.secrets import redact_tree, redact_words
+from nodectl.remote.client import NodeClient
 
 LISTENER_WAIT = 5.0     # seconds a node waits for its ranks' listeners
 NODE_TIMEOUT = 20.0     # seconds the controller waits for a node's whole answer
@@ -51,9 +51,8 @@ def diagnose(run: Run, cluster: Cluster, *, lines: int = 20, on_done=None) -> Di
     started = time.monotonic()
     run_nodes = run.nodes()
     by_name = {rn.node.name: rn for rn in run_nodes}
-    request = {"wait": LISTENER_WAIT, "lines": lines}
-    results = cluster.fan_out(lambda t: agent.call(t, "diagnose", by_name[t.node.name].run_dir, request=request,
-                                                   timeout=NODE_TIMEOUT),
+    results = cluster.fan_out(lambda t: NodeClient(t).diagnose(by_name[t.node.name].run_dir, LISTENER_WAIT, lines,
+                                                               timeout=NODE_TIMEOUT),
                               [rn.node for rn in run_nodes], on_done=on_done)
     views = [view for result in results for view in rank_views(by_name[result.node.name], result, run.run_id)]
     shorten = code_path(run.run_id)

@@ -17,7 +17,7 @@ from nodectl.launch.job import Job, next_attempt, stop_run
 from nodectl.progress import Progress, no_progress
 from nodectl.secrets import redact_words
 from nodectl.runs import Run, RunNode, RunState
-from nodectl.remote.transport import Cluster, Session
+from nodectl.transport import Cluster, Session
 from nodectl.watch import Failure, LogStream, failure_lines, wait_for_end
 
 

@@ -21,13 +21,13 @@ from typing import Callable, Mapping
 from nodectl.remote import sync
 from nodectl.errors import INTERRUPTED, NodectlError, exit_code_for
 from nodectl.inventory import Inventory
-from nodectl.remote.start import NodeStart, settle_master_port, start_run, survey
+from nodectl.launch.nodes import NodeStart, settle_master_port, start_run, survey
 from nodectl.plan import LaunchPlan, build_plan
 from nodectl.progress import Progress, no_progress
 from nodectl.render import RenderedNode, render_plan
 from nodectl.runs import Run, RunState, create_run, git_revision, this_controller
 from nodectl.secrets import redact_args
-from nodectl.remote.transport import Cluster, NodeResult
+from nodectl.transport import Cluster, NodeResult
 from nodectl.watch import StopHurried, stop_nodes
 
 @dataclass(frozen=True)

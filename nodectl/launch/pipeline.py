@@ -24,7 +24,7 @@ import nodectl.launch.events as ev
 from nodectl.launch.attend import attend
 from nodectl.launch.job import Job, plan_job, record_job, save_preflight, settle_job, start_job, stop_run
 from nodectl.launch.request import LaunchRequest
-from nodectl.remote.transport import Session
+from nodectl.transport import Session
 from nodectl.runs import Run, RunNode, RunState
 from nodectl.watch import Failure, LogStream, StopHurried
 

@@ -137,7 +137,7 @@ def _check_recipe(config: str | None, overrides: tuple[str, ...]) -> None:
 def _reachable_addresses(inventory: Inventory) -> Inventory:
     """A node without `addr:` is reached by the others where ssh reaches it: an ~/.ssh/config alias as `host:`
     becomes its HostName (torchrun on the other nodes would retry resolving the alias for ever, silently)."""
-    from nodectl.remote.ssh import ssh_hostname
+    from nodectl.transport.ssh import ssh_hostname
 
     nodes = tuple(replace(node, addr=ssh_hostname(node.host)) if node.addr == node.host and not node.is_local else node
                   for node in inventory.nodes)

@@ -12,7 +12,7 @@ from nodectl.launch.job import JobSpec, StartFailed
 from nodectl.preflight.network import judge_collective, judge_pairs, result_in, transports_in
 from nodectl.remote import sync
 from nodectl.remote.answers import NO_LOG
-from nodectl.remote.transport import Cluster, Session
+from nodectl.transport import Cluster, Session
 from nodectl.watch import tail_lines
 
 STAGES = (Stage.PLAN, Stage.SETTLE, Stage.RECORD, Stage.START, Stage.ATTEND)

@@ -8,7 +8,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from nodectl.remote import agent
 from nodectl.inventory import Inventory
 from nodectl.preflight.gpu import cluster_medians
 from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge_node
@@ -20,7 +19,8 @@ from nodectl.remote.answers import AnswerError, parse_gpu_job
 from nodectl.remote.probe_nodes import probe_nodes
 from nodectl.resources import resource_dir
 from nodectl.runs import private_folder, runs_root
-from nodectl.remote.transport import Cluster, NodeResult, Session, Transport, quote_path
+from nodectl.transport import Cluster, NodeResult, Session, Transport, quote_path
+from nodectl.remote.client import NodeClient
 
 REUSE_SECONDS = 600
 
@@ -79,11 +79,11 @@ def _gpu_job(transport: Transport) -> dict:
     source = (resource_dir("launchers") / "gpuhealth.py").read_text()
     visible = node.env.get("CUDA_VISIBLE_DEVICES")
     prefix = f"CUDA_VISIBLE_DEVICES={shlex.quote(visible)} " if visible is not None else ""
-    result = transport.run(f"{prefix}{quote_path(node.python)} -", stdin=source, timeout=300)
-    try:
-        return parse_gpu_job(json.loads(result.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError, RecursionError):
+    result, answer = NodeClient(transport).script(f"{prefix}{quote_path(node.python)} -", source, timeout=300)
+    if answer is None:
         return {"error": f"exit {result.exit_code}: {result.tail(3)}"}
+    try:
+        return parse_gpu_job(answer)
     except AnswerError as exc:
         return {"error": str(exc)}
 
@@ -101,20 +101,20 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], por
         extras[r.node.name]["p2p"] = r.value if r.ok else {"error": r.error}
     if master.name not in reports:
         return extras, None
-    port_answer = cluster.fan_out(lambda t: agent.call(t, "port", str(port or 0)), [master])[0]
+    port_answer = cluster.fan_out(lambda t: NodeClient(t).port(port or 0), [master])[0]
     if not port_answer.ok:
         return extras, None
     extras[master.name]["port"] = asdict(port_answer.value)   # the judges read plain facts, as saved
     chosen = port_answer.value.port if port_answer.value.free else None
     if chosen is None:
         return extras, None
-    listener = cluster.fan_out(lambda t: agent.call(t, "listen", str(chosen), "30"), [master])[0]
+    listener = cluster.fan_out(lambda t: NodeClient(t).listen(chosen, 30), [master])[0]
     try:
-        reach = cluster.fan_out(lambda t: agent.call(t, "connect", master.addr, str(chosen)), reachable)
-        route = cluster.fan_out(lambda t: agent.call(t, "route", master.addr), reachable)
+        reach = cluster.fan_out(lambda t: NodeClient(t).connect(master.addr, chosen), reachable)
+        route = cluster.fan_out(lambda t: NodeClient(t).route(master.addr), reachable)
     finally:
         if listener.ok:
-            cluster.fan_out(lambda t: agent.call(t, "unlisten", str(listener.value.pid)), [master])
+            cluster.fan_out(lambda t: NodeClient(t).unlisten(listener.value.pid), [master])
     for r in reach:
         extras[r.node.name]["reach"] = asdict(r.value) if r.ok else {"ok": False, "error": r.error}
     for r in route:
@@ -137,12 +137,11 @@ def _store_check(transport: Transport, outputs) -> dict:
     request = {"outputs": outputs.to_json(), "node": node.name,
                "env": {k: v for k, v in node.env.items() if k.startswith("AWS_") or k == "PYTHONPATH"}}
     command = f"{quote_path(node.python)} -c {shlex.quote(STDIN_SCRIPT)} {len(source)} check"
-    result = transport.run(command, stdin=source + json.dumps(request).encode(), timeout=STORE_TIMEOUT)
-    try:
-        answer = json.loads(result.stdout.strip().splitlines()[-1])
-    except (ValueError, IndexError, RecursionError):
+    result, answer = NodeClient(transport).script(command, source + json.dumps(request).encode(),
+                                                  timeout=STORE_TIMEOUT)
+    if answer is None:
         return {"ok": False, "error": f"the check exited {result.exit_code}: {result.tail(3)}"}
-    return answer if isinstance(answer, dict) else {"ok": False, "error": "the check answered no object"}
+    return answer
 
 
 PROBE_HINTS = {

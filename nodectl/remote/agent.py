@@ -11,9 +11,10 @@ import zipfile
 from functools import lru_cache
 
 from nodectl.resources import resource_dir
+from nodectl.resources.launchers.wire import last_json
 from nodectl.remote import answers
 from nodectl.terminal_text import visible
-from nodectl.remote.transport import NodeError, Transport, quote_path
+from nodectl.transport import NodeError, Transport, quote_path
 
 AGENT_TIMEOUT = 120.0
 
@@ -34,13 +35,13 @@ MAIN = b"from runctl.dispatch import main\n\nmain()\n"
 
 @lru_cache(maxsize=1)
 def _runctl() -> tuple[bytes, str, str]:
-    """runctl's artifact: the package launchers/runctl/ and the run folder's layout (launchers/runlayout.py, which
-    the controller imports too) as one zip with a __main__ (`python -S FILE` runs it), the short hash that names it
-    on the nodes, and its full sha256. Every controller of one version builds the same bytes: entries in order,
+    """runctl's artifact: the package launchers/runctl/, the run folder's layout (launchers/runlayout.py) and the
+    answers' reader (launchers/wire.py), the last two imported by the controller too, as one zip with a __main__
+    (`python -S FILE` runs it); the short hash that names it on the nodes, and its full sha256. Every controller of one version builds the same bytes: entries in order,
     fixed times and modes, stored uncompressed."""
     launchers = resource_dir("launchers")
     buffer = io.BytesIO()
-    entries = [("__main__.py", MAIN), ("runlayout.py", (launchers / "runlayout.py").read_bytes()),
+    entries = [("__main__.py", MAIN), *((name, (launchers / name).read_bytes()) for name in ("runlayout.py", "wire.py")),
                *((f"runctl/{path.name}", path.read_bytes()) for path in sorted((launchers / "runctl").glob("*.py")))]
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
         for name, data in entries:
@@ -200,20 +201,6 @@ def unsafe_error(node, answer: dict) -> AgentError:
                       f"the login user owns (mode 0700, no links), under a workdir that is that user's or root's (and "
                       f"sticky where others may write). Remove {path} if it is not yours, or set workdir: in the "
                       f"inventory to a folder of your own", kind="unsafe")
-
-
-def last_json(stdout: str) -> dict | None:
-    """The last line that is a JSON object: what a node-side helper answered, after any login banner."""
-    for line in reversed(stdout.strip().splitlines()):
-        line = line.strip()
-        if line.startswith("{"):
-            try:
-                value = json.loads(line)
-            except (ValueError, RecursionError):   # a node's answer nested too deep is no answer
-                continue
-            if isinstance(value, dict):
-                return value
-    return None
 
 
 def classify_failure(node, what: str, result) -> tuple[str, str]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Mapping, Union
 
-from nodectl.remote.transport import NodeError
+from nodectl.transport import NodeError
 
 
 class AnswerError(NodeError):

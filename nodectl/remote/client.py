@@ -11,7 +11,7 @@ from nodectl.remote.answers import (ConnectAnswer, ContainerAnswer, DiagnoseAnsw
                                     HaveAnswer, IdentityAnswer, ListenAnswer, PackAnswer, PollAnswer, PortAnswer,
                                     PrepareAnswer, PullAnswer, ReceiveAnswer, RouteAnswer, StacksAnswer, StartAnswer,
                                     StopAnswer, TailAnswer)
-from nodectl.remote.transport import StreamSink, Transport
+from nodectl.transport import CommandResult, StreamSink, Transport
 
 Produce = Callable[[StreamSink], None]
 
@@ -106,3 +106,12 @@ class NodeClient:
 
     def cleanup(self, archive: str) -> Done:
         return agent.call(self.transport, "cleanup", archive)
+
+    # --- launchers that need the ranks' interpreter ----------------------------------------------------------------
+
+    def script(self, command: str, stdin: str | bytes, timeout: float) -> tuple[CommandResult, dict | None]:
+        """A launcher sent on stdin and run by `command` under the node's own python with its site-packages (the
+        probe, the GPU job, the bucket check: they import torch, CUDA or boto3, which runctl's `python -S` does
+        not see): how it ended, and its answer read as runctl's are (agent.last_json), None when it gave none."""
+        result = self.transport.run(command, stdin=stdin, timeout=timeout)
+        return result, agent.last_json(result.stdout)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from nodectl.plan import NodePlan
-from nodectl.remote import agent
-from nodectl.remote.transport import NodeResult, Transport
+from nodectl.transport import NodeResult, Transport
+from nodectl.remote.client import NodeClient
 
 NAME_LIMIT = 1024
 UNNAMEABLE = (errno.ENAMETOOLONG, errno.EINVAL, errno.EILSEQ)
@@ -38,13 +38,13 @@ class Collected:
 
 
 def collect_node(transport: Transport, run_dir: str, target: Path, also: tuple[str, ...] = ()) -> Collected:
-    packed = agent.call(transport, "pack", run_dir, timeout=600, request={"also": list(also)})
+    packed = NodeClient(transport).pack(run_dir, also=also)
     with tempfile.TemporaryDirectory() as tmp:
         local = Path(tmp) / "collect.tar.gz"
         try:
             transport.get(packed.archive, local, remove=True)   # gone from the node once open for reading
         except BaseException:   # it failed before that: taken away here (SIGKILL: pack's next run replaces it)
-            agent.call(transport, "cleanup", packed.archive)
+            NodeClient(transport).cleanup(packed.archive)
             raise
         refused = unpack(local, target)
     return Collected(packed.bytes, packed.entries, tuple(refused), packed.skipped, packed.missing,
@@ -60,7 +60,7 @@ def share_output(cluster, source: NodePlan, others: list[NodePlan]) -> dict[str,
         local = Path(tmp) / "output.tar"
         fetched = cluster.fan_out(lambda t: _fetch_output(t, source.run_dir, local), [source.node])[0]
         if not fetched.ok:
-            return {np.node.name: NodeResult(np.node, error=f"{source.node.name}'s output could not be read: "
+            return {np.node.name: NodeResult.failed(np.node, f"{source.node.name}'s output could not be read: "
                                                             f"{fetched.error}") for np in others}
         size = local.stat().st_size
 
@@ -68,19 +68,18 @@ def share_output(cluster, source: NodePlan, others: list[NodePlan]) -> dict[str,
             def produce(sink) -> None:
                 with open(local, "rb") as handle:
                     sink.send_file(handle, size)
-            return agent.call_stream(transport, "fill", run_dirs[transport.node.name], produce=produce,
-                                     timeout=600)
+            return NodeClient(transport).fill(run_dirs[transport.node.name], produce)
 
         return {r.node.name: r for r in cluster.fan_out(fill, [np.node for np in others])}
 
 
 def _fetch_output(transport: Transport, run_dir: str, local: Path) -> None:
     """The run's output/ on this node, as an uncompressed tar (checkpoints do not compress), at `local`."""
-    archive = agent.call(transport, "pack", run_dir, timeout=600, request={"only": ["output"]}).archive
+    archive = NodeClient(transport).pack(run_dir, only=("output",)).archive
     try:
         transport.get(archive, local, remove=True)
     except BaseException:
-        agent.call(transport, "cleanup", archive)
+        NodeClient(transport).cleanup(archive)
         raise
 
 

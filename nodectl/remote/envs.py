@@ -11,9 +11,10 @@ from typing import Any, Callable, Mapping
 
 from nodectl.environment import BUILD_TIMEOUT, WheelSet, fetch_wheels
 from nodectl.errors import NodectlError, UnreachableError
-from nodectl.remote import agent, sync
+from nodectl.remote import sync
 from nodectl.remote.answers import EnvAnswer
-from nodectl.remote.transport import Cluster, NodeResult, Transport
+from nodectl.transport import Cluster, NodeResult, Transport
+from nodectl.remote.client import NodeClient
 
 
 def _sync_file(path: Path) -> sync.SyncFile:
@@ -39,8 +40,7 @@ def _hash(path: Path) -> str:
 # --- the nodes' side, driven from here ---------------------------------------------------------------------------
 
 def status(transport: Transport) -> EnvAnswer:
-    return agent.call(transport, "env_status", transport.node.workdir,
-                      request={"lock_sha": transport.node.environment.lock_sha})
+    return NodeClient(transport).env_status(transport.node.environment.lock_sha)
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ def provision(cluster: Cluster, inventory, cancel: threading.Event | None = None
             request["wheels"] = [{"name": f.source.name, "sha256": f.sha256} for f in files[:len(wheel_set.wheels)]]
             if wheel_set.uv:
                 request["uv"] = {"name": wheel_set.uv.name, "sha256": files[-1].sha256}
-        return agent.call(transport, "env_build", node.workdir, request=request, timeout=BUILD_TIMEOUT)
+        return NodeClient(transport).env_build(request, timeout=BUILD_TIMEOUT)
 
     built = cluster.fan_out(build, nodes, on_done=on_done)
     _raise_for([r for r in built if not r.ok], "could not build its environment")

@@ -14,7 +14,8 @@ from typing import Callable
 
 from nodectl.remote import agent
 from nodectl.runs import RunNode
-from nodectl.remote.transport import Cluster, CommandTimeout, NodeResult, failure_of
+from nodectl.transport import Cluster, CommandTimeout, NodeResult, failure_of
+from nodectl.remote.client import NodeClient
 
 
 @dataclass
@@ -52,8 +53,7 @@ class Poller:
             wanted = {str(r): o for r, o in self.offsets().items() if r in run_node.ranks}
             hung = False
             try:
-                value = agent.call(transport, "poll", run_node.run_dir, request={"offsets": wanted},
-                                   timeout=self.timeout)
+                value = NodeClient(transport).poll(run_node.run_dir, wanted, timeout=self.timeout)
                 result = NodeResult(run_node.node, value=value)
             except agent.AgentError as exc:  # the node answered, with an error
                 result = NodeResult(run_node.node, failure=failure_of(exc))

@@ -8,12 +8,12 @@ import time
 from typing import Iterable, Mapping
 
 from nodectl import container as containers
-from nodectl.remote import agent
 from nodectl.remote.agent import classify_failure
 from nodectl.remote.answers import AnswerError, parse_probe
 from nodectl.inventory import Node
 from nodectl.resources import resource_dir
-from nodectl.remote.transport import Cluster, NodeError, NodeResult, Transport, quote_path
+from nodectl.transport import Cluster, NodeError, NodeResult, Transport, quote_path
+from nodectl.remote.client import NodeClient
 
 PROBE_TIMEOUT = 90.0
 CONTAINER_TIMEOUT = 3600.0   # a missing image is pulled (tens of GB for an NGC image)
@@ -42,23 +42,22 @@ def run_probe(transport: Transport, source: str | None = None, import_torch: boo
     environment, python = None, node.python
     if node.environment is not None and node.environment.lock_sha:
         try:
-            environment = agent.call(transport, "env_status", node.workdir,
-                                     request={"lock_sha": node.environment.lock_sha})
+            environment = NodeClient(transport).env_status(node.environment.lock_sha)
         except NodeError as exc:
             raise ProbeFailed(f"{node.name}: asking about its environment failed: {exc}", "environment") from None
         if environment.present and environment.intact:
             python = environment.python_path   # judge what the ranks will run
     command = f"{prefix}{quote_path(python)} - {quote_path(node.workdir)}{flag}"
     before = time.time()
-    result = transport.run(command, stdin=source or probe_source(), timeout=PROBE_TIMEOUT)
+    result, answer = NodeClient(transport).script(command, source or probe_source(), timeout=PROBE_TIMEOUT)
     after = time.time()
     if not result.ok:
         check, message = classify_failure(node, f"the probe `{command}`", result)
         raise ProbeFailed(message, check)
+    if answer is None:
+        raise ProbeFailed(f"probe on {node.name} printed no report: {result.tail(5)}")
     try:
-        report = parse_probe(json.loads(result.stdout.strip().splitlines()[-1]))
-    except (ValueError, IndexError, RecursionError):
-        raise ProbeFailed(f"probe on {node.name} printed no report: {result.tail(5)}") from None
+        report = parse_probe(answer)
     except AnswerError as exc:
         raise ProbeFailed(f"probe on {node.name} answered malformed: {exc}") from None
     report.setdefault("clock", {})
@@ -72,7 +71,7 @@ def run_probe(transport: Transport, source: str | None = None, import_torch: boo
                                            probe_source=source or probe_source(),
                                            probe_args=("/", *flag.split()))
         try:
-            answer = agent.call(transport, "container", request=request, timeout=CONTAINER_TIMEOUT)
+            answer = NodeClient(transport).container(request, timeout=CONTAINER_TIMEOUT)
         except NodeError as exc:
             raise ProbeFailed(f"{node.name}: checking its container runtime failed: {exc}", "container") from None
         report = containers.merge_report(report, node.container, answer)

@@ -19,7 +19,8 @@ from pathlib import Path
 from nodectl.remote import agent
 from nodectl.errors import Cancelled, UsageError
 from nodectl.resources import NODE_TRAINER, resource_dir
-from nodectl.remote.transport import StreamSink, Transport
+from nodectl.transport import StreamSink, Transport
+from nodectl.remote.client import NodeClient
 
 DEFAULT_SYNC_LIMIT = 512 * 2**20
 # A file written to within this many seconds may still be written to while it is sent (a log, an output, nohup.out):
@@ -161,11 +162,12 @@ def _tree(base: Path, prefix: str) -> list[SyncFile]:
 
 
 def nodectl_files(builtin_trainer: bool, config: str | None, launchers_needed: tuple[str, ...] = ()) -> list[SyncFile]:
-    """rankexec.py, nodectl_metrics.py and sitecustomize.py (the diagnose listener) always, plus any other
-    launcher a job runs; the built-in trainer and its recipe when it is what runs."""
+    """rankexec.py, nodectl_metrics.py and sitecustomize.py (the diagnose listener) always, with runlayout.py, the
+    run folder's names they share with runctl and the controller; plus any other launcher a job runs; the
+    built-in trainer and its recipe when it is what runs."""
     launchers = resource_dir("launchers")
     files = [SyncFile(f"lib/{name}", launchers / name, _hash(launchers / name), 0o644, (launchers / name).stat().st_size)
-             for name in ("rankexec.py", "nodectl_metrics.py", "sitecustomize.py", *launchers_needed)]
+             for name in ("rankexec.py", "nodectl_metrics.py", "sitecustomize.py", "runlayout.py", *launchers_needed)]
     if builtin_trainer:
         files += _tree(resource_dir("trainer"), f"lib/{NODE_TRAINER}")
     if config:
@@ -217,7 +219,7 @@ def have_request(files: list[SyncFile]) -> dict:
 
 
 def missing_objects(transport: Transport, files: list[SyncFile]) -> list[str]:
-    return agent.call(transport, "have", transport.node.workdir, request=have_request(files)).missing
+    return NodeClient(transport).have(have_request(files)).missing
 
 
 def send_objects(transport: Transport, files: list[SyncFile], missing: list[str],
@@ -248,8 +250,7 @@ def send_objects(transport: Transport, files: list[SyncFile], missing: list[str]
 
     try:
         with _STREAMS:
-            answer = agent.call_stream(transport, "receive", transport.node.workdir, produce=produce,
-                                       request={"prepare": then} if then else None)
+            answer = NodeClient(transport).receive(produce, prepare=then)
     except agent.AgentError as exc:
         corrupted = [unique[sha] for sha in missing if sha in str(exc)]
         if corrupted:

@@ -16,7 +16,7 @@ from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge
 from nodectl.preflight.verdict import SKIP
 from nodectl.remote import agent, answers, sync
 from nodectl.remote.probe_nodes import probe_nodes
-from nodectl.remote.transport import Cluster, TransportOptions
+from nodectl.transport import Cluster, TransportOptions
 from nodectl.runs import RunState
 
 SAVED = Path(__file__).resolve().parents[1] / "data" / "probe"

@@ -12,13 +12,13 @@ import pytest
 from nodectl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, exit_code_for
 from nodectl.inventory import parse_inventory
 from nodectl.launch.job import JobSpec, plan_job, record_job
-from nodectl.remote.transport import NodeResult
+from nodectl.transport import NodeResult
 
 
 def test_the_rule():
     node = parse_inventory("nodes: [{host: a}, {host: b}]", "hosts.yaml").nodes
-    ok, answered, gone = NodeResult(node[0], value={}), NodeResult(node[0], error="no run"), \
-        NodeResult(node[1], error="refused", unreachable=True)
+    ok, answered, gone = NodeResult(node[0], value={}), NodeResult.failed(node[0], "no run"), \
+        NodeResult.failed(node[1], "refused", "unreachable")
     assert exit_code_for([ok, ok]) == EXIT_OK
     assert exit_code_for([ok, answered]) == EXIT_FAILED
     assert exit_code_for([answered, gone]) == EXIT_UNREACHABLE

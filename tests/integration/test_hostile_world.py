@@ -11,7 +11,7 @@ from pathlib import Path
 
 from nodectl.inventory import parse_inventory
 from nodectl.remote import agent
-from nodectl.remote.transport import Cluster, TransportOptions
+from nodectl.transport import Cluster, TransportOptions
 
 SCRIPT = """\
 import json
@@ -263,7 +263,7 @@ def test_a_command_whose_connection_closes_under_it_ends_at_once(ssh_cluster, tm
     import threading
 
     from nodectl.inventory import load_inventory
-    from nodectl.remote.transport import Unreachable
+    from nodectl.transport import Unreachable
 
     for key, value in ssh_cluster.env().items():
         monkeypatch.setenv(key, value)

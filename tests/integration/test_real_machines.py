@@ -436,7 +436,7 @@ def test_over_long_names_and_host_labels_are_inventory_errors(tmp_path):
 
 def test_commands_mean_the_same_under_sh_bash_zsh_and_fish(ssh_cluster, fresh_cluster, tmp_path):
     from nodectl.inventory import load_inventory
-    from nodectl.remote.transport import Cluster, TransportOptions
+    from nodectl.transport import Cluster, TransportOptions
 
     fresh_cluster.trust_host_keys()
     tricky = "a\\\\b 'single' \"double\" $HOME `x` ; done"
@@ -456,7 +456,7 @@ def test_commands_mean_the_same_under_sh_bash_zsh_and_fish(ssh_cluster, fresh_cl
 def test_fan_out_turns_every_failure_into_that_nodes_result(tmp_path):
     from nodectl.remote.agent import AgentError
     from nodectl.inventory import parse_inventory
-    from nodectl.remote.transport import Cluster
+    from nodectl.transport import Cluster
 
     inventory = parse_inventory("nodes: [{host: a, transport: local}, {host: b, transport: local}, "
                                 "{host: c, transport: local}]")

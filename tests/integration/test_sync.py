@@ -10,7 +10,7 @@ import pytest
 from nodectl.remote import sync
 from nodectl.errors import UsageError
 from nodectl.inventory import builtin_inventory
-from nodectl.remote.transport import LocalTransport, TransportOptions
+from nodectl.transport import LocalTransport, TransportOptions
 
 
 @pytest.fixture
@@ -118,8 +118,8 @@ def _prepare_everywhere(inventory, plan, rendered, files):
     """What a launch does before it starts anything: survey, then each node's code and run folder."""
     import threading
 
-    from nodectl.remote.start import prepare_node, survey
-    from nodectl.remote.transport import Cluster
+    from nodectl.launch.nodes import prepare_node, survey
+    from nodectl.transport import Cluster
 
     with Cluster(inventory.nodes) as cluster:
         cluster.transports = {name: _Counting(t.node, t.options) for name, t in cluster.transports.items()}

@@ -12,7 +12,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 PURE_PREFLIGHT = tuple(f"nodectl.preflight.{m}" for m in ("verdict", "checks", "host", "gpu", "network",
                                                                  "storage", "cluster", "judge"))
-REMOTE = ("nodectl.remote", "fabric", "paramiko")
+REMOTE = ("nodectl.remote", "nodectl.transport", "fabric", "paramiko")
 
 
 def module_name(path: Path) -> str:
@@ -68,6 +68,28 @@ def test_only_the_cli_imports_the_cli():
         assert not bad, f"{name} imports {bad}: the library must not depend on the command line"
 
 
+LAYERS = {   # a layer may import the ones below it, never one above (docs/ARCHITECTURE.md)
+    "nodectl.transport": ("nodectl.transport", "nodectl.inventory", "nodectl.progress"),
+    "nodectl.remote": ("nodectl.launch", "nodectl.preflight", "nodectl.diagnose", "nodectl.cli", "nodectl.render",
+                       "nodectl.watch", "nodectl.job", "nodectl.attend"),
+}
+
+
+def test_the_transport_knows_only_nodes_and_the_node_client_nothing_of_launches():
+    """transport/ (connections, quoting, fan-out) imports nothing of nodectl but the inventory's Node and the progress
+    protocol; remote/ (the node client) nothing of the layers that use it."""
+    modules = package_modules("nodectl")
+    for name, path in modules.items():
+        found = {m for m in imports(path) if m.startswith("nodectl")}
+        if name.startswith("nodectl.transport"):
+            allowed = LAYERS["nodectl.transport"]
+            bad = sorted(m for m in found if not m.startswith(allowed))
+            assert not bad, f"{name} imports {bad}: the transport sits below everything else"
+        if name.startswith("nodectl.remote"):
+            bad = sorted(m for m in found if m.startswith(LAYERS["nodectl.remote"]))
+            assert not bad, f"{name} imports {bad}: the node client sits below launch, preflight and diagnose"
+
+
 def test_no_import_cycle_among_nodectl_modules():
     modules = package_modules("nodectl")
     graph = {name: {m for m in imports(path) if m in modules and m != name}
@@ -108,13 +130,13 @@ def test_ruff_is_clean():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_only_nodectl_remote_opens_connections():
-    """fabric and paramiko are imported under nodectl/remote/ only: nothing else reaches a node by itself."""
+def test_only_the_transport_opens_connections():
+    """fabric and paramiko are imported under nodectl/transport/ only: nothing else reaches a node by itself."""
     for name, path in package_modules("nodectl").items():
-        if name.startswith("nodectl.remote"):
+        if name.startswith("nodectl.transport"):
             continue
         bad = sorted(m for m in imports(path) if m.split(".")[0] in ("fabric", "paramiko", "invoke"))
-        assert not bad, f"{name} imports {bad}: connections belong in nodectl/remote/"
+        assert not bad, f"{name} imports {bad}: connections belong in nodectl/transport/"
 
 
 OUTPUT_CALLS = {"print", "echo", "secho", "pprint"}

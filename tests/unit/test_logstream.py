@@ -6,7 +6,7 @@ import sys
 
 from nodectl.remote.answers import parse
 from nodectl.resources import resource_dir
-from nodectl.remote.transport import NodeResult
+from nodectl.transport import NodeResult
 from nodectl.watch import LINE_MAX, LogStream
 
 sys.path.insert(0, str(resource_dir("launchers")))

@@ -5,13 +5,13 @@ from __future__ import annotations
 from nodectl.errors import EXIT_USAGE, exit_code_for
 from nodectl.inventory import parse_inventory
 from nodectl.launch.job import StartFailed
-from nodectl.remote.transport import NodeFailure, NodeResult
+from nodectl.transport import NodeFailure, NodeResult
 
 
 def test_an_error_names_its_node_once():
     node = parse_inventory("nodes: [{host: a, name: n0}]").nodes[0]
-    told = NodeResult(node, error="n0: environment requirements.txt: pip said no")
-    bare = NodeResult(node, error="the command timed out")
+    told = NodeResult.failed(node, "n0: environment requirements.txt: pip said no")
+    bare = NodeResult.failed(node, "the command timed out")
     assert told.said == "n0: environment requirements.txt: pip said no"
     assert bare.said == "n0: the command timed out"
     assert str(StartFailed("r", [told, bare]).message).count("n0: n0") == 0

@@ -104,16 +104,16 @@ class _AnsweringCluster:
         self.asked = []
 
     def fan_out(self, work, nodes):
-        from nodectl.remote.transport import NodeResult
+        from nodectl.transport import NodeResult
 
         results = []
         for node in nodes:
             self.asked.append(node.name)
             answer = self.answers[node.name].pop(0)
             if answer is Unreachable:
-                results.append(NodeResult(node, error="connection refused", unreachable=True))
+                results.append(NodeResult.failed(node, "connection refused", "unreachable"))
             elif answer.startswith("error"):
-                results.append(NodeResult(node, error=answer))
+                results.append(NodeResult.failed(node, answer))
             else:
                 results.append(NodeResult(node, value=IdentityAnswer(answer, "/w")))
         return results
@@ -124,7 +124,7 @@ class Unreachable:
 
 
 def test_a_shared_home_is_found_even_when_a_node_answers_only_the_second_time():
-    from nodectl.remote.start import survey
+    from nodectl.launch.nodes import survey
 
     cluster = _AnsweringCluster({"node0": ["same"], "node1": ["error: Socket is closed", "same"]})
     assert survey(plan(), cluster).shared == {"node0", "node1"}
@@ -138,7 +138,7 @@ def test_a_shared_home_is_found_even_when_a_node_answers_only_the_second_time():
     (Unreachable, "UnreachableError", "node1: connection refused"),
 ])
 def test_a_node_that_never_says_whether_it_shares_its_workdir_stops_the_launch(answer, error, words):
-    from nodectl.remote.start import survey
+    from nodectl.launch.nodes import survey
 
     cluster = _AnsweringCluster({"node0": ["same"], "node1": [answer, answer]})
     with pytest.raises(Exception) as raised:

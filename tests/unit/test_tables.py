@@ -115,7 +115,7 @@ def test_preflight_fixes_wrap_with_an_indent(width):
 
 def test_a_heartbeat_written_just_after_the_nodes_clock_reading_is_0s_old_not_minus_0():
     from nodectl.remote.answers import PollAnswer, RankState
-    from nodectl.remote.transport import NodeResult
+    from nodectl.transport import NodeResult
     from nodectl.runs import RunNode
 
     class Node:

@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from nodectl.container import container_name
-from nodectl.remote import agent
 from nodectl.remote import sync
 from nodectl.remote.collect import share_output
 from nodectl.errors import Cancelled, NodectlError, UnreachableError, UsageError
 from nodectl.runs import live_runs_on
 from nodectl.plan import LaunchPlan, NodePlan, with_port
 from nodectl.render import RenderedNode
-from nodectl.remote.transport import Cluster, NodeResult, Transport
+from nodectl.transport import Cluster, NodeResult, Transport
+from nodectl.remote.client import NodeClient
 
 
 class Prepared(NamedTuple):
@@ -40,7 +40,7 @@ def settle_master_port(plan: LaunchPlan, cluster: Cluster, move: bool = False) -
     """Make sure node 0 can listen on the master port; move a port nodectl chose (or, with `move`, the
     inventory's) if it is taken."""
     master = plan.nodes[0].node
-    answer = cluster.fan_out(lambda t: agent.call(t, "port", str(plan.master_port)), [master])[0]
+    answer = cluster.fan_out(lambda t: NodeClient(t).port(plan.master_port), [master])[0]
     if answer.unreachable:
         raise UnreachableError(f"{master.name}: {answer.error}")
     if not answer.ok:
@@ -71,7 +71,7 @@ def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None
     could share a folder unseen): one that does not, after a second try, stops the launch before anything
     started."""
     request = sync.have_request(files) if files is not None else None
-    ask = lambda t: agent.call(t, "identity", t.node.workdir, request=request)  # noqa: E731
+    ask = lambda t: NodeClient(t).identity(request)  # noqa: E731
     results = {r.node.name: r for r in cluster.fan_out(ask, [np.node for np in plan.nodes])}
     again = [results[name].node for name, r in results.items() if not r.ok and not r.unreachable]
     results.update({r.node.name: r for r in cluster.fan_out(ask, again)})
@@ -124,7 +124,7 @@ def prepare_node(transport: Transport, plan: LaunchPlan, node_plan: NodePlan, re
     if missing:
         sent, prepared = sync.send_objects(transport, files, missing, cancel, then=request)
     else:
-        sent, prepared = 0, agent.call(transport, "prepare", request=request)
+        sent, prepared = 0, NodeClient(transport).prepare(request)
     return Prepared(prepared.files, sent)
 
 
@@ -135,7 +135,7 @@ def pull_outputs(transport: Transport, plan: LaunchPlan, node_plan: NodePlan):
     if node_plan.node_rank != 0 and not plan.builtin_trainer and first.outputs is not None:
         # the built-in trainer's ranks write their own; a script's rank 0 may be the only writer
         sources.append({"node": first.name, "missing_only": True, "outputs": first.outputs.to_json()})
-    return agent.call(transport, "pull", node_plan.run_dir, request={"sources": sources}, timeout=PULL_TIMEOUT)
+    return NodeClient(transport).pull(node_plan.run_dir, sources, timeout=PULL_TIMEOUT)
 
 
 PULL_TIMEOUT = 6 * 3600.0   # a checkpoint of hundreds of GB over the node's own link
@@ -158,7 +158,7 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, 
     failed = [r for r in prepared if not r.ok]
     if failed or cancel.is_set():
         why = "interrupted" if cancel.is_set() else f"{failed[0].node.name} could not be prepared"
-        return [r if not r.ok else NodeResult(r.node, error=f"not started: {why}") for r in prepared]
+        return [r if not r.ok else NodeResult.failed(r.node, f"not started: {why}") for r in prepared]
     if plan.attempt and any(np.node.outputs is not None for np in plan.nodes):
         # a resumed (or restarted) run with a bucket: each node takes its outputs back from it (fresh nodes that
         # never saw the run included), and what node 0 stored that it lacks
@@ -168,7 +168,7 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, 
         if unpulled or cancel.is_set():
             why = "interrupted" if cancel.is_set() else \
                 f"{unpulled[0].node.name} could not take the run's outputs from the store: {unpulled[0].error}"
-            return [NodeResult(r.node, error=f"not started: {why}") for r in prepared]
+            return [NodeResult.failed(r.node, f"not started: {why}") for r in prepared]
     elif plan.attempt and not plan.builtin_trainer and plan.nnodes > 1:
         # a resumed (or restarted) script: its $NODECTL_OUTPUT_DIR on every node holds node 0's outputs too
         shared = share_output(cluster, plan.nodes[0], list(plan.nodes[1:]))
@@ -176,13 +176,13 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, 
         if unshared or cancel.is_set():
             why = "interrupted" if cancel.is_set() else \
                 f"node 0's output/ could not be shared with {unshared[0].node.name}: {unshared[0].error}"
-            return [NodeResult(r.node, error=f"not started: {why}") for r in prepared]
+            return [NodeResult.failed(r.node, f"not started: {why}") for r in prepared]
     counts = {r.node.name: r.value for r in prepared}
     if on_ready is not None:
         on_ready(prepared)
 
     def start(transport: Transport) -> NodeStart:
-        started = agent.call(transport, "start", plans[transport.node.name].run_dir)
+        started = NodeClient(transport).start(plans[transport.node.name].run_dir)
         ready = counts[transport.node.name]
         return NodeStart(transport.node.name, started.pgid, ready.files, ready.sent)
 
