@@ -524,6 +524,8 @@ def _receive_file(channel, marker: bytes, local, stall: float) -> tuple[int, int
                 handle.write(data)
                 written += len(data)
             elif channel.eof_received:
+                if channel.recv_ready():   # the last data and the end arrived between the two checks above
+                    continue
                 return written, expected
             elif time.monotonic() > deadline:
                 raise CommandTimeout(f"no data for {stall:g}s")

@@ -81,7 +81,7 @@ import os, sys, time
 if os.fork() == 0:
     os.setsid()
     if os.fork() == 0:
-        os.execve("/bin/sleep", ["sleep", "300"], {})
+        os.execve("/bin/sleep", ["sleep", "300"], {})  # 300: its own (test_killed_rank's may run beside it)
     os._exit(0)
 time.sleep(1)
 print("escaped a child", flush=True)

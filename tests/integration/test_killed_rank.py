@@ -71,7 +71,7 @@ def escape(marker):
         with open(marker + ".tmp", "w") as out:
             out.write(str(os.getpid()))
         os.rename(marker + ".tmp", marker)
-        os.execve("/bin/sleep", ["sleep", "300"], {})
+        os.execve("/bin/sleep", ["sleep", "304"], {})
     os.waitpid(child, 0)
 """
 ESCAPE = ESCAPE_FUNCTION + r"""
