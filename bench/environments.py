@@ -35,7 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sshcluster import NODE_PYTHON, namespaced_cluster  # noqa: E402
+from support.sshcluster import NODE_PYTHON, namespaced_cluster  # noqa: E402
 
 SUBNET = "10.79"
 PORT = 18099

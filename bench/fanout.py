@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sshcluster import NODE_PYTHON, SSHCluster  # noqa: E402
+from support.sshcluster import NODE_PYTHON, SSHCluster  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 PROBE = REPO / "launchers" / "probe.py"

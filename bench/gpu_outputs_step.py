@@ -3,7 +3,7 @@
     python3 bench/gpu_outputs_step.py --work /tmp/w --steps 40 --repeats 2
 
 Builds the 8B-shaped random Llama of bench/gpu_train.py (no weights written: model.init random) unless --work has
-it, starts an S3 server on this machine (moto's, tests/s3server.py), then alternates two `nodectl launch` runs of
+it, starts an S3 server on this machine (moto's, tests/support/s3server.py), then alternates two `nodectl launch` runs of
 the built-in trainer on one local node and GPU (LoRA r 16, micro-batch --micro x 4096 tokens, a full checkpoint
 every --checkpoint-every steps: LoRA weights, Adam state and the replica, about 1 GB for this model):
   without   no outputs:
@@ -26,7 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "bench"))
-from s3server import s3_server  # noqa: E402
+from support.s3server import s3_server  # noqa: E402
 from gpu_train import SHAPE_8B, SHAPE_TINY, jsonl  # noqa: E402
 
 BUCKET = "step-bench"

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from launch_helpers import run_processes  # noqa: E402
-from sshcluster import NODE_PYTHON, SSHCluster  # noqa: E402
+from support.launch import run_processes  # noqa: E402
+from support.sshcluster import NODE_PYTHON, SSHCluster  # noqa: E402
 
 SCRIPT = """\
 import os, time

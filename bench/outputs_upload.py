@@ -1,5 +1,5 @@
 """Uploading a run's outputs from N nodes at once: nodectl's uploader against `aws s3 sync`, side by side in one
-run, into one S3-compatible server on this machine (moto's, tests/s3server.py).
+run, into one S3-compatible server on this machine (moto's, tests/support/s3server.py).
 
     python bench/outputs_upload.py --nodes 4 --total-mb 2048 --repeats 2
 
@@ -28,7 +28,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from s3server import s3_server  # noqa: E402
+from support.s3server import s3_server  # noqa: E402
 
 BUCKET = "bench-outputs"
 

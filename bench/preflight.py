@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sshcluster import SSHCluster  # noqa: E402
+from support.sshcluster import SSHCluster  # noqa: E402
 
 
 def timed(cluster: SSHCluster, args: list[str], cwd: Path) -> float:

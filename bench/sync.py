@@ -1,5 +1,5 @@
 """Sending a project to N nodes: nodectl against pdcp and a parallel scp, side by side in one run, on N loopback
-SSH nodes that share nothing with this machine (tests/sshcluster.py), with the controller's peak memory.
+SSH nodes that share nothing with this machine (tests/support/sshcluster.py), with the controller's peak memory.
 
     python bench/sync.py --nodes 32 --mb 200 --repeats 2
 
@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from sshcluster import SSHCluster  # noqa: E402
+from support.sshcluster import SSHCluster  # noqa: E402
 
 
 # OpenSSH's default cipher (chacha20-poly1305) and AES-GCM, which is faster on CPUs with AES-NI: each reference

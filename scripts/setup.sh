@@ -9,7 +9,7 @@ export DEBIAN_FRONTEND=noninteractive
 # The test cluster: sshd per simulated node, login shells of their own (zsh, fish; dash is /bin/sh), `ip` for
 # network namespaces, `unshare`/`nsenter` for mount namespaces (util-linux), iptables for a firewall inside one;
 # podman with runc, and debootstrap, for the container tests (their image is built from a Debian root filesystem:
-# tests/images.py).
+# tests/support/images.py).
 NEEDED="openssh-server openssh-client zsh fish iproute2 util-linux iptables podman runc debootstrap"
 missing=""
 for tool in /usr/sbin/sshd /usr/bin/zsh /usr/bin/fish /usr/bin/podman /usr/sbin/runc /usr/sbin/debootstrap; do

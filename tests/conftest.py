@@ -1,20 +1,15 @@
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
-from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sshcluster import NodeSpec, SSHCluster, isolation_available, sshd_available  # noqa: E402
-
-REPO = Path(__file__).resolve().parent.parent
+from support import REPO  # noqa: E402,F401 - the repository, for tests that name its files
+from support.launch import make_project  # noqa: E402
+from support.sshcluster import NodeSpec, make_cluster  # noqa: E402
 
 # The files that take longest first, so the two workers finish together: xdist hands whole files out in
 # collection order (pyproject.toml turns off its own reordering by test count, which sent these one-test files
@@ -37,28 +32,6 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=weight)
 
 
-@dataclass
-class CLIResult:
-    exit_code: int
-    stdout: str
-    stderr: str
-
-    def json(self):
-        return json.loads(self.stdout)
-
-    @property
-    def output(self) -> str:
-        return self.stdout + self.stderr
-
-
-def run_nodectl(args: list[str], env: dict | None = None, cwd: Path | None = None, timeout: float = 180,
-                input: str | None = None) -> CLIResult:
-    """nodectl as a user runs it: a separate process, its real exit code, stdout and stderr apart."""
-    proc = subprocess.run([sys.executable, "-m", "nodectl", *args], capture_output=True, text=True,
-                          env=env or os.environ.copy(), cwd=cwd, timeout=timeout, input=input)
-    return CLIResult(proc.returncode, proc.stdout, proc.stderr)
-
-
 # The session cluster: three nodes that share nothing with the controller and differ the way real machines do.
 # node0 logs in as root (the master; its shell start-up files print a banner), node1 as a user whose login shell
 # is zsh on an sshd without sftp, node2 as a user whose login shell is fish and whose workdir is a symlink.
@@ -75,24 +48,10 @@ def demo_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("demo-cache")
 
 
-def make_cluster(tmp_path_factory, count: int, first_octet: int, specs: dict | None = None, **kwargs) -> SSHCluster:
-    if not sshd_available():
-        pytest.skip("openssh-server is not installed (apt-get install openssh-server)")
-    if not isolation_available():
-        pytest.skip("simulated nodes need mount namespaces (root and unshare)")
-    return SSHCluster(tmp_path_factory.mktemp("ssh"), count=count, first_octet=first_octet, specs=specs or {},
-                      **kwargs).start()
-
-
-@contextmanager
-def running_cluster(tmp_path_factory, count: int, first_octet: int, **kwargs) -> Iterator[SSHCluster]:
-    """A cluster of its own for one test or module, its host keys trusted, stopped after."""
-    cluster = make_cluster(tmp_path_factory, count, first_octet=first_octet, **kwargs)
-    try:
-        cluster.trust_host_keys()
-        yield cluster
-    finally:
-        cluster.stop()
+@pytest.fixture
+def project(tmp_path):
+    """A project folder holding a small two-rank script (support.launch.make_project); a test adds its own files."""
+    return make_project(tmp_path / "project")
 
 
 @pytest.fixture(scope="session")

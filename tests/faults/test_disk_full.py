@@ -1,37 +1,103 @@
-"""A full disk during a checkpoint: a clear error on every rank, no hang, the previous checkpoint intact and
-resumable."""
+"""A full disk, wherever it fills: on a node during a checkpoint (a clear error on every rank, no hang, the
+previous checkpoint intact and resumable) or while runctl unpacks uv; on the controller while `collect` unpacks
+or env-dump writes. Each case gets a tmpfs of its own size (`small_disk`)."""
 from __future__ import annotations
 
+import errno
+import hashlib
+import io
+import os
 import subprocess
+import sys
+import tarfile
+import zipfile
 
 import pytest
 
-from trainer_helpers import torchrun
+from nodectl.remote.collect import unpack
+from nodectl.resources import resource_dir
+from support.cli import run_nodectl
+from support.trainer import torchrun
 
-pytestmark = pytest.mark.slow
+sys.path.insert(0, str(resource_dir("launchers")))
+import runctl  # noqa: E402
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mount = tmp_path / "small"
-    mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1100k", "tmpfs", str(mount)], capture_output=True).returncode:
-        pytest.skip("cannot mount a tmpfs here (needs root)")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+    """small_disk(size) -> a folder on a tmpfs of that size (tmpfs's units: 64k, 1m), unmounted after the test."""
+    mounted = []
+
+    def make(size: str):
+        folder = tmp_path / f"small-{len(mounted)}"
+        folder.mkdir()
+        if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                                               capture_output=True).returncode:
+            pytest.skip("cannot mount a tmpfs here (needs root)")
+        mounted.append(folder)
+        return folder
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True)
 
 
-def test_disk_full_in_a_checkpoint_keeps_the_previous_one(tmp_path, demo_cache, small_disk):
+@pytest.mark.slow
+def test_disk_full_in_a_checkpoint_keeps_the_previous_one(demo_cache, small_disk):
+    disk = small_disk("1100k")
     common = ("train.steps=20", "train.log_every=5", "train.checkpoint_every=5", "train.keep_checkpoints=5",
               "train.collective_timeout_s=60")
-    out = small_disk / "out"
+    out = disk / "out"
     full = torchrun(2, out, demo_cache, *common, timeout=180)
     assert full.returncode != 0
     output = full.stdout + full.stderr
     assert "checkpoint error: checkpoint at step" in output and "the previous complete checkpoint is intact" in output
     complete = sorted(p.name for p in (out / "checkpoints").glob("ckpt-*"))
     assert complete and not list((out / "checkpoints").glob(".ckpt-*.tmp"))
-    subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+    subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
     resumed = torchrun(2, out, demo_cache, *common)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming at step {int(complete[-1].split('-')[1])}" in resumed.stdout
+
+
+def test_a_full_disk_while_uv_is_unpacked_names_the_folder_and_leaves_nothing(tmp_path, small_disk):
+    """The audit's case: ENOSPC in the middle of unpacking uv said "OSError: [Errno 28]" with no path and left a
+    partial uv-<sha>.<pid>.tmp behind."""
+    store = tmp_path / "store"
+    store.mkdir()
+    wheel = store / "uv.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:   # a uv wheel's layout, 3 MiB of binary
+        archive.writestr("uv-0.9.0.data/scripts/uv", os.urandom(3 << 20))
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    wheel.rename(store / sha)
+    workdir = small_disk("1m")
+    with pytest.raises(RuntimeError) as caught:
+        runctl.envs._uv_binary(str(workdir), str(store), {"sha256": sha})
+    said = str(caught.value)
+    assert f"{workdir}/.nodectl/tools" in said and "No space left on device" in said and "MiB free there" in said
+    assert list((workdir / ".nodectl" / "tools").iterdir()) == []
+
+
+def test_a_full_local_disk_is_a_message_not_a_traceback(tmp_path, small_disk):
+    full = small_disk("16k")
+    env = {**os.environ, "HOME": str(tmp_path), "NODECTL_FORCE_CPU": "1"}
+    result = run_nodectl(["env-dump", "--nodes", "3", "-o", str(full)], env=env, cwd=tmp_path)
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output[-1500:]
+    assert "the local disk is full" in result.stderr
+
+
+def test_a_full_disk_while_collecting_leaves_no_truncated_file(tmp_path, small_disk):
+    """The audit's full controller disk during `collect`: a truncated weights.bin was left, unmarked, looking like
+    the node's. Each file is now written under a temporary name and renamed only when whole."""
+    target = small_disk("64k")
+    archive = tmp_path / "pack.tar"
+    with tarfile.open(archive, "w") as tar:
+        for name, size in (("logs/rank0.log", 1000), ("output/weights.bin", 1 << 20)):
+            info = tarfile.TarInfo(name)
+            info.size = size
+            tar.addfile(info, io.BytesIO(b"w" * size))
+    with pytest.raises(OSError) as caught:
+        unpack(archive, target / "run")
+    assert caught.value.errno == errno.ENOSPC
+    assert (target / "run" / "logs" / "rank0.log").stat().st_size == 1000
+    assert sorted(p.name for p in (target / "run" / "output").iterdir()) == []   # nothing half-written

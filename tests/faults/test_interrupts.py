@@ -12,9 +12,11 @@ import time
 
 import pytest
 
-from conftest import run_nodectl, running_cluster
-from launch_helpers import kill_leftovers, latest_run_id, run_processes, via_proxycommand, wait_for
-from sshcluster import NODE_PYTHON
+from support.cli import run_nodectl
+
+from support.sshcluster import running_cluster
+from support.launch import kill_leftovers, latest_run_id, run_processes, via_proxycommand, wait_for
+from support.sshcluster import NODE_PYTHON
 
 pytestmark = pytest.mark.slow
 HOLD = "import time\nprint('holding on', flush=True)\ntime.sleep(600)\n"

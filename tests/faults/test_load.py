@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from conftest import run_nodectl
-from launch_helpers import kill_leftovers, run_processes, wait_for
-from sshcluster import SSHCluster
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, run_processes, wait_for
+from support.sshcluster import SSHCluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(os.environ.get("NODECTL_LOAD") != "1",
                                                    reason="load test: set NODECTL_LOAD=1")]

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from conftest import run_nodectl
-from launch_helpers import kill_leftovers, latest_run_id, run_processes, wait_for
-from sshcluster import namespaced_cluster as namespaced, netns_available, sshd_available
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, latest_run_id, run_processes, wait_for
+from support.sshcluster import namespaced_cluster as namespaced, netns_available, sshd_available
 
 pytestmark = pytest.mark.slow
 SUBNET = "10.77"

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from conftest import run_nodectl
-from launch_helpers import kill_leftovers, latest_run_id, run_processes, wait_for
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, latest_run_id, run_processes, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +34,9 @@ time.sleep(float(os.environ.get("HOLD", "120")))
 
 
 @pytest.fixture
-def project(tmp_path):
-    folder = tmp_path / "project"
-    folder.mkdir()
-    (folder / "faulty.py").write_text(FAULTY)
-    return folder
+def project(project):
+    (project / "faulty.py").write_text(FAULTY)
+    return project
 
 
 @pytest.mark.parametrize("fault,code_text", [("sigkill", "killed by SIGKILL"), ("exit", "exit code 5"),

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_nodectl
-from launch_helpers import kill_leftovers, latest_run_id, wait_for
-from sshcluster import LOGIN_SECRET
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, latest_run_id, wait_for
+from support.sshcluster import LOGIN_SECRET
 
 pytestmark = pytest.mark.slow
 CANARY = "hf_canary_5e1f0c0ffee"

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from support.cli import CLIResult, nodectl_in
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,
@@ -20,10 +21,8 @@ pytestmark = [pytest.mark.gpu,
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def nodectl(folder: Path, *args: str, timeout: float = 500) -> subprocess.CompletedProcess:
-    env = {**os.environ, **NO_MULTICAST, "NODECTL_STATE_DIR": str(folder / "state"), "NODECTL_RUNS": str(folder / "runs")}
-    return subprocess.run([sys.executable, "-m", "nodectl", *args], cwd=folder, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def nodectl(folder: Path, *args: str, timeout: float = 500) -> CLIResult:
+    return nodectl_in(folder, *args, env=NO_MULTICAST, timeout=timeout)
 
 
 @pytest.fixture
@@ -36,7 +35,7 @@ def gpu_node(tmp_path):
 
 def test_preflight_default_tier_passes_with_an_nccl_all_reduce(gpu_node):
     result = nodectl(gpu_node, "--json", "preflight", "hosts.yaml")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
     verdicts = {r["check"]: r for r in report["results"]}
     assert verdicts["collective"]["verdict"] == "pass" and "nccl all-reduce correct" in verdicts["collective"]["detail"]
@@ -46,9 +45,9 @@ def test_preflight_default_tier_passes_with_an_nccl_all_reduce(gpu_node):
 
 def test_the_demo_trains_on_the_gpu_through_launch(gpu_node):
     result = nodectl(gpu_node, "launch", "--skip-preflight")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
     collected = nodectl(gpu_node, "collect")
-    assert collected.returncode == 0, collected.stderr
+    assert collected.exit_code == 0, collected.stderr
     records = [json.loads(line) for line in
                next((gpu_node / "runs").glob("*/nodes/gpu0/output/metrics.jsonl")).read_text().splitlines()]
     assert records and records[-1]["step"] > 0 and all(r["loss"] == r["loss"] for r in records if "loss" in r)
@@ -79,7 +78,7 @@ def test_diagnose_reads_the_nccl_flight_recorder_of_a_live_rank(gpu_node):
 
     (gpu_node / "queued.py").write_text(NCCL_QUEUED)
     started = nodectl(gpu_node, "launch", "--skip-preflight", "--detach", "--", "queued.py")
-    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
+    assert started.exit_code == 0, started.stdout[-3000:] + started.stderr[-3000:]
     try:
         deadline = time.monotonic() + 120
         while "hung from here" not in nodectl(gpu_node, "tail", "rank0").stdout:
@@ -87,7 +86,7 @@ def test_diagnose_reads_the_nccl_flight_recorder_of_a_live_rank(gpu_node):
             time.sleep(1)
         time.sleep(8)
         result = nodectl(gpu_node, "--json", "diagnose")
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert result.exit_code == 0, result.stdout[-3000:] + result.stderr[-3000:]
         found = json.loads(result.stdout)
         print(json.dumps({k: found[k] for k in ("kind", "summary", "evidence", "gpus", "seconds")}, indent=1))
         if os.environ.get("NODECTL_SAVE_DUMPS"):   # how tests/data/diagnose/nccl-*/ was made

@@ -1,5 +1,5 @@
 """The tool as users install it: the wheel holds the tree, and the `nodectl` of a non-editable install (a venv of
-its own, tests/wheelenv.py) starts, runs the local demo and launches on two isolated SSH nodes that have no
+its own, tests/support/wheelenv.py) starts, runs the local demo and launches on two isolated SSH nodes that have no
 nodectl at all."""
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, running_cluster
-import wheelenv
+from support import REPO
+
+from support.sshcluster import running_cluster
+from support import wheelenv
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from support import REPO
 
 pytestmark = pytest.mark.slow
 

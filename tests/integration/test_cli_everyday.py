@@ -8,17 +8,17 @@ import time
 
 import pytest
 
-from conftest import run_nodectl
+from support.cli import run_nodectl
 
 UNREACHABLE = "nodes:\n  - host: 192.0.2.1\n    name: far\n    device: cpu\n"  # TEST-NET-1: never answers
 
 
 @pytest.fixture
-def project(tmp_path):
-    (tmp_path / "train.py").write_text("print('hi')\n")
-    (tmp_path / "hosts.yaml").write_text(UNREACHABLE)
-    (tmp_path / "local.yaml").write_text("nodes:\n  - host: localhost\n    transport: local\n    device: cpu\n")
-    return tmp_path
+def project(project):
+    (project / "train.py").write_text("print('hi')\n")
+    (project / "hosts.yaml").write_text(UNREACHABLE)
+    (project / "local.yaml").write_text("nodes:\n  - host: localhost\n    transport: local\n    device: cpu\n")
+    return project
 
 
 def env_for(tmp_path) -> dict:

@@ -1,5 +1,5 @@
 """Ranks inside container images (hosts.yaml `container:`), for real: podman with runc on the isolated SSH
-nodes, an image built here from a Debian root filesystem with torch CPU (tests/images.py, cached between runs).
+nodes, an image built here from a Debian root filesystem with torch CPU (tests/support/images.py, cached between runs).
 
 Each node's sshd lives in its own mount namespace and logs in as root, so podman there is the node's podman: the
 run folder it mounts into the container is the node's, which the controller cannot see. The nodes share this
@@ -15,9 +15,10 @@ import time
 
 import pytest
 
-import images
-from conftest import make_cluster, run_nodectl
-from launch_helpers import kill_leftovers, latest_run_id, make_project, run_processes, wait_for
+from support import images
+from support.sshcluster import make_cluster
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, latest_run_id, run_processes, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +57,9 @@ def cluster(tmp_path_factory, image):
 
 
 @pytest.fixture
-def project(tmp_path):
-    folder = make_project(tmp_path / "project")
-    (folder / "probe.py").write_text(PROBE)
-    return folder
+def project(project):
+    (project / "probe.py").write_text(PROBE)
+    return project
 
 
 def containers_of(run_id: str) -> list[str]:

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_nodectl
-from launch_helpers import kill_leftovers, latest_run_id, run_processes, wait_for
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, latest_run_id, run_processes, wait_for
 
 pytestmark = pytest.mark.slow
 SCENARIOS = Path(__file__).resolve().parents[1] / "data" / "diagnose" / "scenarios"
@@ -58,13 +58,11 @@ if __name__ == "__main__":
 
 
 @pytest.fixture
-def project(tmp_path):
-    folder = tmp_path / "project"
-    folder.mkdir()
+def project(project):
     for script in SCENARIOS.glob("*.py"):
-        shutil.copy(script, folder / script.name)
-    (folder / "train_ddp.py").write_text(THIRD_PARTY)
-    return folder
+        shutil.copy(script, project / script.name)
+    (project / "train_ddp.py").write_text(THIRD_PARTY)
+    return project
 
 
 def start_hung(ssh_cluster, project, script: str) -> str:

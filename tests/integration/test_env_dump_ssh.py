@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import time
 
-from conftest import run_nodectl
-from sshcluster import NODE_PYTHON
+from support.cli import run_nodectl
+from support.sshcluster import NODE_PYTHON
 
 
 def test_env_dump_table_json_and_output_folder(ssh_cluster, tmp_path):

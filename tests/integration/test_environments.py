@@ -8,9 +8,9 @@ import shutil
 
 import pytest
 
-from conftest import run_nodectl
-from launch_helpers import kill_leftovers, latest_run_id, make_project
-from sshcluster import namespaced_cluster, netns_available, sshd_available
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, latest_run_id, make_project
+from support.sshcluster import namespaced_cluster, netns_available, sshd_available
 
 pytestmark = pytest.mark.slow
 

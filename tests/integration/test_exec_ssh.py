@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import psutil
 
-from conftest import run_nodectl
-from launch_helpers import wait_for
+from support.cli import run_nodectl
+from support.launch import wait_for
 
 
 def test_identical_output_is_grouped_and_banners_stay_out(ssh_cluster, tmp_path):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -13,6 +11,7 @@ from nodectl.errors import EXIT_FAILED, EXIT_OK, EXIT_UNREACHABLE, exit_code_for
 from nodectl.inventory import parse_inventory
 from nodectl.launch.job import JobSpec, plan_job, record_job
 from nodectl.transport import NodeResult
+from support.cli import CLIResult, nodectl_in
 
 
 def test_the_rule():
@@ -32,10 +31,8 @@ def recorded_run(tmp_path, inventory_text: str) -> str:
     return record_job(plan_job(JobSpec(inventory, command=("x.py",), sync_dir=".", files=()))).run_id
 
 
-def nodectl(tmp_path, *args) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NODECTL_STATE_DIR": str(tmp_path / "state"), "NODECTL_RUNS": str(tmp_path / "runs")}
-    return subprocess.run([sys.executable, "-m", "nodectl", "--connect-timeout", "3", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+def nodectl(tmp_path, *args) -> CLIResult:
+    return nodectl_in(tmp_path, "--connect-timeout", "3", *args, timeout=120)
 
 
 @pytest.mark.parametrize("command", ["stacks", "stop", "collect", "status"])
@@ -45,7 +42,7 @@ def test_a_node_that_answers_with_an_error_is_exit_1_not_unreachable(tmp_path, m
     run_id = recorded_run(tmp_path, f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
                                     f"gpus: 1, workdir: {tmp_path / 'work'}}}\n")
     result = nodectl(tmp_path, command, "--run", run_id)
-    assert result.returncode == EXIT_FAILED, result.stdout + result.stderr
+    assert result.exit_code == EXIT_FAILED, result.stdout + result.stderr
     assert "Traceback" not in result.stderr and "n0" in result.stdout + result.stderr
     if command == "stop":  # the run is not marked stopped: nothing confirmed it
         assert json.loads((tmp_path / "runs" / run_id / "manifest.json").read_text())["state"] == "starting"
@@ -57,5 +54,5 @@ def test_a_node_that_cannot_be_reached_is_exit_3(tmp_path, monkeypatch, command)
     monkeypatch.setenv("NODECTL_STATE_DIR", str(tmp_path / "state"))   # the user recording it is the one asking
     run_id = recorded_run(tmp_path, "nodes:\n  - {host: 127.0.0.1, port: 1, name: gone, device: cpu, gpus: 1}\n")
     result = nodectl(tmp_path, command, "--run", run_id)
-    assert result.returncode == EXIT_UNREACHABLE, result.stdout + result.stderr
+    assert result.exit_code == EXIT_UNREACHABLE, result.stdout + result.stderr
     assert "gone" in result.stdout + result.stderr and "Traceback" not in result.stderr

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from conftest import run_nodectl
-from launch_helpers import kill_leftovers, latest_run_id, run_processes, wait_for
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, latest_run_id, run_processes, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -29,11 +29,9 @@ stuck_in_collective()
 
 
 @pytest.fixture
-def project(tmp_path):
-    folder = tmp_path / "project"
-    folder.mkdir()
-    (folder / "hang.py").write_text(HANG)
-    return folder
+def project(project):
+    (project / "hang.py").write_text(HANG)
+    return project
 
 
 def test_status_stalled_and_stacks_of_every_rank(ssh_cluster, project):

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from nodectl.inventory import parse_inventory
 from nodectl.plan import build_plan
 from nodectl.render import render_plan
-from trainer_import import trainer_module
+from support.trainer_import import trainer_module
 
 config = trainer_module("config")
 INVENTORY = parse_inventory("nodes: [{host: 10.0.0.1, name: n0, workdir: \"/srv/my work/it's here\"}]")
@@ -92,7 +92,7 @@ def test_absurd_sizes_are_refused_at_once_with_exit_2(tmp_path):
     import os
     import time
 
-    from conftest import run_nodectl
+    from support.cli import run_nodectl
 
     env = {**os.environ, "HOME": str(tmp_path), "NODECTL_FORCE_CPU": "1"}
     many = tmp_path / "many.yaml"
@@ -108,21 +108,3 @@ def test_absurd_sizes_are_refused_at_once_with_exit_2(tmp_path):
         result = run_nodectl(args, env=env, cwd=tmp_path)
         assert result.exit_code == 2 and "Traceback" not in result.output, (args, result.output[-500:])
         assert time.monotonic() - started < 30, args
-
-
-def test_a_full_local_disk_is_a_message_not_a_traceback(tmp_path):
-    import os
-
-    from conftest import run_nodectl
-
-    full = tmp_path / "full"
-    full.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16k", "tiny", str(full)]).returncode:
-        pytest.skip("needs root to mount a tiny tmpfs")
-    try:
-        env = {**os.environ, "HOME": str(tmp_path), "NODECTL_FORCE_CPU": "1"}
-        result = run_nodectl(["env-dump", "--nodes", "3", "-o", str(full)], env=env, cwd=tmp_path)
-        assert result.exit_code == 1 and "Traceback" not in result.output, result.output[-1500:]
-        assert "the local disk is full" in result.stderr
-    finally:
-        subprocess.run(["umount", str(full)])

@@ -12,6 +12,7 @@ from pathlib import Path
 from nodectl.inventory import parse_inventory
 from nodectl.remote import agent
 from nodectl.transport import Cluster, TransportOptions
+from support.cli import CLIResult, nodectl_in
 
 SCRIPT = """\
 import json
@@ -25,10 +26,9 @@ print("done", flush=True)
 """
 
 
-def nodectl(folder: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "NODECTL_STATE_DIR": str(folder / "state"), "NODECTL_RUNS": str(folder / "runs")}
-    return subprocess.run([sys.executable, "-m", "nodectl", *args], cwd=folder, env=env, capture_output=True,
-                          text=True, timeout=180, preexec_fn=lambda: os.umask(0o022))
+def nodectl(folder: Path, *args: str) -> CLIResult:
+    """Under a permissive umask: what nodectl keeps private, it makes private itself."""
+    return nodectl_in(folder, *args, umask=0o022)
 
 
 def mode(path: Path) -> int:
@@ -40,14 +40,14 @@ def test_run_records_are_private_and_collect_brings_back_no_script_nor_special_f
                                          f"gpus: 1, workdir: {tmp_path / 'work'}, env: {{DB_PASS: hunter2}}}}\n")
     (tmp_path / "job.py").write_text(SCRIPT)
     launched = nodectl(tmp_path, "launch", "--skip-preflight", "--", "job.py", "--db-pass", "hunter2")
-    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert launched.exit_code == 0, launched.stdout + launched.stderr
     [run] = [p for p in (tmp_path / "runs").iterdir() if not p.name.startswith(".")]
     assert mode(tmp_path / "runs") == 0o700 and mode(run) == 0o700 and mode(tmp_path / "state" / "runs") == 0o700
     for path in [run / "manifest.json", *(run / "scripts").iterdir()]:
         assert mode(path) & 0o077 == 0, path
         assert "hunter2" not in path.read_text(), path
     collected = nodectl(tmp_path, "collect")
-    assert collected.returncode == 0, collected.stdout + collected.stderr
+    assert collected.exit_code == 0, collected.stdout + collected.stderr
     node = run / "nodes" / "n0"
     assert (node / "output" / "result.txt").read_text() == "ok"
     assert not (node / "launch.sh").exists() and not (node / "env.sh").exists()
@@ -94,7 +94,7 @@ def test_a_child_that_sheds_the_runs_environment_does_not_survive_stop(tmp_path)
                                          f"gpus: 1, workdir: {tmp_path / 'work'}}}\n")
     (tmp_path / "escape.py").write_text(ESCAPER)
     launched = nodectl(tmp_path, "launch", "--skip-preflight", "--detach", "--", "escape.py")
-    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert launched.exit_code == 0, launched.stdout + launched.stderr
 
     def sleepers() -> list[int]:
         found = []
@@ -114,7 +114,7 @@ def test_a_child_that_sheds_the_runs_environment_does_not_survive_stop(tmp_path)
     assert escaped, "the escaping child never started"
     try:
         stopped = nodectl(tmp_path, "stop", "--grace", "3")
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        assert stopped.exit_code == 0, stopped.stdout + stopped.stderr
         assert "0 left" in stopped.stdout + stopped.stderr
         assert not [pid for pid in escaped if Path(f"/proc/{pid}").exists()
                     and "Z" not in Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]]
@@ -162,8 +162,8 @@ def test_what_escaped_the_tree_and_its_markers_is_still_stopped_through_the_runs
     `stop` all the same, and the group is removed afterwards. Before, nothing could find it: it held on."""
     import pytest
 
-    from conftest import run_nodectl
-    from launch_helpers import latest_run_id, wait_for
+    from support.cli import run_nodectl
+    from support.launch import latest_run_id, wait_for
 
     if not _root_can_make_a_cgroup():
         pytest.skip("no cgroup hierarchy on this machine lets root make a group (a container without them)")
@@ -229,7 +229,7 @@ def test_what_a_finished_run_leaves_behind_is_ended_with_its_own_children(tmp_pa
     (tmp_path / "linger.py").write_text(LINGERER)
     try:
         launched = nodectl(tmp_path, "launch", "--skip-preflight", "--", "linger.py")
-        assert launched.returncode == 0, launched.stdout + launched.stderr
+        assert launched.exit_code == 0, launched.stdout + launched.stderr
         assert "left two behind" in launched.stdout
         deadline = time.time() + 10
         while (_sleeping("301") or _sleeping("302")) and time.time() < deadline:
@@ -296,8 +296,8 @@ def test_a_controller_killed_while_starting_leaves_a_settled_run_and_nothing_on_
     import json
     import signal
 
-    from conftest import run_nodectl
-    from launch_helpers import latest_run_id
+    from support.cli import run_nodectl
+    from support.launch import latest_run_id
 
     project = tmp_path / "project"
     project.mkdir()
@@ -335,8 +335,8 @@ def test_a_launch_that_cannot_start_everywhere_leaves_no_prepared_folder_behind(
     """node1 cannot be prepared (a file sits where its runs folder goes): the run fails to start, and node0,
     prepared in time, keeps nothing of it (its env.sh holds the run's secrets); before, its folder stayed there,
     never run."""
-    from conftest import run_nodectl
-    from launch_helpers import latest_run_id
+    from support.cli import run_nodectl
+    from support.launch import latest_run_id
 
     project = tmp_path / "project"
     project.mkdir()
@@ -364,7 +364,7 @@ def test_damaged_run_records_are_named_and_never_hide_the_others(tmp_path):
                                          f"gpus: 1, workdir: {tmp_path / 'work'}}}\n")
     (tmp_path / "ok.py").write_text("print('fine', flush=True)\n")
     launched = nodectl(tmp_path, "launch", "--skip-preflight", "--", "ok.py")
-    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert launched.exit_code == 0, launched.stdout + launched.stderr
     good = json.loads(nodectl(tmp_path, "--json", "runs").stdout)["runs"][0]["run_id"]
     damaged = []
     for i, text in enumerate(CORRUPT_MANIFESTS):
@@ -375,13 +375,13 @@ def test_damaged_run_records_are_named_and_never_hide_the_others(tmp_path):
         (tmp_path / "state" / "runs" / f"{folder.name}.json").write_text(json.dumps({"folder": str(folder)}))
         damaged.append(folder.name)
     listed = nodectl(tmp_path, "--json", "runs")
-    assert listed.returncode == 0, listed.stderr
+    assert listed.exit_code == 0, listed.stderr
     states = {row["run_id"]: row["state"] for row in json.loads(listed.stdout)["runs"]}
     assert states[good] == "succeeded" and all(states[name] == "unreadable" for name in damaged)
     for name in damaged:
         for command in (["status", "--run", name], ["tail", "rank0", "--run", name], ["stop", "--run", name]):
             result = nodectl(tmp_path, *command)
-            assert result.returncode == 2, (command, text, result.stderr)
+            assert result.exit_code == 2, (command, text, result.stderr)
             assert "manifest unreadable" in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
@@ -392,7 +392,7 @@ def test_a_run_record_shipped_in_a_cloned_project_is_never_used(tmp_path):
     (tmp_path / "hosts.yaml").write_text(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
                                          f"gpus: 1, workdir: {tmp_path / 'work'}}}\n")
     (tmp_path / "ok.py").write_text("print('fine', flush=True)\n")
-    assert nodectl(tmp_path, "launch", "--skip-preflight", "--", "ok.py").returncode == 0
+    assert nodectl(tmp_path, "launch", "--skip-preflight", "--", "ok.py").exit_code == 0
     mine = json.loads(nodectl(tmp_path, "--json", "runs").stdout)["runs"][0]["run_id"]
     canary = tmp_path / "pwned"
     victim = tmp_path / "victim"
@@ -411,7 +411,7 @@ def test_a_run_record_shipped_in_a_cloned_project_is_never_used(tmp_path):
     for command in (["status", "--run", shipped.name], ["stop", "--run", shipped.name],
                     ["collect", "--run", shipped.name], ["launch", "--resume", shipped.name]):
         refused = nodectl(tmp_path, *command)
-        assert refused.returncode == 2 and "not written by nodectl for this user" in refused.stderr, refused.stderr
+        assert refused.exit_code == 2 and "not written by nodectl for this user" in refused.stderr, refused.stderr
     bare = nodectl(tmp_path, "stop")   # the latest run is the user's own, never the shipped one
-    assert bare.returncode == 0 and f"stopping run {mine}" in bare.stderr, bare.stderr
+    assert bare.exit_code == 0 and f"stopping run {mine}" in bare.stderr, bare.stderr
     assert victim.is_dir() and not canary.exists()

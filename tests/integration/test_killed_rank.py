@@ -11,8 +11,8 @@ import sys
 import psutil
 import pytest
 
-from conftest import run_nodectl
-from launch_helpers import kill_leftovers, latest_run_id, wait_for
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, latest_run_id, wait_for
 
 pytestmark = pytest.mark.slow
 

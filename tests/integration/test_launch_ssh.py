@@ -10,15 +10,10 @@ import time
 
 import pytest
 
-from conftest import run_nodectl
-from launch_helpers import kill_leftovers, latest_run_id, make_project, run_processes, wait_for
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, latest_run_id, run_processes, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def project(tmp_path):
-    return make_project(tmp_path / "project")
 
 
 def nodectl_args(cluster, *args, count=2, **inventory):

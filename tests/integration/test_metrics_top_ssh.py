@@ -6,8 +6,10 @@ import os
 import subprocess
 import sys
 
-from conftest import REPO, run_nodectl
-from launch_helpers import kill_leftovers, wait_for
+from support import REPO
+
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, wait_for
 
 SCRIPT = '''\
 import os, time

@@ -12,9 +12,9 @@ import time
 
 import pytest
 
-from conftest import REPO
-from launch_helpers import wait_for
-from s3server import moto_available, s3_server
+from support import REPO
+from support.launch import wait_for
+from support.s3server import moto_available, s3_server
 
 pytestmark = pytest.mark.skipif(not moto_available(), reason="needs boto3 and moto[server] (the test extra)")
 

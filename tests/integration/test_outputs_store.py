@@ -12,9 +12,11 @@ import signal
 import pytest
 import yaml
 
-from conftest import run_nodectl, running_cluster
-from launch_helpers import latest_run_id, wait_for
-from s3server import moto_available, s3_server
+from support.cli import run_nodectl
+
+from support.sshcluster import running_cluster
+from support.launch import latest_run_id, wait_for
+from support.s3server import moto_available, s3_server
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not moto_available(), reason="needs boto3 and moto[server] (the test extra)")]

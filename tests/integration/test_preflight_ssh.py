@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
-from conftest import run_nodectl
-from launch_helpers import make_project
-from sshcluster import NODE_PYTHON
+from support.cli import run_nodectl
+from support.launch import make_project
+from support.sshcluster import NODE_PYTHON
 
 pytestmark = pytest.mark.slow
 

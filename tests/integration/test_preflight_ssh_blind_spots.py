@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_nodectl, running_cluster
+from support.cli import run_nodectl
+
+from support.sshcluster import running_cluster
 from test_preflight_ssh import python_with
 
 pytestmark = pytest.mark.slow

@@ -17,9 +17,11 @@ import time
 import paramiko
 import pytest
 
-from conftest import make_cluster, run_nodectl
-from launch_helpers import kill_leftovers, latest_run_id, make_project, run_processes, via_proxycommand, wait_for
-from sshcluster import NODE_PYTHON, NodeSpec
+from support.sshcluster import make_cluster
+
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, latest_run_id, make_project, run_processes, via_proxycommand, wait_for
+from support.sshcluster import NODE_PYTHON, NodeSpec
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +30,6 @@ import json, os, sys
 print("SEEN " + json.dumps({p: os.path.exists(p) for p in sys.argv[1:]}), flush=True)
 print(f"UID {os.getuid()}", flush=True)
 '''
-
-
-@pytest.fixture
-def project(tmp_path):
-    return make_project(tmp_path / "project")
 
 
 def free_port() -> int:

@@ -8,10 +8,10 @@ import psutil
 import pytest
 import torch
 
-from conftest import run_nodectl
-from launch_helpers import kill_leftovers, wait_for
-from trainer_helpers import demo_folder, torchrun
-from trainer_import import trainer_module
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, wait_for
+from support.trainer import demo_folder, torchrun
+from support.trainer_import import trainer_module
 
 pytestmark = pytest.mark.slow
 RECIPE = """\

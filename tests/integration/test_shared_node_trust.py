@@ -13,8 +13,12 @@ import sys
 import pytest
 import yaml
 
-from conftest import REPO, run_nodectl, running_cluster
-from sshcluster import ensure_user
+from support import REPO
+
+from support.cli import run_nodectl
+
+from support.sshcluster import running_cluster
+from support.sshcluster import ensure_user
 
 pytestmark = pytest.mark.slow
 MALLORY = "nodectl-mallory"

@@ -6,8 +6,8 @@ import subprocess
 
 import pytest
 
-from conftest import make_cluster
-from sshcluster import NodeSpec, SSHCluster, SSHNode, _keygen, host_keys
+from support.sshcluster import make_cluster
+from support.sshcluster import NodeSpec, SSHCluster, SSHNode, _keygen, host_keys
 
 
 def test_a_node_whose_address_another_sshd_answers_is_refused(tmp_path_factory, tmp_path):

@@ -9,8 +9,12 @@ import shutil
 
 import pytest
 
-from conftest import REPO, run_nodectl, running_cluster
-from launch_helpers import latest_run_id, wait_for
+from support import REPO
+
+from support.cli import run_nodectl
+
+from support.sshcluster import running_cluster
+from support.launch import latest_run_id, wait_for
 
 pytestmark = pytest.mark.slow
 

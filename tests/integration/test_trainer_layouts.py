@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from conftest import REPO
-from trainer_helpers import metrics, torchrun_nodes
+from support import REPO
+from support.trainer import metrics, torchrun_nodes
 
 sys.path.insert(0, str(REPO / "bench"))
 from make_moe import write_moe  # noqa: E402

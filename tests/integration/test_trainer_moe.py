@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO
-from trainer_helpers import metrics, torchrun
-from trainer_import import trainer_module
+from support import REPO
+from support.trainer import metrics, torchrun
+from support.trainer_import import trainer_module
 
 sys.path.insert(0, str(REPO / "bench"))
 from make_moe import LAYOUTS, write_moe  # noqa: E402
@@ -326,8 +326,8 @@ def test_expert_parallel_over_two_isolated_nodes_trains_as_without_it(ssh_cluste
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from conftest import run_nodectl
-    from launch_helpers import kill_leftovers, latest_run_id
+    from support.cli import run_nodectl
+    from support.launch import kill_leftovers, latest_run_id
 
     project = tmp_path / "project"
     shutil.copytree(moe_models["qwen3_moe"], project / "model")

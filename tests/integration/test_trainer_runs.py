@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO
-from trainer_helpers import demo_folder, metrics, torchrun
+from support import REPO
+from support.trainer import demo_folder, metrics, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -125,7 +125,7 @@ def test_chat_records_from_parquet_packed_train_on_two_ranks(tmp_path, demo_cach
 
     import datasets
 
-    from trainer_import import trainer_module
+    from support.trainer_import import trainer_module
 
     monkeypatch.setenv("NODECTL_DEMO_CACHE", str(demo_cache))
     demo = trainer_module("demo")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainer_import import trainer_module
+from support.trainer_import import trainer_module
 
 data = trainer_module("data")
 
@@ -136,7 +136,7 @@ def test_over_long_examples_are_truncated_or_dropped_and_counted(tmp_path, token
 TOKENIZE_ONCE = """
 import json, sys
 sys.path.insert(0, {tests!r})
-from trainer_import import trainer_module
+from support.trainer_import import trainer_module
 from transformers import AutoTokenizer
 data = trainer_module("data")
 said = []

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer_import import trainer_module
+from support.trainer_import import trainer_module
 
 config = trainer_module("config")
 data = trainer_module("data")

@@ -24,13 +24,15 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
+import pytest
 import yaml
 
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 PORT = 2222
 NODE_PYTHON = "/opt/venv/bin/python"
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HIDDEN = ("/tmp", "/var/tmp", "/work", "/home", "/opt")
 SHELLS = {"sh": "/bin/sh", "bash": "/bin/bash", "zsh": "/usr/bin/zsh", "fish": "/usr/bin/fish"}
 # what a user's shell start-up files export on a noisy node: a secret of the node's, never of nodectl's to keep
@@ -463,3 +465,23 @@ def namespaced_cluster(root: Path, count: int, subnet: str, tag: str, offline: b
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
             subprocess.run(["ip", "link", "del", f"nc{tag}h{k}"], capture_output=True)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+
+
+def make_cluster(tmp_path_factory, count: int, first_octet: int, specs: dict | None = None, **kwargs) -> SSHCluster:
+    if not sshd_available():
+        pytest.skip("openssh-server is not installed (apt-get install openssh-server)")
+    if not isolation_available():
+        pytest.skip("simulated nodes need mount namespaces (root and unshare)")
+    return SSHCluster(tmp_path_factory.mktemp("ssh"), count=count, first_octet=first_octet, specs=specs or {},
+                      **kwargs).start()
+
+
+@contextmanager
+def running_cluster(tmp_path_factory, count: int, first_octet: int, **kwargs) -> Iterator[SSHCluster]:
+    """A cluster of its own for one test or module, its host keys trusted, stopped after."""
+    cluster = make_cluster(tmp_path_factory, count, first_octet=first_octet, **kwargs)
+    try:
+        cluster.trust_host_keys()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -2,7 +2,7 @@
 import importlib
 import sys
 
-from conftest import REPO
+from support import REPO
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))

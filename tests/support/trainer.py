@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from support import REPO
 
 
 def free_port() -> int:
@@ -64,6 +64,6 @@ def metrics(out: Path) -> list[dict]:
 
 def demo_folder(demo_cache: Path) -> Path:
     """Where the trainer builds its demo model and data under NODECTL_DEMO_CACHE (versioned by the trainer)."""
-    from trainer_import import trainer_module
+    from support.trainer_import import trainer_module
 
     return demo_cache / f"demo-v{trainer_module('demo').DEMO_VERSION}"

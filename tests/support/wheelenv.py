@@ -22,7 +22,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 VENV = Path(os.environ.get("NODECTL_WHEEL_VENV", REPO / ".wheel-venv"))
 TORCH = os.environ.get("NODECTL_TORCH", "torch==2.13.0")
 
