@@ -18,6 +18,7 @@ import os
 import time
 
 import runlayout as layout   # beside this file in lib/: the run folder's names, written once
+from nodeio import write_file
 
 _last_time = None
 
@@ -33,11 +34,8 @@ def report(step: int, **values: float) -> None:
         record["tokens_per_s"] = record["tokens"] / (now - _last_time)
     _last_time = now
     heartbeat = os.path.join(run_dir, layout.heartbeat(rank))
-    tmp = f"{heartbeat}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(record, handle)
-        os.replace(tmp, heartbeat)
+        write_file(heartbeat, json.dumps(record))
         path = os.environ.get("NODECTL_METRICS") or os.path.join(run_dir, layout.rank_metrics(rank))
         with open(path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")

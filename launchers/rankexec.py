@@ -16,15 +16,9 @@ import sys
 import time
 
 import runlayout as layout   # beside this file in lib/: the run folder's names, written once
+from nodeio import write_file
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
-
-
-def write_atomic(path: str, text: str) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.replace(tmp, path)
 
 
 def _request_fifo(path: str) -> str:
@@ -54,9 +48,9 @@ def main() -> int:
                                  stdin=subprocess.DEVNULL, env=env)
     for signum in FORWARDED:
         signal.signal(signum, lambda sig, _frame: child.send_signal(sig))
-    write_atomic(at(layout.rank_pid(rank)), str(child.pid))
+    write_file(at(layout.rank_pid(rank)), str(child.pid))
     code = child.wait()
-    write_atomic(exit_file, json.dumps({"code": code, "time": time.time()}))
+    write_file(exit_file, json.dumps({"code": code, "time": time.time()}))
     if code < 0:  # died of a signal: die of the same one, so torchrun sees what happened
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)

@@ -22,6 +22,7 @@ import os
 import sys
 
 import runlayout as layout   # beside this file in lib/: the run folder's names, written once
+from nodeio import write_file
 
 ENTRIES_PER_GROUP = 32      # the latest collectives of each process group kept in the JSON answer
 FRAMES_PER_THREAD = 48
@@ -186,11 +187,8 @@ def _plain(value):
 def _write_json(path: str, value: dict) -> None:
     import json
 
-    tmp = f"{path}.tmp{os.getpid()}"
     try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            json.dump(value, handle)
-        os.replace(tmp, path)
+        write_file(path, json.dumps(value))
     except OSError:
         pass
 

@@ -10,7 +10,7 @@ import tarfile
 
 import runlayout as layout
 from runctl.common import quiet, read_json
-from wire import last_json
+from nodeio import last_json
 from runctl.runfolder import SYNCED_CODE
 from runctl.store import STREAM_BUFFER
 

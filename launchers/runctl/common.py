@@ -6,6 +6,8 @@ import os
 import stat
 import subprocess
 
+from nodeio import write_file  # noqa: F401 - the one whole-file writer, for runctl's modules
+
 
 READ_LIMIT = 256 * 1024
 
@@ -134,17 +136,6 @@ def read_json(path: str, default=None):
             return json.load(handle)
     except (OSError, ValueError, RecursionError):   # deeply nested JSON is malformed, not a crash
         return default
-
-
-def write_file(path: str, text: str, mode: int = 0o644) -> None:
-    """Written whole under a new name, then renamed over `path` (a link planted at either name is replaced, never
-    written through)."""
-    tmp = f"{path}.tmp{os.getpid()}.{os.urandom(4).hex()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as handle:
-        handle.write(text)
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
 
 
 def quiet(argv: list, timeout: float, stdin: str | None = None) -> tuple:

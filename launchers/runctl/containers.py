@@ -8,7 +8,7 @@ import shutil
 
 import runlayout as layout
 from runctl.common import quiet, read_json
-from wire import last_json
+from nodeio import last_json
 
 
 def cmd_container(args: list, request: dict) -> dict:

@@ -11,7 +11,7 @@ import zipfile
 from functools import lru_cache
 
 from nodectl.resources import resource_dir
-from nodectl.resources.launchers.wire import last_json
+from nodectl.resources.launchers.nodeio import last_json
 from nodectl.remote import answers
 from nodectl.terminal_text import visible
 from nodectl.transport import NodeError, Transport, quote_path
@@ -36,12 +36,12 @@ MAIN = b"from runctl.dispatch import main\n\nmain()\n"
 @lru_cache(maxsize=1)
 def _runctl() -> tuple[bytes, str, str]:
     """runctl's artifact: the package launchers/runctl/, the run folder's layout (launchers/runlayout.py) and the
-    answers' reader (launchers/wire.py), the last two imported by the controller too, as one zip with a __main__
+    answers' reader and whole-file writer (launchers/nodeio.py), the last two imported by the controller too, as one zip with a __main__
     (`python -S FILE` runs it); the short hash that names it on the nodes, and its full sha256. Every controller of one version builds the same bytes: entries in order,
     fixed times and modes, stored uncompressed."""
     launchers = resource_dir("launchers")
     buffer = io.BytesIO()
-    entries = [("__main__.py", MAIN), *((name, (launchers / name).read_bytes()) for name in ("runlayout.py", "wire.py")),
+    entries = [("__main__.py", MAIN), *((name, (launchers / name).read_bytes()) for name in ("runlayout.py", "nodeio.py")),
                *((f"runctl/{path.name}", path.read_bytes()) for path in sorted((launchers / "runctl").glob("*.py")))]
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
         for name, data in entries:
