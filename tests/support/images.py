@@ -2,7 +2,7 @@
 transformers, peft and safetensors, built here from a root filesystem (there is no registry to pull from).
 
 Built once per machine and cached: the image is tagged with a key of what goes into it, and `podman image exists`
-skips the build when that tag is present. `python -m tests.images` builds it ahead of the suite (`.ci/run` does),
+skips the build when that tag is present. `python -m support.images` (from tests/) builds it ahead of the suite (`.ci/run` does),
 so its minutes are not the suite's. Needs root, debootstrap, podman and runc (scripts/setup.sh installs them).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ build would put modules into the wheel that the tree no longer has.
 
 The venv holds the wheel with its `train` extra and torch pinned by NODECTL_TORCH (the CPU build here), as
 scripts/setup.sh pins it. It is built once and reused while the wheel's content is the same (its files' hashes,
-not the archive's bytes, which carry timestamps): `python -m wheelenv` from tests/ builds it ahead of the suite,
+not the archive's bytes, which carry timestamps): `python -m support.wheelenv` from tests/ builds it ahead of the suite,
 as `.ci/run` does, so its minute is not the suite's.
 """
 from __future__ import annotations
