@@ -284,7 +284,7 @@ def pull(run_dir: str, request: dict) -> dict:
     """Bring the run's output/ back from the store: first from this node's own place (what differs), then from
     node 0's (only what is missing here: a checkpoint a script wrote on rank 0 alone). Only what the index lists;
     `sections` (collect --from-store) may take logs/ and metrics/ too."""
-    fetched, nbytes, sources = 0, 0, {}
+    fetched, nbytes, sources, failed = 0, 0, {}, []
     for source in request["sources"]:   # a source may name a bucket of its own (node 0's, where nodes differ)
         store = Store(source["outputs"] if isinstance(source.get("outputs"), dict) else request["outputs"])
         base = "/".join(p for p in (store.base, request["run_id"], source["node"]) if p)
@@ -297,21 +297,24 @@ def pull(run_dir: str, request: dict) -> dict:
             here = _still(target)
             if here is not None and (source.get("missing_only") or here[:2] == (facts.get("size"), facts.get("mtime_ns"))):
                 continue
-            os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
             part = f"{target}.nodectl-part-{uuid.uuid4().hex[:8]}"
             try:
+                os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
                 store.client.download_file(store.bucket, store.key(relative, base), part, Config=store.transfer)
                 if os.path.getsize(part) != facts.get("size"):
-                    raise ValueError(f"{relative}: the store holds {os.path.getsize(part)} bytes, its index "
-                                     f"{facts.get('size')}")
+                    raise ValueError(f"the store holds {os.path.getsize(part)} bytes, its index {facts.get('size')}")
                 if isinstance(facts.get("mtime_ns"), int):
                     os.utime(part, ns=(facts["mtime_ns"], facts["mtime_ns"]))
                 os.replace(part, target)
+            except Exception as exc:   # this file is not brought; what is here already stays as it was
+                failed.append({"path": relative[:300], "error": describe(exc)[:300]})
+                continue
             finally:
-                if os.path.exists(part):
+                if os.path.lexists(part):
                     os.unlink(part)
             fetched, nbytes = fetched + 1, nbytes + facts.get("size", 0)
-    return {"files": fetched, "bytes": nbytes, "indexed": sources}
+    return {"files": fetched, "bytes": nbytes, "indexed": sources, "failed": failed[:50],
+            "failed_count": len(failed)}
 
 
 def check(request: dict) -> dict:

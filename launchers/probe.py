@@ -109,12 +109,17 @@ def redact_args(args) -> list:
             out.append("-p" + REDACTED)
         elif ASSIGNMENT.match(arg) and is_secret_name(arg.split("=", 1)[0]):   # `-e WANDB_API_KEY=...`, `env X=..`
             out.append(arg.split("=", 1)[0] + "=" + REDACTED)
+        elif ENV_OPTION.match(arg) and is_secret_name(ENV_OPTION.match(arg)["name"]):   # --env=X=.., -eX=..
+            out.append(ENV_OPTION.match(arg)[0] + REDACTED)
         else:
             out.append(redact_text(arg))
     return out
 
 
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+# an environment setting joined to its option: --env=NAME=value (docker, podman, enroot), -eNAME=value,
+# --setenv=NAME=value, --env-NAME=value is not one
+ENV_OPTION = re.compile(r"^(?:--env=|--setenv=|--set-env=|-e)(?P<name>[A-Za-z_][A-Za-z0-9_]*)=")
 
 
 def _section(report: dict, key: str, fn) -> None:

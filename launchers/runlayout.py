@@ -6,8 +6,15 @@ Standard library only; imports nothing.
 from __future__ import annotations
 
 # the folders a run folder holds; those of one attempt are archived when the run is resumed or restarted
-FOLDERS = ("code", "lib", "logs", "state", "heartbeat", "stacks", "output", "flight", "timing", "metrics")
-PER_ATTEMPT = ("logs", "state", "heartbeat", "stacks", "flight", "timing")
+FOLDERS = ("code", "lib", "logs", "state", "ranks", "heartbeat", "stacks", "output", "flight", "timing", "metrics",
+           "torchelastic")
+PER_ATTEMPT = ("logs", "state", "ranks", "heartbeat", "stacks", "flight", "timing")
+# What the ranks write, the only folders a container's ranks get writable (the run folder is read-only there);
+# state/, which the host acts on (what `stop` did, launch.sh's pid and exit, the cgroup), is not in it: the
+# container sees an empty read-only folder in its place.
+RANK_WRITABLE = ("code", "logs", "ranks", "heartbeat", "stacks", "output", "flight", "timing", "metrics",
+                 "torchelastic")
+HIDDEN = ("state",)
 
 NODE_JSON = "node.json"                 # what the node's share of the run is (run id, node rank, ranks)
 SECRET_FILES = ("env.sh", "launch.sh")  # hold the real secrets: never packed, never shown
@@ -31,11 +38,12 @@ def rank_log(rank: int) -> str:
 
 
 def rank_exit(rank: int) -> str:
-    return f"state/rank{rank}.exit"
+    """Written by the rank's wrapper (lib/rankexec.py), inside the container where there is one."""
+    return f"ranks/rank{rank}.exit"
 
 
 def rank_pid(rank: int) -> str:
-    return f"state/rank{rank}.pid"
+    return f"ranks/rank{rank}.pid"
 
 
 def heartbeat(rank: int) -> str:

@@ -21,6 +21,7 @@ from nodectl.errors import UsageError
 from nodectl.inventory import ENV_NAME_RE as ENV_NAME
 from nodectl.plan import LaunchPlan, NodePlan
 from nodectl.resources import resource_dir
+from nodectl.resources.launchers import runlayout as layout
 from nodectl.secrets import redact_args, redact_env, redact_text
 from nodectl.transport import quote_path
 
@@ -107,15 +108,15 @@ def container_env_options(container) -> tuple[tuple[str, ...], dict[str, str]]:
         word, value = words[i], None
         if word in ENV_OPTIONS and i + 1 < len(words) and "=" in words[i + 1]:
             value, i = words[i + 1], i + 2
-        elif word.startswith("--env=") and "=" in word[len("--env="):]:
-            value, i = word[len("--env="):], i + 1
+        elif word.startswith(("--env=", "-e")) and "=" in word[len("--env=" if word.startswith("--env=") else "-e"):]:
+            value, i = word[len("--env=" if word.startswith("--env=") else "-e"):], i + 1   # --env=N=v, -eN=v
         else:
             kept.append(word)
             i += 1
             continue
         name, _, setting = value.partition("=")
         if not ENV_NAME.match(name):
-            kept += [word] if word.startswith("--env=") else [word, value]
+            kept += [word] if word.startswith(("--env=", "-e")) and word not in ENV_OPTIONS else [word, value]
             continue
         moved[name] = setting   # passed by name with the rest of env.sh (docker, podman, enroot: --env NAME)
     return tuple(kept), moved
@@ -128,7 +129,8 @@ def _render_node(environment: jinja2.Environment, name: str, plan: LaunchPlan, n
     options, moved = container_env_options(np.node.container)
     env = {**np.env, **moved, "NODECTL_ATTEMPT": str(plan.attempt)}  # 0, then 1, 2, ... for --resume and restarts
     context = {"plan": plan, "np": np, "version": __version__, "env_names": sorted(env),
-               "container_name": container_name(plan.run_id, np.node.name), "container_options": options}
+               "container_name": container_name(plan.run_id, np.node.name), "container_options": options,
+               "rank_writable": layout.RANK_WRITABLE, "hidden": layout.HIDDEN}
     try:
         launch = environment.get_template(name).render(**context)
         shown = replace(plan, command=tuple(redact_args(plan.command)))

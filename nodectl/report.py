@@ -33,8 +33,10 @@ def load_collected(run_folder: Path) -> dict:
                 data["summary"] = json.loads((node / "output" / "summary.json").read_text())
             if (node / "output" / "adapter").exists():
                 data["adapter"] = str((node / "output" / "adapter").resolve())
-        if (node / "telemetry.jsonl").is_file():
-            data["telemetry"][node.name] = _jsonl(node / "telemetry.jsonl")
+        for telemetry in (node / "metrics" / "telemetry.jsonl", node / "telemetry.jsonl"):   # the latter: older runs
+            if telemetry.is_file():
+                data["telemetry"][node.name] = _jsonl(telemetry)
+                break
         for timing in sorted((node / "timing").glob("rank*.jsonl")) if (node / "timing").is_dir() else []:
             data["timing"][int(timing.stem[4:])] = _jsonl(timing)
     if not data["metrics"]:

@@ -19,6 +19,7 @@ from nodectl import __version__
 from nodectl.errors import NodectlError, UsageError
 from nodectl.inventory import Node, node_from_record
 from nodectl.outputs import from_record
+from nodectl.plan import LaunchPlan
 
 
 class RunState(str, Enum):
@@ -98,6 +99,14 @@ class Manifest:
         values.setdefault("run_id", document["plan"].get("run_id"))
         values["state"] = RunState.parse(document.get("state"))
         _check_shape(values, known)
+        # a record is data anyone with write access to it may have crafted: every reader gets it only once its
+        # plan and the nodes a restart left out pass the inventory's rules (a node named ../../.., a sync_dir)
+        source = f"run {values.get('run_id')}'s record"
+        LaunchPlan.from_json(document["plan"], source)
+        for index, entry in enumerate(values.get("left_out") or []):
+            if not isinstance(entry, dict) or not isinstance(entry.get("node"), dict):
+                raise UsageError(f"{source}: left_out[{index}]: expected a node's plan entry")
+            node_from_record(entry["node"], source)
         return cls(**values, extra={k: v for k, v in document.items() if k not in known})
 
     def to_json(self) -> dict:

@@ -156,7 +156,8 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
                           seed=recipe.data.seed, pad_id=tokenizer.pad_token_id or 0)
     start_step = _resume(recipe, ctx, model, optimizer, out_dir)
     reporter = Reporter(out_dir, ctx.rank, recipe)
-    telemetry = Telemetry(Path(os.environ.get("NODECTL_RUN_DIR", out_dir))).start()
+    telemetry = Telemetry(Path(os.environ["NODECTL_RUN_DIR"]) / "metrics" if os.environ.get("NODECTL_RUN_DIR")
+                          else Path(out_dir)).start()   # metrics/: a folder the ranks may write in a container
     config = model.base_model.model.config
     trainable, frozen = parameter_counts(model)
     idle_frozen, idle_trainable = inactive_expert_params(model)

@@ -1,5 +1,5 @@
 """GPU telemetry through NVML, sampled by a background thread of each node's first rank into
-$NODECTL_RUN_DIR/telemetry.jsonl. Absent, without error, where there is no NVML (CPU nodes)."""
+$NODECTL_RUN_DIR/metrics/telemetry.jsonl. Absent, without error, where there is no NVML (CPU nodes)."""
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """What leaves or reaches a run folder after the fact: pack (collect), fill (node 0's outputs), pull (the bucket)."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -9,7 +10,7 @@ import sys
 import tarfile
 
 import runlayout as layout
-from runctl.common import quiet, read_json
+from runctl.common import LinkRefused, is_file, lstat_nofollow, no_run, quiet, read_json, walk
 from nodeio import last_json
 from runctl.runfolder import SYNCED_CODE
 from runctl.store import STREAM_BUFFER
@@ -21,7 +22,9 @@ def cmd_pack(args: list, request: dict) -> dict:
     request["also"] (a script's `--output_dir out` lands in code/out). Files that vanish while it is packed (a
     checkpoint rotating out) are counted, not an error; what is neither a file, a folder nor a link to a sibling
     (a fifo, a socket, a device, a link out of the run) is left out and counted."""
-    run_dir = os.path.expanduser(args[0])
+    run_dir = args[0]   # its real path (dispatch's guard)
+    if not is_file(os.path.join(run_dir, layout.NODE_JSON)):
+        return no_run(run_dir)
     only = request.get("only")   # top-level folders alone (output/ for `fill`), packed without compression
     target = os.path.join(run_dir, ".collect.tar" if only else ".collect.tar.gz")
     synced = set(read_json(os.path.join(run_dir, SYNCED_CODE), []) or [])
@@ -53,26 +56,33 @@ def _check_caller() -> None:
 
 
 def _pack(run_dir: str, target: str, only, synced: set, request: dict, packed: dict) -> None:
-    with tarfile.open(target, "w" if only else "w:gz") as tar:
-        for folder, dirs, names in os.walk(run_dir):
+    """The run folder walked by descriptors (os.fwalk: no link followed, every file opened relative to its folder
+    without following a link), so a folder or file a rank swapped for a link mid-walk is left out, never read."""
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w" if only else "w:gz") as tar:
+        for folder, dirs, names, dir_fd in os.fwalk(run_dir):
             relative = os.path.relpath(folder, run_dir)
             if relative == ".":
                 dirs[:] = [d for d in dirs if d != "lib" and (not only or d in only) and (d != "code" or synced)]
                 names = [] if only else [n for n in names
                                          if n not in layout.SECRET_FILES and not n.startswith(".collect")]
-            elif relative == "flight":
+            elif os.path.basename(relative) == layout.FLIGHT:   # flight/, and attempts/<n>/flight/
                 names = [n for n in names if not n.endswith(".request")]   # the listeners' FIFOs are nodectl's
             elif relative == "code" or relative.startswith("code/"):
                 dirs[:] = [d for d in dirs if d != "__pycache__"]
                 inside = relative[len("code/"):] if relative != "code" else ""
-                names = [n for n in names if os.path.join(inside, n) not in synced]
+                names = [n for n in names if os.path.join(inside, n) not in synced and not _placing(n)]
                 packed["code"] += [os.path.join(inside, n) for n in names]
-            _pack_entries(tar, folder, relative, names, dirs, packed)
+            _pack_entries(tar, dir_fd, relative, names, dirs, packed)
         for also in request.get("also") or []:
             _pack_also(tar, run_dir, also, packed)
     _check_caller()
 
 
+def _placing(name: str) -> bool:
+    """A temporary name `prepare` places a code file under (<name>.<pid>.tmp): nodectl's, never the program's."""
+    parts = name.rsplit(".", 2)
+    return len(parts) == 3 and parts[2] == "tmp" and parts[1].isdigit()
 
 
 def _pack_also(tar, run_dir: str, also: str, packed: dict) -> None:
@@ -82,38 +92,85 @@ def _pack_also(tar, run_dir: str, also: str, packed: dict) -> None:
         packed["missing"].append(f"{also} (not a path inside the run folder)")
         return
     path = os.path.join(run_dir, *parts)
-    if not os.path.lexists(path):
+    info = lstat_nofollow(path)
+    if info is None:
         packed["missing"].append(f"{also} (not there)")
         return
-    if os.path.isdir(path) and not os.path.islink(path):
-        for folder, dirs, names in os.walk(path):
-            _pack_entries(tar, folder, os.path.relpath(folder, run_dir), names, dirs, packed)
-    else:
-        _pack_entries(tar, os.path.dirname(path), os.path.relpath(os.path.dirname(path), run_dir),
-                      [parts[-1]], [], packed)
+    if stat.S_ISDIR(info.st_mode):
+        for folder, dirs, names, dir_fd in os.fwalk(path):
+            _pack_entries(tar, dir_fd, os.path.relpath(folder, run_dir), names, dirs, packed)
+        return
+    try:
+        parent = walk(os.path.dirname(path))
+    except OSError:
+        packed["missing"].append(f"{also} (reached through a link: not followed)")
+        return
+    try:
+        _pack_entries(tar, parent, os.path.relpath(os.path.dirname(path), run_dir), [parts[-1]], [], packed)
+    finally:
+        os.close(parent)
 
 
-def _pack_entries(tar, folder: str, relative: str, names: list, dirs: list, packed: dict) -> None:
-    links = [d for d in dirs if os.path.islink(os.path.join(folder, d))]  # output/adapter -> adapter-<step>
+def _pack_entries(tar, dir_fd: int, relative: str, names: list, dirs: list, packed: dict) -> None:
+    """Regular files (opened without following a link, their metadata from the open file) and links to a sibling
+    name (output/adapter -> adapter-<step>); anything else is counted as left out."""
+    links = [d for d in dirs if stat.S_ISLNK(os.stat(d, dir_fd=dir_fd, follow_symlinks=False).st_mode)]
     for name in sorted(names + links):
-        path = os.path.join(folder, name)
         arcname = os.path.normpath(os.path.join(relative, name))
         if arcname in packed["names"]:   # a --path entry that the walk packed already
             continue
         packed["names"].add(arcname)
         _check_caller()
         try:
-            mode = os.lstat(path).st_mode
-            if stat.S_ISLNK(mode) and not _sibling_link(os.readlink(path)):
+            info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+            if stat.S_ISLNK(info.st_mode):
+                target = os.readlink(name, dir_fd=dir_fd)
+                if not _sibling_link(target):
+                    packed["skipped"].append(arcname)
+                    continue
+                member = tarfile.TarInfo(arcname)
+                member.type, member.linkname, member.mtime, member.mode = tarfile.SYMTYPE, target, info.st_mtime, 0o777
+                tar.addfile(member)
+            elif stat.S_ISREG(info.st_mode):
+                _pack_file(tar, dir_fd, name, arcname, packed)
+            else:
                 packed["skipped"].append(arcname)
                 continue
-            if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
-                packed["skipped"].append(arcname)
-                continue
-            tar.add(path, arcname=arcname, recursive=False)
             packed["count"] += 1
         except FileNotFoundError:
             packed["vanished"] += 1
+        except LinkRefused:   # swapped for a link between the listing and the open
+            packed["skipped"].append(arcname)
+
+
+def _pack_file(tar, dir_fd: int, name: str, arcname: str, packed: dict) -> None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO):
+            raise LinkRefused(exc.errno, arcname) from None
+        raise
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise LinkRefused(errno.EINVAL, arcname)
+        member = tarfile.TarInfo(arcname)
+        member.size, member.mtime, member.mode = info.st_size, info.st_mtime, stat.S_IMODE(info.st_mode)
+        tar.addfile(member, _Exactly(handle, info.st_size))
+
+
+class _Exactly:
+    """A file read as exactly `size` bytes (what its header says), whether it grew or shrank since: a log still
+    written to must not break the archive."""
+    def __init__(self, handle, size: int) -> None:
+        self.handle, self.left = handle, size
+
+    def read(self, count: int = -1) -> bytes:
+        count = self.left if count is None or count < 0 else min(count, self.left)
+        data = self.handle.read(count)
+        data += b"\0" * (count - len(data))
+        self.left -= count
+        return data
 
 
 def cmd_fill(args: list, request: dict) -> dict:
@@ -121,62 +178,85 @@ def cmd_fill(args: list, request: dict) -> dict:
     and this node lacks, before a resumed attempt starts: a third-party trainer's checkpoint that global rank 0
     alone wrote (transformers writes the weights on rank 0 only) becomes whole on every node, while each node
     keeps what it wrote itself (its ranks' rng states). Nothing here is replaced; only regular files, folders and
-    links to a sibling name are taken; every name stays inside output/ and nothing is written through a link; a
-    file lands under a temporary name and is renamed once whole, so a cut stream leaves no partial file."""
-    output = os.path.join(os.path.expanduser(args[0]), "output")
+    links to a sibling name are taken; every name stays inside output/; every folder is reached a name at a time
+    from output/ itself (a folder a rank replaced with a link is refused, never written through); a file lands
+    under a temporary name and is renamed once whole, so a cut stream leaves no partial file. A name the node's
+    file system refuses (too long, say) is one refused entry; the rest is still filled."""
+    output = os.path.join(args[0], "output")
     done = {"added": 0, "bytes": 0, "kept": 0, "refused": []}
-    with tarfile.open(fileobj=sys.stdin.buffer, mode="r|", bufsize=STREAM_BUFFER) as tar:
-        for member in tar:
-            parts = [p for p in member.name.split("/") if p not in ("", ".")]
-            if member.name.startswith("/") or ".." in parts or parts[:1] != ["output"]:
-                done["refused"].append(member.name[:200])
-                continue
-            if len(parts) == 1:
-                continue
-            try:
-                target = os.path.join(_folder_inside(output, parts[1:-1]), parts[-1])
-            except ValueError:
-                done["refused"].append(member.name[:200])
-                continue
-            if os.path.lexists(target):
-                done["kept"] += not member.isdir()
-            elif member.isdir():
-                os.mkdir(target, 0o700)
-            elif member.issym() and _sibling_link(member.linkname):
-                os.symlink(member.linkname, target)
-            elif member.isfile():
-                _fill_file(tar.extractfile(member), target)
-                done["added"], done["bytes"] = done["added"] + 1, done["bytes"] + member.size
-            else:
-                done["refused"].append(member.name[:200])
+    root = walk(output, create=True)
+    try:
+        with tarfile.open(fileobj=sys.stdin.buffer, mode="r|", bufsize=STREAM_BUFFER) as tar:
+            for member in tar:
+                parts = [p for p in member.name.split("/") if p not in ("", ".")]
+                if member.name.startswith("/") or ".." in parts or parts[:1] != ["output"]:
+                    done["refused"].append(member.name[:200])
+                    continue
+                if len(parts) == 1:
+                    continue
+                try:
+                    _fill_member(tar, member, root, parts[1:], done)
+                except (OSError, ValueError) as exc:
+                    done["refused"].append(f"{member.name[:200]} ({getattr(exc, 'strerror', None) or exc})"[:300])
+    finally:
+        os.close(root)
     done["refused"] = done["refused"][:50]
     return done
 
 
-def _folder_inside(base: str, parts: list) -> str:
-    """base/parts..., each folder created (0700) where missing; ValueError where one is a link or not a folder."""
-    path = base
-    for part in parts:
-        path = os.path.join(path, part)
+def _fill_member(tar, member, root: int, parts: list, done: dict) -> None:
+    folder = _folder_inside(root, parts[:-1])
+    try:
+        name = parts[-1]
         try:
-            mode = os.lstat(path).st_mode
+            os.stat(name, dir_fd=folder, follow_symlinks=False)
+            done["kept"] += not member.isdir()
+            return
         except FileNotFoundError:
-            os.mkdir(path, 0o700)
-            continue
-        if not stat.S_ISDIR(mode):
-            raise ValueError(f"{path} is not a folder")
-    return path
+            pass
+        if member.isdir():
+            os.mkdir(name, 0o700, dir_fd=folder)
+        elif member.issym() and _sibling_link(member.linkname):
+            os.symlink(member.linkname, name, dir_fd=folder)
+        elif member.isfile():
+            _fill_file(tar.extractfile(member), folder, name)
+            done["added"], done["bytes"] = done["added"] + 1, done["bytes"] + member.size
+        else:
+            raise ValueError("not a file, a folder or a link to a sibling")
+    finally:
+        if folder != root:
+            os.close(folder)
 
 
-def _fill_file(source, target: str) -> None:
-    tmp = f"{target}.fill{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def _folder_inside(root: int, parts: list) -> int:
+    """A descriptor of root/parts..., each folder created (0700) where missing and opened without following a
+    link; LinkRefused where one is a link or not a folder."""
+    fd = root
+    for part in parts:
+        try:
+            next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except FileNotFoundError:
+            os.mkdir(part, 0o700, dir_fd=fd)
+            next_fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        except OSError as exc:
+            if fd != root:
+                os.close(fd)
+            raise LinkRefused(exc.errno, f"{part} is a link or not a folder: not followed") from None
+        if fd != root:
+            os.close(fd)
+        fd = next_fd
+    return fd
+
+
+def _fill_file(source, folder: int, name: str) -> None:
+    tmp = f"{name[:200]}.fill{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=folder)
     try:
         with os.fdopen(fd, "wb") as handle:
             shutil.copyfileobj(source, handle, STREAM_BUFFER)
-        os.replace(tmp, target)
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
     except BaseException:
-        os.unlink(tmp)
+        os.unlink(tmp, dir_fd=folder)
         raise
 
 
@@ -205,6 +285,6 @@ def cmd_pull(args: list, request: dict) -> dict:
 
 def cmd_cleanup(args: list, request: dict) -> dict:
     path = os.path.expanduser(args[0])
-    if os.path.exists(path):
+    if lstat_nofollow(path) is not None:
         os.unlink(path)
     return {}

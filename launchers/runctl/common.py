@@ -6,7 +6,8 @@ import os
 import stat
 import subprocess
 
-from nodeio import write_file  # noqa: F401 - the one whole-file writer, for runctl's modules
+import nodeio
+from nodeio import LinkRefused, is_file, listdir_nofollow, lstat_nofollow, open_nofollow, walk  # noqa: F401 - for runctl's modules
 
 
 READ_LIMIT = 256 * 1024
@@ -44,13 +45,62 @@ def _owner(uid: int) -> str:
         return f"uid {uid}"
 
 
+def _writable_by_others(info) -> bool:
+    return bool(info.st_mode & 0o022)
+
+
+def resolve_workdir(workdir: str) -> str:
+    """The workdir's real path, judged like OpenSSH's StrictModes on the way: every folder and link on the path is
+    root's or yours (another user could rename or re-point it), and a folder other users can write is sticky (so
+    they cannot rename what is in it): a link another user planted in /scratch is refused, naming the link, its
+    owner and the fix. A missing rest of the path is returned as written, to be made by you."""
+    uid, path = os.getuid(), os.path.abspath(os.path.expanduser(workdir))
+    pending, current, hops = [p for p in path.split("/") if p], "/", 0
+    while pending:
+        name = pending.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, name)
+        try:
+            info, above = os.lstat(candidate), os.lstat(current)
+        except FileNotFoundError:
+            return os.path.join(candidate, *pending)
+        is_link = stat.S_ISLNK(info.st_mode)
+        if info.st_uid not in (uid, 0):
+            what = f"a symbolic link (to {os.readlink(candidate)})" if is_link else "a folder"
+            raise Unsafe(candidate, f"{what} owned by {_owner(info.st_uid)}, not by you ({_owner(uid)}) or root"
+                                    + (f", in {current}, which other users can write" if _writable_by_others(above)
+                                       else "") + f": whoever owns it chooses where nodectl writes; use a workdir "
+                                    f"of your own (e.g. mkdir -m 700 {current.rstrip('/')}/$USER)")
+        if is_link:
+            hops += 1
+            if hops > 40:
+                raise Unsafe(path, "a loop of symbolic links")
+            target = os.readlink(candidate)
+            pending[:0] = [p for p in target.split("/") if p]
+            current = "/" if target.startswith("/") else current
+            continue
+        if not stat.S_ISDIR(info.st_mode):
+            raise Unsafe(candidate, "not a folder")
+        if _writable_by_others(info) and not info.st_mode & stat.S_ISVTX and pending:
+            raise Unsafe(candidate, f"writable by other users (mode {oct(info.st_mode & 0o7777)}) without the sticky "
+                                    f"bit, on the way to the workdir: they could rename or replace what is below it")
+        current = candidate
+    return current
+
+
 def trusted_workdir(workdir: str, create: bool = True) -> bool:
     """Whether the workdir exists (made 0700 when missing and `create`); Unsafe when another user could swap what
-    nodectl keeps in it."""
+    nodectl keeps in it, or the path to it."""
+    real = resolve_workdir(workdir)
     if create:
-        os.makedirs(workdir, mode=0o700, exist_ok=True)
+        os.makedirs(real, mode=0o700, exist_ok=True)
+        real = resolve_workdir(workdir)   # what was made is judged too
     try:
-        info = os.stat(workdir)   # the workdir may be reached through a link the user chose
+        info = os.lstat(real)
     except FileNotFoundError:
         return False
     if info.st_uid not in (os.getuid(), 0):
@@ -87,19 +137,23 @@ def own_folder(path: str, create: bool = True) -> bool:
 
 
 def trusted_path(workdir: str, parts: tuple, create: bool = True) -> str:
-    """<workdir>/<parts...>, the workdir and each folder below it checked (and made, with `create`)."""
-    workdir = os.path.expanduser(workdir)
-    path = workdir
+    """<workdir>/<parts...> by its real path, the workdir's path and each folder below it checked (and made, with
+    `create`)."""
     if trusted_workdir(workdir, create):
+        workdir = resolve_workdir(workdir)
+        path = workdir
         for part in parts:
             path = os.path.join(path, part)
             if not own_folder(path, create):
                 break
+    else:
+        workdir = resolve_workdir(workdir)
     return os.path.join(workdir, *parts)
 
 
 def trusted_run_dir(run_dir: str, create: bool = False) -> str:
-    """A run folder, <workdir>/runs/<run id>[/<node>], with the rule applied from the workdir down."""
+    """A run folder, <workdir>/runs/<run id>[/<node>], with the rule applied from the workdir down; its real path,
+    which every later step reaches a name at a time (nodeio.walk)."""
     run_dir = os.path.expanduser(run_dir).rstrip("/")
     parts = run_dir.split("/")
     for depth in (1, 2):   # <run id>, or <run id>/<node> where nodes share a workdir's disk
@@ -110,14 +164,19 @@ def trusted_run_dir(run_dir: str, create: bool = False) -> str:
 
 
 def open_run_file(path: str, text: bool = True):
-    """A file of a run folder, opened for reading only when it is a regular file reached without a link: what a
-    rank (or a container's root) leaves in its folder is never a way to make runctl read /etc/shadow or hang on a
-    FIFO. OSError otherwise."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    """A file of a run folder, opened for reading only when it is a regular file reached without a link in any
+    component: what a rank (or a container's root) leaves in its folder, a file or a folder replaced by a link,
+    is never a way to make runctl read /etc/shadow or hang on a FIFO. OSError otherwise."""
+    fd = open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(f"{path} is not a regular file")
     return os.fdopen(fd, "r", encoding="utf-8") if text else os.fdopen(fd, "rb")
+
+
+def write_file(path: str, text: str, mode: int = 0o644) -> None:
+    """nodeio's whole-file writer, strict: no component of `path` is followed through a link."""
+    nodeio.write_file(path, text, mode, strict=True)
 
 
 def boot_id() -> str | None:

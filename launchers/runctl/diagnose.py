@@ -5,12 +5,13 @@ import errno
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
 
 import runlayout as layout
-from runctl.common import no_run, open_run_file, read_json
+from runctl.common import listdir_nofollow, lstat_nofollow, no_run, open_nofollow, open_run_file, read_json
 from runctl.processes import run_markers, signal_run_process
 from runctl.watch import cmd_tail, gpu_sample, rank_state
 
@@ -36,7 +37,7 @@ def _stack_of(run_dir: str, rank: int, pid: int, py_spy) -> dict:
         if proc.returncode == 0:
             return {"text": proc.stdout}
     ready = os.path.join(run_dir, "stacks", f"rank{rank}.ready")
-    if not os.path.exists(ready):
+    if lstat_nofollow(ready) is None:
         text = _listener_stack(run_dir, rank)
         if text:
             return {"text": text}
@@ -44,17 +45,22 @@ def _stack_of(run_dir: str, rank: int, pid: int, py_spy) -> dict:
                          "listener did not answer (a program run with -S or -I has none; `pip install py-spy` "
                          "covers any program)"}
     path = os.path.join(run_dir, "stacks", f"rank{rank}.txt")
-    before = os.path.getsize(path) if os.path.exists(path) else 0
+    before = _size(path)
     if not signal_run_process(pid, signal.SIGUSR1, run_markers(run_dir)):
         return {"error": "the rank ended before its stack could be taken"}
     for _ in range(50):
         time.sleep(0.1)
-        if os.path.exists(path) and os.path.getsize(path) > before:
+        if _size(path) > before:
             time.sleep(0.2)  # let faulthandler finish every thread
             break
     with open_run_file(path, text=False) as handle:
         handle.seek(before)
         return {"text": handle.read().decode("utf-8", errors="replace")}
+
+
+def _size(path: str) -> int:
+    info = lstat_nofollow(path)
+    return info.st_size if info is not None and stat.S_ISREG(info.st_mode) else 0
 
 
 def _listener_stack(run_dir: str, rank: int, wait: float = 5.0) -> str:
@@ -109,8 +115,11 @@ def _ask_listener(fifo: str, request_id: str, deadline: float) -> bool:
     """Write a request to a rank's listener (launchers/sitecustomize.py); False when none reads the FIFO (the
     program is not Python, ran with -S or -I, or ended)."""
     while True:
-        try:
-            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        try:   # the FIFO the rank made: never a link, a host file or a device put in its place
+            fd = open_nofollow(fifo, os.O_WRONLY | os.O_NONBLOCK)
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                os.close(fd)
+                return False
         except OSError as exc:
             if exc.errno == errno.ENXIO and time.monotonic() < deadline:   # between two requests: it reopens
                 time.sleep(0.05)
@@ -167,8 +176,7 @@ def cmd_diagnose(args: list, request: dict) -> dict:
                 entry["stack"] = _stack_of(run_dir, rank, live[rank], py_spy)
         out[str(rank)] = entry
     flight = os.path.join(run_dir, layout.FLIGHT)
-    timeout_dumps = sorted(name for name in os.listdir(flight) if name.startswith("rank_")) \
-        if os.path.isdir(flight) else []
+    timeout_dumps = sorted(name for name in listdir_nofollow(flight) if name.startswith("rank_"))
     return {"now": time.time(), "node_rank": node["node_rank"], "ranks": out,
             "launcher_exit": read_json(os.path.join(run_dir, layout.LAUNCHER_EXIT)),
             "gpu_sample": gpu_sample() if shutil.which("nvidia-smi") else None, "timeout_dumps": timeout_dumps}

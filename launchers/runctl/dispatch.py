@@ -19,20 +19,32 @@ from runctl.watch import cmd_poll, cmd_tail
 
 
 def _guard(name: str, args: list, request: dict) -> None:
-    """Apply the trust rule to the folders `name` is about to use, before it uses them."""
+    """Apply the trust rule to the folders `name` is about to use, before it uses them, and hand the command their
+    real paths (what it reaches below them is reached a name at a time, never through a link)."""
     if name in ("have", "receive"):
-        trusted_path(args[0], (".nodectl", "objects"))
+        args[0] = _workdir_of(trusted_path(args[0], (".nodectl", "objects")), 2)
         if name == "receive" and isinstance(request.get("prepare"), dict):   # the run folder, in the same call
             _guard("prepare", [], request["prepare"])
     elif name == "prepare":
-        trusted_path(request["workdir"], (".nodectl", "objects"))
-        trusted_run_dir(request["run_dir"], create=True)
+        request["workdir"] = _workdir_of(trusted_path(request["workdir"], (".nodectl", "objects")), 2)
+        request["run_dir"] = trusted_run_dir(request["run_dir"], create=True)
     elif name in ("identity", "env_status"):
         trusted_path(args[0], (".nodectl",))
     elif name == "env_build":
         trusted_path(args[0], (".nodectl", "envs"))
     elif name in ("start", "poll", "tail", "stop", "stacks", "diagnose", "pack", "fill", "pull"):
-        trusted_run_dir(args[0])
+        args[0] = trusted_run_dir(args[0])
+    elif name == "cleanup":   # the archive `pack` left: that file of a run folder, nothing else
+        folder, archive = os.path.split(os.path.expanduser(args[0]))
+        if archive not in (".collect.tar", ".collect.tar.gz"):
+            raise NotARun(args[0])
+        args[0] = os.path.join(trusted_run_dir(folder), archive)
+
+
+def _workdir_of(path: str, depth: int) -> str:
+    for _ in range(depth):
+        path = os.path.dirname(path)
+    return path
 
 
 COMMANDS = {"have": cmd_have, "prepare": cmd_prepare, "port": cmd_port, "start": cmd_start, "poll": cmd_poll,

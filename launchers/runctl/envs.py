@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from runctl.common import read_json, write_file
+from runctl.common import read_json, walk, write_file
 from runctl.runfolder import place_file
 from runctl.store import STREAM_BUFFER
 
@@ -169,12 +169,15 @@ def _build_env(workdir: str, env_dir: str, request: dict) -> tuple:
     wheels = request.get("wheels") or []
     folder = os.path.join(workdir, ".nodectl", "wheels")
     os.makedirs(folder, mode=0o700, exist_ok=True)
-    paths = []
-    for wheel in wheels:   # the store names objects by hash; installers need the wheel's file name
-        path = os.path.join(folder, wheel["name"])
-        if not (os.path.exists(path) and os.path.samefile(path, os.path.join(store, wheel["sha256"]))):
-            place_file(os.path.join(store, wheel["sha256"]), path, 0o600)
-        paths.append(path)
+    paths, folder_fd = [], walk(os.path.realpath(folder))
+    try:
+        for wheel in wheels:   # the store names objects by hash; installers need the wheel's file name
+            path = os.path.join(folder, wheel["name"])
+            if not (os.path.exists(path) and os.path.samefile(path, os.path.join(store, wheel["sha256"]))):
+                place_file(os.path.join(store, wheel["sha256"]), folder_fd, wheel["name"], 0o600)
+            paths.append(path)
+    finally:
+        os.close(folder_fd)
     uv = _uv_binary(workdir, store, request["uv"]) if request.get("uv") else None
     # uv unpacks each wheel once into its cache on the node and copies the venv's files from there (hard links
     # would share one inode between the cache and every venv: an edit in one would reach the next venv built).

@@ -6,46 +6,62 @@ import os
 import shutil
 
 import runlayout as layout
-from runctl.common import write_file
+from runctl.common import walk, write_file
 from runctl.processes import run_processes
 
 
-def place_file(source: str, target: str, mode: int) -> None:
-    """Put a store object at `target`: a hard link where the modes agree (the store's objects are 0600), else (a
-    program, or a file system that refuses links) a private in-kernel copy. The store was hash-checked."""
-    tmp = f"{target}.{os.getpid()}.tmp"
-    if mode == 0o600:
-        try:
-            os.link(source, tmp)
-            os.replace(tmp, target)
-            return
-        except OSError:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-    os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode))  # private before any byte lands
-    shutil.copyfile(source, tmp)
-    os.chmod(tmp, mode)
-    os.replace(tmp, target)
+def place_file(source: str, folder: int, name: str, mode: int) -> None:
+    """Put a store object at `name` in the open `folder`: a hard link where the modes agree (the store's objects
+    are 0600), else (a program, or a file system that refuses links) a private in-kernel copy. The store was
+    hash-checked. Whatever was at `name` (an earlier attempt's copy, a link a rank left) is replaced, never
+    written through; no temporary name is left (a rename between two links to one file does nothing)."""
+    tmp = f"{name}.{os.getpid()}.tmp"
+    try:
+        if mode == 0o600:
+            try:
+                os.link(source, tmp, dst_dir_fd=folder)
+                os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+                return
+            except OSError:
+                pass
+        _unlink_quietly(tmp, folder)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=folder)
+        with open(source, "rb") as src, os.fdopen(fd, "wb") as dst:   # private before any byte lands
+            shutil.copyfileobj(src, dst, 1 << 20)
+            os.fchmod(dst.fileno(), mode)
+        os.replace(tmp, name, src_dir_fd=folder, dst_dir_fd=folder)
+    finally:
+        _unlink_quietly(tmp, folder)
+
+
+def _unlink_quietly(name: str, folder: int) -> None:
+    try:
+        os.unlink(name, dir_fd=folder)
+    except FileNotFoundError:
+        pass
 
 
 def cmd_prepare(args: list, request: dict) -> dict:
-    """Lay out the run folder: code and lib from the object store, the rendered files, the state folders."""
-    workdir, run_dir = os.path.expanduser(request["workdir"]), os.path.expanduser(request["run_dir"])
+    """Lay out the run folder: code and lib from the object store, the rendered files, the state folders. Every
+    folder below the run folder is reached a name at a time: a link a rank left in code/ is never written through."""
+    workdir, run_dir = request["workdir"], request["run_dir"]   # real paths (dispatch's guard)
     store = os.path.join(workdir, ".nodectl", "objects")
-    os.makedirs(run_dir, mode=0o700, exist_ok=True)
+    os.close(walk(run_dir, create=True))
     os.chmod(run_dir, 0o700)
     if request.get("new_attempt"):
         _archive_attempt(run_dir)
     for name in layout.FOLDERS:
-        os.makedirs(os.path.join(run_dir, name), exist_ok=True)
-    real_run_dir = os.path.realpath(run_dir)  # the workdir may be reached through a symlink
+        os.close(walk(os.path.join(run_dir, name), create=True))
     for entry in request["files"]:
-        target = os.path.join(run_dir, entry["path"])
-        if os.path.commonpath([real_run_dir, os.path.realpath(target)]) != real_run_dir:
+        parts = [p for p in str(entry["path"]).split("/") if p not in ("", ".")]
+        if not parts or ".." in parts or str(entry["path"]).startswith("/"):
             raise ValueError(f"path {entry['path']!r} leaves the run folder")
-        os.makedirs(os.path.dirname(target), mode=0o700, exist_ok=True)
-        mode = 0o700 if entry.get("mode", 0) & 0o111 else 0o600
-        place_file(os.path.join(store, entry["sha256"]), target, mode)
+        folder = walk(os.path.join(run_dir, *parts[:-1]), create=True)
+        try:
+            mode = 0o700 if entry.get("mode", 0) & 0o111 else 0o600
+            place_file(os.path.join(store, entry["sha256"]), folder, parts[-1], mode)
+        finally:
+            os.close(folder)
     for name, spec in request["rendered"].items():
         write_file(os.path.join(run_dir, name), spec["text"], spec["mode"])
     synced = sorted(e["path"][len("code/"):] for e in request["files"] if e["path"].startswith("code/"))

@@ -7,7 +7,7 @@ import subprocess
 import time
 
 import runlayout as layout
-from runctl.common import boot_id, read_json, write_file
+from runctl.common import boot_id, lstat_nofollow, open_nofollow, read_json, write_file
 from runctl.processes import become_subreaper, in_group, join_group, keep_start, new_run_group, remove_group
 
 
@@ -15,7 +15,7 @@ def cmd_start(args: list, request: dict) -> dict:
     """Start launch.sh detached in its own session; it survives the SSH connection that started it."""
     run_dir = os.path.expanduser(args[0])
     node = read_json(os.path.join(run_dir, layout.NODE_JSON))
-    if os.path.exists(os.path.join(run_dir, layout.PGID)):
+    if lstat_nofollow(os.path.join(run_dir, layout.PGID)) is not None:
         return {"error": f"{run_dir} was already started"}
     env = dict(os.environ, NODECTL_RUN_ID=node["run_id"], NODECTL_NODE_RANK=str(node["node_rank"]))
     group = new_run_group(f"{node['run_id']}-{node['node_rank']}")
@@ -26,7 +26,8 @@ def cmd_start(args: list, request: dict) -> dict:
             join_group(group)
 
     keep_start(run_dir)
-    with open(os.path.join(run_dir, layout.LAUNCHER_LOG), "ab") as log:
+    log_fd = open_nofollow(os.path.join(run_dir, layout.LAUNCHER_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    with os.fdopen(log_fd, "ab") as log:   # a logs/ a rank replaced by a link is refused, not written through
         proc = subprocess.Popen(["/bin/bash", os.path.join(run_dir, "launch.sh")], cwd=run_dir, env=env,
                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True, preexec_fn=enter)

@@ -8,7 +8,7 @@ import signal
 import time
 
 import runlayout as layout
-from runctl.common import no_run, write_file
+from runctl.common import is_file, lstat_nofollow, no_run, write_file
 from runctl.containers import remove_container
 from runctl.processes import Proven, forget, group_of, remove_group, run_markers, run_processes, seen_processes, \
     unproven
@@ -19,11 +19,15 @@ def cmd_stop(args: list, request: dict) -> dict:
     run_dir, grace = os.path.expanduser(args[0]), float(request.get("grace", 10))
     if not os.path.isdir(run_dir):
         return no_run(run_dir)
-    if request.get("unstarted") and not os.path.exists(os.path.join(run_dir, layout.PGID)) \
-            and not (os.path.exists(os.path.join(run_dir, layout.NODE_JSON)) and run_processes(run_dir)):
-        shutil.rmtree(run_dir, ignore_errors=True)   # prepared (or half-prepared) by a controller that died
+    if request.get("unstarted") and not is_file(os.path.join(run_dir, layout.PGID)) \
+            and not (is_file(os.path.join(run_dir, layout.NODE_JSON)) and run_processes(run_dir)):
+        # prepared (or half-prepared) by a launch given up before it started here: removed only when no earlier
+        # attempt ever ran in it; a resumed run's folder keeps its attempts, outputs and checkpoints, byte for byte
+        if _holds_earlier_attempts(run_dir):
+            return {"time": time.time(), "terminated": 0, "killed": 0, "left": 0, "kept": True}
+        shutil.rmtree(run_dir, ignore_errors=True)
         return {"time": time.time(), "terminated": 0, "killed": 0, "left": 0, "removed": True}
-    if not os.path.exists(os.path.join(run_dir, layout.NODE_JSON)):
+    if not is_file(os.path.join(run_dir, layout.NODE_JSON)):
         return no_run(run_dir)
     # Every process proven the run's is held by a pidfd from then on: one that leaves the proof behind while
     # stop waits (a rank that left the cgroup, cleared its environment and double-forked, whose subreaper
@@ -62,3 +66,14 @@ def cmd_stop(args: list, request: dict) -> dict:
     if targets:
         write_file(os.path.join(run_dir, layout.STOPPED), json.dumps(stopped))
     return dict(stopped, left=len(left))
+
+
+def _holds_earlier_attempts(run_dir: str) -> bool:
+    """An earlier attempt ran here (archived under attempts/), or output/ holds anything (a checkpoint, files
+    filled or pulled for a resume): what a given-up launch must never delete."""
+    if lstat_nofollow(os.path.join(run_dir, "attempts")) is not None:
+        return True
+    try:
+        return bool(os.listdir(os.path.join(run_dir, "output")))
+    except OSError:
+        return False

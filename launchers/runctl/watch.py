@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import os
+import stat
 import subprocess
 import time
 
 import runlayout as layout
-from runctl.common import READ_LIMIT, boot_id, no_run, open_run_file, read_json
+from runctl.common import READ_LIMIT, boot_id, is_file, lstat_nofollow, no_run, open_run_file, read_json
 from runctl.processes import belongs, is_zombie, record_seen, run_markers, run_processes
 
 
@@ -22,8 +23,8 @@ def rank_state(run_dir: str, rank: int, now: float, markers: tuple) -> dict:
     if isinstance(heartbeat, dict):
         state["heartbeat"] = heartbeat
         state["heartbeat_age"] = round(now - float(heartbeat.get("time", now)), 1)
-    log = os.path.join(run_dir, layout.rank_log(rank))
-    state["log_size"] = os.path.getsize(log) if os.path.exists(log) else 0
+    info = lstat_nofollow(os.path.join(run_dir, layout.rank_log(rank)))
+    state["log_size"] = info.st_size if info is not None and stat.S_ISREG(info.st_mode) else 0
     return state
 
 
@@ -113,8 +114,8 @@ def cmd_poll(args: list, request: dict) -> dict:
     record_seen(run_dir, pids)
     answer = {"now": now, "node_rank": node["node_rank"], "alive": len(pids),
               "launcher_exit": read_json(os.path.join(run_dir, layout.LAUNCHER_EXIT)),
-              "started": os.path.exists(os.path.join(run_dir, layout.PGID)),
-              "stopped": os.path.exists(os.path.join(run_dir, layout.STOPPED)),
+              "started": is_file(os.path.join(run_dir, layout.PGID)),
+              "stopped": is_file(os.path.join(run_dir, layout.STOPPED)),
               "ranks": [rank_state(run_dir, rank, now, run_markers(run_dir)) for rank in node["ranks"]], "logs": {}}
     try:
         with open_run_file(os.path.join(run_dir, layout.BOOT)) as handle:
@@ -148,14 +149,16 @@ def _upload_state(upload: dict, now: float, markers: tuple) -> dict:
 
 def cmd_tail(args: list, request: dict) -> dict:
     """The last `lines` lines of each rank's log, with the offset a follower continues from."""
-    run_dir = os.path.expanduser(args[0])
+    run_dir = args[0]
+    if not is_file(os.path.join(run_dir, layout.NODE_JSON)):
+        return no_run(run_dir)
     lines, out = int(request.get("lines", 20)), {}
     for rank in request["ranks"]:   # "launcher": torchrun's own log (launch.sh's output)
         name = "launcher.log" if rank == "launcher" else f"rank{int(rank)}.log"
         path = os.path.join(run_dir, "logs", name)
         try:
-            size = os.path.getsize(path)
             with open_run_file(path, text=False) as handle:
+                size = os.fstat(handle.fileno()).st_size
                 handle.seek(max(0, size - 64 * 1024 * max(1, lines // 100 + 1)))
                 text = handle.read().decode("utf-8", errors="replace")
         except OSError:

@@ -77,6 +77,8 @@ def command(app: AppContext, dry_run: bool, detach: bool, follow: str, **options
         app.err.print("[yellow]warning:[/] an argument looks like a secret: it is shown and stored as ***, but on "
                       "the nodes it sits on the command line, visible to every user there (ps); pass it through "
                       "the inventory's env: instead")
+    for withheld in request.withheld:
+        app.err.print(f"[yellow]warning:[/] {escape(withheld.name)} is not synced: {escape(withheld.why)}")
     stages = stages_for(dry_run=dry_run, detach=detach, skip_preflight=request.skip_preflight)
     with app.session() as session:
         try:
@@ -216,7 +218,8 @@ def _not_started(app: AppContext, failed: StartFailed) -> None:
     for r in failed.problems:
         name, _, error = r.said.partition(": ")
         app.err.print(f"[red]{escape(name)}[/]: {escape(error)}")
-    app.err.print("no node runs it: the nodes it had started were stopped, the folders prepared for it removed")
+    app.err.print("no node runs it: the nodes it had started were stopped, the folders prepared for it removed "
+                  "(a resumed run's folders kept, with every earlier attempt and output)")
     if app.json:
         app.emit_json({"run_id": failed.run_id, "state": "failed-to-start",
                        "nodes": {r.node.name: r.error for r in failed.problems}})

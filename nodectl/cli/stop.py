@@ -35,6 +35,9 @@ def report_stopped(app: AppContext, results: dict, unstarted: bool = False) -> d
         if answer.removed:
             app.info(f"{name}: the run folder it had prepared, never started, is removed")
             continue
+        if answer.kept:
+            app.info(f"{name}: not started this attempt; the run folder, its earlier attempts and outputs are kept")
+            continue
         app.info(f"{name}: {answer.terminated} process(es) stopped, {answer.killed} needed SIGKILL, "
                  f"{answer.left} left")
         if answer.unproven:

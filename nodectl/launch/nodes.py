@@ -18,7 +18,7 @@ from nodectl.errors import Cancelled, NodectlError, UnreachableError, UsageError
 from nodectl.runs import live_runs_on
 from nodectl.plan import LaunchPlan, NodePlan, with_port
 from nodectl.render import RenderedNode
-from nodectl.transport import Cluster, NodeResult, Transport
+from nodectl.transport import Cluster, NodeError, NodeResult, Transport
 from nodectl.remote.client import NodeClient
 
 
@@ -135,7 +135,13 @@ def pull_outputs(transport: Transport, plan: LaunchPlan, node_plan: NodePlan):
     if node_plan.node_rank != 0 and not plan.builtin_trainer and first.outputs is not None:
         # the built-in trainer's ranks write their own; a script's rank 0 may be the only writer
         sources.append({"node": first.name, "missing_only": True, "outputs": first.outputs.to_json()})
-    return NodeClient(transport).pull(node_plan.run_dir, sources, timeout=PULL_TIMEOUT)
+    answer = NodeClient(transport).pull(node_plan.run_dir, sources, timeout=PULL_TIMEOUT)
+    if answer.failed_count:
+        first = answer.failed[0] if answer.failed else {}
+        raise NodeError(f"{answer.failed_count} file(s) of output/ could not be brought from the store (first: "
+                        f"{first.get('path')}: {first.get('error')}); every file already in its run folder is kept "
+                        f"as it was: check the bucket, then `launch --resume` again")
+    return answer
 
 
 PULL_TIMEOUT = 6 * 3600.0   # a checkpoint of hundreds of GB over the node's own link

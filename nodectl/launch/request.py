@@ -15,7 +15,7 @@ from nodectl.launch.job import JobSpec
 from nodectl.plan import LaunchPlan
 from nodectl.remote import sync
 from nodectl.runs import Run
-from nodectl.secrets import REDACTED, redact_args
+from nodectl.secrets import REDACTED, redact_args, redact_value
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class LaunchRequest:
     keep_stalled: bool = False
     exclude_failed: bool = False
     previous: Run | None = None      # --resume: the run whose next attempt this is
+    withheld: tuple[sync.Withheld, ...] = ()   # project files that do not travel (the inventory, secrets)
 
     @property
     def secret_on_command_line(self) -> bool:
@@ -77,7 +78,10 @@ def launch_request(load_inventory: Callable[[], Inventory], open_run: Callable[[
                          f"takes its own options after its name: nodectl launch -- {command[0]} ...")
     if not command:
         _check_recipe(config, overrides)
-    files = sync.project_files(sync_dir, (sync_limit or sync.DEFAULT_SYNC_LIMIT // 2**20) * 2**20)
+    withheld: list[sync.Withheld] = []
+    files = sync.project_files(sync_dir, (sync_limit or sync.DEFAULT_SYNC_LIMIT // 2**20) * 2**20,
+                               inventory=None if inventory.builtin else inventory.source,
+                               secrets=_secret_values(inventory), withheld=withheld)
     command = tuple(command) if previous else _check_command(tuple(command), files, sync_dir)
     config = os.path.abspath(config) if config else None
     if environment:
@@ -90,7 +94,15 @@ def launch_request(load_inventory: Callable[[], Inventory], open_run: Callable[[
                    run_id=previous.run_id if previous else None,
                    attempt=previous.read().attempt + 1 if previous else 0, any_port=force)
     return LaunchRequest(spec, grace=grace, skip_preflight=skip_preflight, stall_after=stall_after,
-                         keep_stalled=on_stall == "keep", exclude_failed=exclude_failed, previous=previous)
+                         keep_stalled=on_stall == "keep", exclude_failed=exclude_failed, previous=previous,
+                         withheld=tuple(withheld))
+
+
+def _secret_values(inventory: Inventory) -> tuple[str, ...]:
+    """The values of the inventory's env: settings that are secrets (by name or by shape): no synced file may
+    carry one to the nodes' stores and the run folder's code/."""
+    return tuple(sorted({str(value) for node in inventory.nodes for name, value in node.env.items()
+                         if redact_value(name, str(value)) != str(value)}))
 
 
 def _check_command(args: tuple[str, ...], files: list[sync.SyncFile], sync_dir: str) -> tuple[str, ...]:
@@ -162,8 +174,20 @@ def _resume_args(previous: Run, current: Inventory, command: tuple, config: str 
     if plan.builtin_trainer:
         recorded = ()
         config = config or plan.config
-    return (replace(current, nodes=nodes), plan.nodes[0].nproc, recorded, config, plan.sync_dir,
+    return (replace(current, nodes=nodes), plan.nodes[0].nproc, recorded, config, _recorded_sync_dir(previous, plan),
             max_restarts or plan.max_restarts, overrides or plan.overrides)
+
+
+def _recorded_sync_dir(previous: Run, plan: LaunchPlan) -> str:
+    """The folder a resumed run syncs: the project the run was launched from (the folder holding its runs/), or a
+    folder inside it, as recorded; a record naming any other folder (/etc, a home) is refused, never synced."""
+    project = previous.folder.resolve().parent.parent
+    synced = Path(plan.sync_dir).resolve()
+    if synced != project and not synced.is_relative_to(project):
+        raise UsageError(f"run {previous.run_id}'s record: plan.sync_dir {plan.sync_dir!r} is not the project the "
+                         f"run was launched from ({project}) nor a folder inside it: refused (was the record "
+                         f"edited?); launch again instead of resuming")
+    return str(synced)
 
 
 def _recorded_settings(node, recorded):

@@ -94,6 +94,8 @@ class PullAnswer:
     files: int
     bytes: int
     indexed: dict[str, int] = field(default_factory=dict)
+    failed: tuple[dict, ...] = ()   # {path, error} of each file not brought (what was on the node stays)
+    failed_count: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ class StopAnswer:
     killed: int = 0
     time: float = 0.0
     removed: bool = False     # a run folder that was never started, removed (its controller died while starting)
+    kept: bool = False        # a resumed run's folder, never started this attempt: kept whole (earlier attempts)
     container: dict | None = None   # the run's container on the node: {container, removed, error?}
     unproven: tuple[Unproven, ...] = ()
 

@@ -4,9 +4,11 @@ and timeout from the transport; exited, answered, malformed, no_run, unsafe from
 runctl (installed once per version, checked before each call) is agent.py's."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from nodectl.remote import agent
+from nodectl.secrets import redact_words
 from nodectl.remote.answers import (ConnectAnswer, ContainerAnswer, DiagnoseAnswer, Done, EnvAnswer, FillAnswer,
                                     HaveAnswer, IdentityAnswer, ListenAnswer, PackAnswer, PollAnswer, PortAnswer,
                                     PrepareAnswer, PullAnswer, ReceiveAnswer, RouteAnswer, StacksAnswer, StartAnswer,
@@ -90,7 +92,11 @@ class NodeClient:
                           timeout=timeout)
 
     def stacks(self, run_dir: str, timeout: float = 120) -> StacksAnswer:
-        return agent.call(self.transport, "stacks", run_dir, timeout=timeout)
+        """Every rank's stack, its source lines masked as diagnose masks them (a token in a line of the program
+        is never printed nor saved)."""
+        answer = agent.call(self.transport, "stacks", run_dir, timeout=timeout)
+        return replace(answer, stacks={rank: replace(entry, text=entry.text and redact_words(entry.text))
+                                       for rank, entry in answer.stacks.items()})
 
     def diagnose(self, run_dir: str, wait: float, lines: int, timeout: float) -> DiagnoseAnswer:
         return agent.call(self.transport, "diagnose", run_dir, request={"wait": wait, "lines": lines},

@@ -122,7 +122,18 @@ def _walk_files(root: Path) -> list[str]:
     return [f for f in files if not _always_excluded(f) and not (spec and spec.match_file(f))]
 
 
-def project_files(root: str | Path, limit: int = DEFAULT_SYNC_LIMIT) -> list[SyncFile]:
+@dataclass(frozen=True)
+class Withheld:
+    """A project file that does not travel, and why (the inventory in use; a file holding one of its secrets)."""
+    name: str
+    why: str
+
+
+def project_files(root: str | Path, limit: int = DEFAULT_SYNC_LIMIT, inventory: str | None = None,
+                  secrets: tuple[str, ...] = (), withheld: list | None = None) -> list[SyncFile]:
+    """The project's files as they travel. The inventory in use (`inventory`) never does: it is the controller's
+    (its env: reaches a node only in its 0600 env.sh); nor does a file holding one of `secrets` (the values of
+    the inventory's secret env: settings). Each file left out so is appended to `withheld`."""
     root = Path(root)
     if not root.is_dir():
         raise UsageError(f"--sync {root}: not a folder")
@@ -131,14 +142,23 @@ def project_files(root: str | Path, limit: int = DEFAULT_SYNC_LIMIT) -> list[Syn
         names = _walk_files(root)
     files, total, own, now = [], 0, _own_output(), time.time()
     inside = os.path.realpath(root) + os.sep
+    inventory_real = os.path.realpath(inventory) if inventory else None
+    withheld = withheld if withheld is not None else []
+    needles = tuple(s.encode() for s in secrets if len(s) >= 8)
     for name in sorted(set(names)):
         source = root / name
         if _always_excluded(name) or not source.is_file() or source.is_symlink():
             continue
         if not os.path.realpath(source).startswith(inside):   # reached through a linked folder: not the project's
             continue
+        if os.path.realpath(source) == inventory_real:
+            withheld.append(Withheld(name, "the inventory in use: its env: reaches the nodes in env.sh alone"))
+            continue
         info = source.stat()
         if (info.st_dev, info.st_ino) in own:
+            continue
+        if needles and info.st_size <= SECRET_SCAN_LIMIT and _holds_any(source, needles):
+            withheld.append(Withheld(name, "it holds the value of a secret setting of the inventory's env:"))
             continue
         total += info.st_size
         if total > limit:
@@ -150,6 +170,17 @@ def project_files(root: str | Path, limit: int = DEFAULT_SYNC_LIMIT) -> list[Syn
         else:
             files.append(SyncFile(f"code/{name}", source, _hash(source), info.st_mode & 0o777, info.st_size))
     return files
+
+
+SECRET_SCAN_LIMIT = 16 * 2**20   # larger files (data, weights) are not read for secrets
+
+
+def _holds_any(path: Path, needles: tuple[bytes, ...]) -> bool:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    return any(needle in data for needle in needles)
 
 
 def _tree(base: Path, prefix: str) -> list[SyncFile]:

@@ -105,7 +105,7 @@ def test_kill9_a_rank_then_resume_logs_the_same_losses_and_report(ssh_cluster, t
     image = matplotlib.image.imread(project / "runs" / run_b / "report" / "loss.png")
     assert image.shape[:2] == (450, 800) and image.std() > 0.01
     assert (project / "runs" / run_b / "report" / "step_time.png").is_file()
-    assert not list((project / "runs" / run_b / "nodes").glob("*/telemetry.jsonl"))  # no NVML on CPU: no file
+    assert not list((project / "runs" / run_b / "nodes").glob("*/metrics/telemetry.jsonl"))  # no NVML on CPU: no file
 
 
 def test_a_checkpoint_continues_on_fewer_ranks_from_its_replica(tmp_path, demo_cache):

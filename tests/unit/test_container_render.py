@@ -59,8 +59,13 @@ def test_docker_and_podman_get_what_distributed_training_needs(runtime, gpu):
     assert words[:2] == [runtime, "run"] and "--rm" in words
     assert words[words.index("--name") + 1] == "$CONTAINER"
     for flag, value in (("--network", "host"), ("--ipc", "host"), ("--pid", "host"), ("--workdir", "$RUN_DIR/code"),
-                        ("--volume", "$RUN_DIR:$RUN_DIR")):
+                        ("--volume", "$RUN_DIR:$RUN_DIR:ro")):
         assert value in [words[i + 1] for i, w in enumerate(words) if w == flag], flag
+    # the run folder read-only; the ranks' own folders bound writable over it; state/ hidden
+    script = rendered(runtime)
+    assert "for part in code logs ranks heartbeat stacks output flight timing metrics torchelastic; do" in script
+    assert 'run_mounts+=(--volume "$RUN_DIR/$part:$RUN_DIR/$part:rw")' in script
+    assert "for part in state; do" in script and '"$RUN_DIR/lib/hidden:$RUN_DIR/$part:ro"' in script
     assert joined.count(" ".join(gpu)) == 1
     assert "memlock=$(hard_limit -l 1024)" in joined and "nofile=$(hard_limit -n 1)" in joined
     assert "--volume /data:/data:ro" in joined and "--shm-size 1g" in joined
@@ -80,7 +85,7 @@ def test_cpu_nodes_get_no_gpu_flags():
 def test_apptainer_and_enroot():
     apptainer = command_words(rendered("apptainer"), "apptainer")
     assert apptainer[:3] == ["apptainer", "exec", "--nv"]
-    assert "$RUN_DIR" in apptainer and "--pwd" in apptainer and "/data:/data:ro" in apptainer
+    assert "$RUN_DIR:$RUN_DIR:ro" in apptainer and "--pwd" in apptainer and "/data:/data:ro" in apptainer
     enroot = rendered("enroot")
     assert 'enroot create --force --name "$CONTAINER"' in enroot and 'enroot remove -f "$CONTAINER"' in enroot
     words = command_words(enroot, "enroot start")
@@ -162,20 +167,27 @@ def test_ordinary_options_and_data_mounts_need_no_privilege():
 
 
 @pytest.mark.parametrize("runtime", ["docker", "podman", "apptainer"])
-def test_what_the_ranks_must_not_change_is_mounted_read_only(runtime):
+def test_the_run_folder_is_read_only_but_for_the_ranks_folders_and_state_is_hidden(runtime):
+    """Root in the container can swap no folder the host acts on for a link: the run folder (node.json, the
+    scripts, env.sh, lib/, config/, attempts/) is mounted read-only, the ranks' own folders are bound writable over
+    it after it, and state/ is an empty read-only folder there."""
     script = rendered(runtime)
-    assert 'for part in node.json launch.sh env.sh lib config; do' in script
-    assert '"$RUN_DIR/$part:$RUN_DIR/$part:ro"' in script and '${ro_mounts[@]+"${ro_mounts[@]}"}' in script
+    bind = "--bind" if runtime == "apptainer" else "--volume"
+    assert f'run_mounts+=({bind} "$RUN_DIR/$part:$RUN_DIR/$part:rw")' in script
+    assert f'run_mounts+=({bind} "$RUN_DIR/lib/hidden:$RUN_DIR/$part:ro")' in script
+    words = command_words(script, "apptainer exec" if runtime == "apptainer" else runtime)
+    assert words.index("$RUN_DIR:$RUN_DIR:ro") < words.index("${run_mounts[@]}"), words
+    assert "state" not in script.split("for part in ", 1)[1].split(";", 1)[0]
 
 
-def test_enroot_mounts_the_same_parts_read_only_after_the_run_folder():
-    """enroot's --mount takes fstab fields, colon-separated: a bind with `ro`, after the run folder's own mount
-    (in order), so the read-only copies lie over it."""
+def test_enroot_mounts_the_run_folder_read_only_then_the_ranks_folders():
+    """enroot's --mount takes fstab fields, colon-separated: the run folder's own mount with `ro` first, then the
+    writable binds (in order), so they lie over it."""
     script = rendered("enroot")
-    assert 'for part in node.json launch.sh env.sh lib config; do' in script
-    assert 'ro_mounts+=(--mount "$RUN_DIR/$part:$RUN_DIR/$part:none:bind,ro")' in script
+    assert 'run_mounts+=(--mount "$RUN_DIR/$part:$RUN_DIR/$part:none:bind,rw")' in script
+    assert 'run_mounts+=(--mount "$RUN_DIR/lib/hidden:$RUN_DIR/$part:none:bind,ro")' in script
     words = command_words(script, "enroot start")
-    assert words.index('$RUN_DIR:$RUN_DIR') < [i for i, w in enumerate(words) if w.startswith('${ro_mounts')][0], words
+    assert words.index("$RUN_DIR:$RUN_DIR:none:bind,ro") < words.index("${run_mounts[@]}"), words
 
 
 @pytest.mark.parametrize("runtime", ["docker", "podman", "apptainer", "enroot"])
