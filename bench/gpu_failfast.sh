@@ -21,7 +21,7 @@ python3 -m nodectl launch --nodes 2 --gpus 2 --skip-preflight --grace 10 -- ring
 ctl=$!
 sleep 2; run=$(ls -t runs | grep -v '^\.' | head -1); node1=~/.nodectl/local/runs/$run/local1
 for i in $(seq 1 120); do grep -qs "step 100" "$node1/logs/rank3.log" && break; sleep 0.5; done
-victim=$(cat "$node1/state/rank3.pid")
+victim=$(cat "$node1/ranks/rank3.pid")
 t0=$(date +%s.%N); kill -9 "$victim"
 wait $ctl; code=$?
 python3 -m nodectl stop --run "$run" --grace 1 >/dev/null 2>&1

@@ -90,7 +90,7 @@ def time_fail_fast(cluster: SSHCluster, inventory: Path, project: Path, size: in
     if proc.returncode != 1 or run_processes(run_id):
         raise RuntimeError(f"fail-fast did not stop the run: {proc.stderr[-1500:]}")
     node = cluster.nodes[size - 1]
-    died = json.loads((node.workdir / "runs" / run_id / "state" / f"rank{size - 1}.exit").read_text())["time"]
+    died = json.loads((node.workdir / "runs" / run_id / "ranks" / f"rank{size - 1}.exit").read_text())["time"]
     return gone - died
 
 

@@ -307,7 +307,8 @@ def pull(run_dir: str, request: dict) -> dict:
                     os.utime(part, ns=(facts["mtime_ns"], facts["mtime_ns"]))
                 os.replace(part, target)
             except Exception as exc:   # this file is not brought; what is here already stays as it was
-                failed.append({"path": relative[:300], "error": describe(exc)[:300]})
+                said = str(exc) if isinstance(exc, (ValueError, OSError)) else describe(exc)
+                failed.append({"path": relative[:300], "error": said[:300]})
                 continue
             finally:
                 if os.path.lexists(part):

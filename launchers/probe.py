@@ -100,6 +100,9 @@ def redact_args(args) -> list:
         if hide_next:
             out.append(REDACTED)
             hide_next = False
+        elif ENV_OPTION.match(arg):   # --env=X=.., -eX=..: the name decides, as for `-e X=..`
+            name = ENV_OPTION.match(arg)
+            out.append(name[0] + REDACTED if is_secret_name(name["name"]) else redact_text(arg))
         elif arg.startswith("-") and "=" in arg and _secret_option(arg.split("=", 1)[0]):
             out.append(arg.split("=", 1)[0] + "=" + REDACTED)
         elif _secret_option(arg) or arg == "-p" and _short_password(arg, following):
@@ -109,8 +112,6 @@ def redact_args(args) -> list:
             out.append("-p" + REDACTED)
         elif ASSIGNMENT.match(arg) and is_secret_name(arg.split("=", 1)[0]):   # `-e WANDB_API_KEY=...`, `env X=..`
             out.append(arg.split("=", 1)[0] + "=" + REDACTED)
-        elif ENV_OPTION.match(arg) and is_secret_name(ENV_OPTION.match(arg)["name"]):   # --env=X=.., -eX=..
-            out.append(ENV_OPTION.match(arg)[0] + REDACTED)
         else:
             out.append(redact_text(arg))
     return out

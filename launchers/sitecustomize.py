@@ -193,15 +193,39 @@ def _write_json(path: str, value: dict) -> None:
         pass
 
 
-def _chain() -> None:
-    """The sitecustomize this one shadows, if the path has another."""
+def _other_spec():
     import importlib.machinery
-    import importlib.util
 
     here = os.path.dirname(os.path.abspath(__file__))
     path = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+    return importlib.machinery.PathFinder.find_spec("sitecustomize", path)
+
+
+class _Deferred(type(sys)):
+    """What `import sitecustomize` gives a program when only nodectl's ran at start-up: the program's own module,
+    loaded on first use from the path as it is then (the script's folder on it)."""
+
+    def __getattr__(self, name: str):
+        import importlib.util
+
+        spec = _other_spec()
+        if spec is None or spec.loader is None:
+            raise AttributeError(f"module 'sitecustomize' has no attribute {name!r}")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["sitecustomize"] = module
+        spec.loader.exec_module(module)
+        return getattr(module, name)
+
+
+def _chain() -> None:
+    """The sitecustomize this one shadows, if the path has another."""
+    import importlib.util
+
+    spec = _other_spec()
     if spec is None or spec.loader is None:
+        # none yet: `import sitecustomize` in the program later gives the program's own (beside its script, as
+        # without nodectl), found when first used, never this listener
+        sys.modules["sitecustomize"] = _Deferred("sitecustomize")
         return
     module = importlib.util.module_from_spec(spec)
     try:

@@ -129,6 +129,10 @@ REFUSED_OPTIONS = ("-e", "--editable", "-r", "--requirement", "-c", "--constrain
                    "--index-url", "--extra-index-url", "--trusted-host", "--no-binary")
 
 
+# a requirement "named" like a file is one to pip: a local archive, built (an sdist's setup.py) or installed
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar.bz2", ".tbz", ".tar.xz", ".txz", ".tar", ".zip", ".whl", ".egg")
+
+
 def check_requirements(text: str, name: str) -> None:
     """Every line of an environment file is a named requirement from an index (a pinned lock's `--hash` options
     beside it are fine): direct references (`pkg @ URL`, `git+...`), URLs, local paths, editable installs and
@@ -155,6 +159,10 @@ def check_requirements(text: str, name: str) -> None:
             raise UsageError(f"environment: {name} line {number}: {words[0][:80]!r} is not a requirement by name (a "
                              f"local path or URL is refused: its setup.py would run here; publish a wheel to an "
                              f"index)") from None
+        if requirement.name.lower().endswith(ARCHIVE_SUFFIXES):
+            raise UsageError(f"environment: {name} line {number}: {requirement.name[:80]!r} names an archive file, "
+                             f"refused (pip reads it as a local path, an sdist whose setup.py would run here); name "
+                             f"the package and a version on an index instead")
         if requirement.url:
             raise UsageError(f"environment: {name} line {number}: {requirement.name} @ ... is a direct reference, "
                              f"refused (a URL or path can hold an sdist whose setup.py runs here); name a version "

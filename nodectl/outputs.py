@@ -9,6 +9,7 @@ they come from the node's environment (the inventory's env:) or its own AWS prof
 from __future__ import annotations
 
 import os
+import sys
 import re
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -139,6 +140,11 @@ def download_run(outputs: Outputs, run_id: str, nodes: list[str], destination: P
                  env: Mapping[str, str] | None = None) -> list[Fetched]:
     """What the store's index lists for each node of the run, into destination/<node>/ (collect --from-store).
     Credentials: the given env (the inventory's), else this machine's environment or AWS profile."""
+    import importlib.util
+
+    if importlib.util.find_spec("boto3") is None:   # said before the node-side helper prints its own answer
+        raise NodectlError(f"collect --from-store reads the bucket from this machine, which has no boto3 for "
+                           f"{sys.executable}: pip install 'nodectl[s3]' (or boto3)")
     module = _module()
     saved = {name: os.environ.get(name) for name in CREDENTIALS}
     os.environ.update(credentials_from(env or {}))
@@ -150,8 +156,6 @@ def download_run(outputs: Outputs, run_id: str, nodes: list[str], destination: P
             try:
                 answer = module.pull(str(folder), {"outputs": outputs.to_json(), "run_id": run_id,
                                                    "sources": [{"node": node}], "sections": module.SECTIONS})
-            except SystemExit as exc:   # boto3 missing here
-                raise NodectlError(f"collect --from-store needs boto3 here: pip install 'nodectl[s3]' ({exc})") from None
             except Exception as exc:  # noqa: BLE001 - botocore's errors, said in words
                 raise NodectlError(f"{outputs.run_url(run_id)}{node}/: {module.describe(exc)}") from None
             if not answer["indexed"].get(node):

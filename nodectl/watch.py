@@ -118,8 +118,17 @@ def tail_lines(cluster: Cluster, run_node: RunNode, ranks: list[int | str], line
     result = cluster.fan_out(lambda t: NodeClient(t).tail(run_node.run_dir, ranks, lines, timeout=timeout),
                              [run_node.node])[0]
     if not result.ok:
-        return {}
-    return {int(rank) if rank.isdigit() else rank: entry for rank, entry in result.value.logs.items()}
+        return NodeLogs(no_run=result.no_run)
+    return NodeLogs({int(rank) if rank.isdigit() else rank: entry for rank, entry in result.value.logs.items()})
+
+
+class NodeLogs(dict):
+    """A node's logs by rank; empty when it did not answer, or (`no_run`) answered that it has no such run
+    (its folder removed, or a node that replaced the one the run used)."""
+
+    def __init__(self, logs=(), no_run: bool = False) -> None:
+        super().__init__(logs)
+        self.no_run = no_run
 
 
 def failure_lines(cluster: Cluster, run_nodes: list[RunNode], failure: Failure, lines: int = 20) -> str:

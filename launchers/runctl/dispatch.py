@@ -29,9 +29,9 @@ def _guard(name: str, args: list, request: dict) -> None:
         request["workdir"] = _workdir_of(trusted_path(request["workdir"], (".nodectl", "objects")), 2)
         request["run_dir"] = trusted_run_dir(request["run_dir"], create=True)
     elif name in ("identity", "env_status"):
-        trusted_path(args[0], (".nodectl",))
+        args[0] = _workdir_of(trusted_path(args[0], (".nodectl",)), 1)
     elif name == "env_build":
-        trusted_path(args[0], (".nodectl", "envs"))
+        args[0] = _workdir_of(trusted_path(args[0], (".nodectl", "envs")), 2)
     elif name in ("start", "poll", "tail", "stop", "stacks", "diagnose", "pack", "fill", "pull"):
         args[0] = trusted_run_dir(args[0])
     elif name == "cleanup":   # the archive `pack` left: that file of a run folder, nothing else

@@ -1,6 +1,7 @@
 """Locked environments: venvs built from wheels in the store, their drift found."""
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -205,8 +206,11 @@ def _build_env(workdir: str, env_dir: str, request: dict) -> tuple:
     for argv in steps:
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
-            raise RuntimeError(f"{os.path.basename(argv[0])} {argv[1]} failed ({proc.returncode}): "
-                               f"{(proc.stderr or proc.stdout).strip()[-800:]}")
+            said = (proc.stderr or proc.stdout).strip()
+            if "No space left on device" in said or "Disk quota exceeded" in said or "[Errno 28]" in said:
+                raise OSError(errno.ENOSPC, f"the disk is full ({os.path.basename(argv[0])} {argv[1]}: "
+                                            f"{said.splitlines()[-1][-300:]})")   # the folder named by the caller
+            raise RuntimeError(f"{os.path.basename(argv[0])} {argv[1]} failed ({proc.returncode}): {said[-800:]}")
     # every module's bytecode now, so the manifest holds it and a .pyc that appears later is drift (a file a
     # package ships that does not compile, Python 2 test code say, gets none now or at import: no false drift)
     subprocess.run([python, "-m", "compileall", "-q", "-j", "0", os.path.join(env_dir, "lib")], env=env,

@@ -7,13 +7,14 @@ import logging
 import os
 import sys
 import threading
+from pathlib import Path
 
 import click
 
 from nodectl import __version__
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
-from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, NodectlError, install_signal_handlers
+from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, InventoryError, NodectlError, install_signal_handlers
 from nodectl.transport import DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, TransportOptions
 
 
@@ -119,6 +120,9 @@ class NodectlGroup(click.Group):
 @click.pass_context
 def main(ctx: click.Context, inventory, verbose, quiet, as_json, accept_new_host_keys, connect_timeout, fanout):
     """Check, launch and watch multi-node PyTorch training over plain SSH."""
+    if inventory and not ctx.resilient_parsing and (not Path(inventory).exists() or Path(inventory).is_dir()):
+        # every command, those that read only recorded runs (status, runs) too: a typo is said, never ignored
+        raise InventoryError(inventory, "file", "not found" if not Path(inventory).exists() else "a folder, not a file")
     ctx.obj = AppContext(
         inventory_option=inventory, verbose=verbose, quiet=quiet, json=as_json,
         transport_options=TransportOptions(connect_timeout=connect_timeout, fanout=fanout,

@@ -65,7 +65,7 @@ def command(app: AppContext, run_id: str | None, paths: tuple[str, ...], from_st
                                   f"{'y' if len(names) == 1 else 'ies'} {what}: "
                                   + ", ".join(escape(visible(n, colour=False)) for n in names[:5]))
         else:
-            app.err.print(f"[red]{escape(result.node.name)}[/]: {escape(result.error)}")
+            app.err.print(f"[red]{escape(result.node.name)}[/]: {escape(result.said.partition(': ')[2])}")
     if app.json:
         app.emit_json({"run_id": run.run_id, "folder": str(run.folder / "nodes"),
                        "nodes": {r.node.name: asdict(r.value) if r.ok else {"error": r.error} for r in results}})

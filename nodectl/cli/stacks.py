@@ -26,7 +26,7 @@ def command(app: AppContext, run_id: str | None) -> None:
     gathered = {}
     for result in results:
         if not result.ok:
-            app.err.print(f"[red]{escape(result.node.name)}[/]: {escape(result.error)}")
+            app.err.print(f"[red]{escape(result.node.name)}[/]: {escape(result.said.partition(': ')[2])}")
             continue
         if not result.value.stacks:
             app.err.print(f"[red]{escape(result.node.name)}[/]: no rank of run {escape(run.run_id)} there to take "

@@ -29,7 +29,7 @@ def report_stopped(app: AppContext, results: dict, unstarted: bool = False) -> d
             continue
         if not answer:
             summary[name] = {"error": result.error}
-            app.err.print(f"[red]{escape(name)}[/]: {escape(summary[name]['error'])}")
+            app.err.print(f"[red]{escape(name)}[/]: {escape(result.said.partition(': ')[2])}")
             continue
         summary[name] = asdict(answer)
         if answer.removed:

@@ -10,7 +10,7 @@ import click
 from nodectl.resources.launchers import runlayout as layout
 from nodectl.cli.context import AppContext
 from nodectl.cli.run_option import opened, run_option
-from nodectl.errors import EXIT_UNREACHABLE, UsageError
+from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE, UsageError
 from nodectl.runs import Run, RunNode
 from nodectl.remote.answers import NO_LOG
 from nodectl.terminal_text import visible
@@ -62,13 +62,14 @@ def command(app: AppContext, target: str, follow: bool, lines: int, run_id: str 
     sink = (lambda rank, line: collected.append({"node": ranks[rank], "rank": rank, "line": line})) if app.json \
         else printer(console, ranks, prefixed=len(ranks) > 1)
     stream = LogStream(ranks, sink)
-    unreachable = False
+    unreachable = missing = False
     with app.cluster_for(run_nodes) as cluster:
         for rn in run_nodes:
             mine = [r for r in ranks if r in rn.ranks]
             logs = tail_lines(cluster, rn, mine, lines)
             if not logs:
-                unreachable |= not _from_collected(run, rn, mine, lines, stream, console)
+                missing |= logs.no_run and not _from_collected(run, rn, mine, lines, stream, console, logs.no_run)
+                unreachable |= not logs.no_run and not _from_collected(run, rn, mine, lines, stream, console)
                 continue
             for rank in mine:
                 entry = logs.get(rank, NO_LOG)
@@ -87,9 +88,12 @@ def command(app: AppContext, target: str, follow: bool, lines: int, run_id: str 
         app.emit_json({"run_id": run.run_id, "target": target, "lines": collected, "complete": not unreachable})
     if unreachable:
         raise SystemExit(EXIT_UNREACHABLE)
+    if missing:
+        raise SystemExit(EXIT_FAILED)
 
 
-def _from_collected(run: Run, rn: RunNode, ranks: list[int], lines: int, stream: LogStream, console) -> bool:
+def _from_collected(run: Run, rn: RunNode, ranks: list[int], lines: int, stream: LogStream, console,
+                    no_run: bool = False) -> bool:
     found = False
     for rank in ranks:
         path = _collected(run, rn.node.name, rank)
@@ -97,7 +101,10 @@ def _from_collected(run: Run, rn: RunNode, ranks: list[int], lines: int, stream:
             found = True
             for line in path.read_text(errors="replace").splitlines()[-lines:] if lines else []:
                 stream.emit(rank, line)
-    if not found:
+    if not found and no_run:
+        console.print(f"{rn.node.name} has no folder of run {run.run_id} (removed, or another machine now answers "
+                      f"as {rn.node.name}), and its logs were not collected: nothing to show")
+    elif not found:
         console.print(f"{rn.node.name} cannot be reached and its logs were not collected")
     return found
 

@@ -116,10 +116,40 @@ def _printable(text) -> str:
 # in, before anything is written or run there: the workdir is the login user's or root's (and sticky where others
 # may write), <workdir>/.nodectl is a folder of the login user's, made 0700, not a link. Otherwise one JSON line
 # {"unsafe": {...}} and nothing else happens (a `.nodectl` another user planted as a link to /etc is never chmod-ed
-# or written through). One line, no backslash, no single quote.
+# or written through). The path to the workdir is judged first as runctl's `resolve_workdir` judges it (OpenSSH's
+# StrictModes: every folder and link on it root's or yours; a folder others can write, sticky), so a workdir that is
+# another user's link (to /etc) is refused before anything is made through it. One line, no backslash, no single
+# quote: the walk is exec-ed from lines joined with chr(10).
+_WALK = (
+    "def K(w, u):",
+    ' q = [x for x in w.split("/") if x not in (".", "")]; c = "/"; h = 0',
+    " while q:",
+    "  n = q.pop(0)",
+    '  if n == "..":',
+    "   c = os.path.dirname(c); continue",
+    "  P = os.path.join(c, n)",
+    "  try:",
+    "   s = os.lstat(P)",
+    "  except FileNotFoundError:",
+    "   return",
+    "  L = stat.S_ISLNK(s.st_mode)",
+    '  r(s.st_uid not in (u, 0) and [P, (L and "a symbolic link (to %s)" % os.readlink(P) or "a folder") + " owned '
+    'by uid %d, not by you (uid %d) or root: whoever owns it chooses where nodectl writes; use a workdir of your own '
+    '(e.g. mkdir -m 700 %s/$USER)" % (s.st_uid, u, c.rstrip("/"))])',
+    "  h += L",
+    '  r(h > 40 and [w, "a loop of symbolic links"])',
+    "  if L:",
+    '   t = os.readlink(P); q[:0] = [x for x in t.split("/") if x not in (".", "")]',
+    '   c = "/" if t.startswith("/") else c; continue',
+    '  r(s.st_mode & 18 and not s.st_mode & 512 and q and [P, "writable by other users without the sticky bit, on '
+    'the way to the workdir"])',
+    "  c = P ",
+)
 SAFE_FOLDER = ('import os,stat,sys,json;p=sys.argv[1];d=os.path.dirname(p);w=os.path.dirname(d);u=os.getuid();'
                'r=lambda e:e and (print(json.dumps({"error":" is ".join(e),"unsafe":{"path":e[0],"why":e[1]}})),'
-               'sys.exit(0));os.makedirs(w,0o700,exist_ok=True);W=os.stat(w);'
+               'sys.exit(0));'
+               'exec(chr(10).join([' + ",".join('"""' + line + ' """' for line in _WALK) + ']));'
+               'K(w,u);os.makedirs(w,0o700,exist_ok=True);W=os.stat(w);'
                'r(W.st_uid not in (u,0) and [w,"owned by uid %d, not by you (uid %d) or root" % (W.st_uid,u)] or '
                'W.st_mode&18 and not W.st_mode&512 and [w,"writable by other users without the sticky bit"]);'
                'os.path.lexists(d) or os.mkdir(d,0o700);s=os.lstat(d);'

@@ -85,6 +85,45 @@ def test_sigint_at_any_point_of_a_stop_exits_130_within_seconds(cluster, tmp_pat
         kill_leftovers(run_id)
 
 
+CHECKPOINTER = """\
+import os, time
+out = os.environ["NODECTL_OUTPUT_DIR"]
+if os.environ["NODECTL_ATTEMPT"] == "0":
+    with open(os.path.join(out, f"ckpt-100-rank{os.environ['RANK']}.pt"), "wb") as handle:
+        handle.write(os.urandom(256 << 10))
+    print("ckpt-100 written", flush=True)
+else:
+    print("holding on", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_sigint_at_every_second_of_a_resume_leaves_the_earlier_checkpoints_byte_for_byte(cluster, tmp_path):
+    """A resumed run's folder holds earlier attempts: Ctrl-C while the resume prepares, fills or starts it removed
+    the whole folder, checkpoints included, on both nodes. Now every interrupt leaves them as they were."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(CHECKPOINTER)
+    env = cluster.env(NODECTL_INVENTORY=str(cluster.inventory()))
+    first = run_nodectl(["launch", "--skip-preflight", "--", "train.py"], env=env, cwd=project)
+    assert first.exit_code == 0, first.output
+    run_id = latest_run_id(project)
+    folders = [node.workdir / "runs" / run_id for node in cluster.nodes[:2]]
+    kept = {path: path.read_bytes() for folder in folders for path in (folder / "output").iterdir()}
+    assert len(kept) == 2, kept
+    try:
+        for after in (0.5, 1.5, 2.5, 3.5, 4.5, 5.5, 6.5):
+            code, seconds, output = interrupted(["launch", "--resume", run_id, "--skip-preflight", "--grace", "2"],
+                                                env, project, after)
+            assert code == 130 and seconds < 20, f"exit {code} in {seconds:.0f} s (SIGINT at {after} s): {output}"
+            for path, data in kept.items():
+                assert path.is_file() and path.read_bytes() == data, f"{path} changed or went (SIGINT at {after} s)"
+            assert run_processes(run_id) == [], f"processes left (SIGINT at {after} s)"
+        assert (folders[0] / "attempts").is_dir(), "an attempt that started was archived, not removed"
+    finally:
+        kill_leftovers(run_id)
+
+
 def test_ctrl_c_through_a_proxycommand_host_stops_the_run(tmp_path_factory, tmp_path):
     """The node is reached only through ~/.ssh/config's ProxyCommand (its HostName, 192.0.2.1, is TEST-NET).
     Ctrl-C at a terminal signals the whole foreground process group, the proxy included: it died with nodectl's

@@ -31,8 +31,10 @@ def test_canary_secret_is_nowhere_but_the_ranks(ssh_cluster, tmp_path):
     project = tmp_path / "project"
     project.mkdir()
     (project / "show.py").write_text(SCRIPT)
+    (project / "settings.py").write_text(f"TOKEN = {CANARY!r}   # a copy of the inventory's secret\n")
     env_block = {"HF_TOKEN": CANARY, "PIP_INDEX_URL": f"https://user:{CANARY}@pypi.example/simple"}
-    inventory = str(ssh_cluster.inventory(count=2, env=env_block))
+    # the inventory kept in the project, as the README's quick start has it: `--sync .` must not carry it
+    inventory = str(ssh_cluster.inventory(project / "hosts.yaml", count=2, env=env_block))
     env = ssh_cluster.env()
     outputs = []
     outputs.append(run_nodectl(["-i", inventory, "launch", "--dry-run", "--", "show.py"], env=env, cwd=project))
@@ -44,6 +46,9 @@ def test_canary_secret_is_nowhere_but_the_ranks(ssh_cluster, tmp_path):
     outputs.append(dumped)
     launched = run_nodectl(["-i", inventory, "launch", "--detach", "--", "show.py"], env=env, cwd=project)
     assert launched.exit_code == 0, launched.output
+    for said in (outputs[0].stderr, launched.stderr):   # the dry run and the launch say what stays behind
+        assert "hosts.yaml is not synced: the inventory in use" in said, said
+        assert "settings.py is not synced: it holds the value of a secret setting" in said, said
     outputs.append(launched)
     run_id = latest_run_id(project)
     try:
@@ -62,9 +67,10 @@ def test_canary_secret_is_nowhere_but_the_ranks(ssh_cluster, tmp_path):
             run_dir = node.workdir / "runs" / run_id
             assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
             assert stat.S_IMODE((run_dir / "env.sh").stat().st_mode) == 0o600
-            for path in files_under(run_dir):
+            for path in files_under(run_dir) + files_under(node.workdir / ".nodectl" / "objects"):
                 if path.name != "env.sh":
                     assert CANARY not in path.read_text(errors="replace"), path
+            assert not (run_dir / "code" / "hosts.yaml").exists() and not (run_dir / "code" / "settings.py").exists()
     finally:
         run_nodectl(["stop", "--grace", "1"], env=env, cwd=project)
         kill_leftovers(run_id)

@@ -240,49 +240,74 @@ def test_the_default_preflight_runs_its_all_reduce_inside_the_image(cluster, ima
 
 
 ATTACKER = '''\
-import json, os
+import json, os, time
 run = os.environ["NODECTL_RUN_DIR"]
 said = []
-try:   # the record `stop` acts on: rewritten to name another container
+def attempt(what, action):
+    try:
+        action()
+        said.append(f"{what} done")
+    except OSError as exc:
+        said.append(f"{what} refused: {exc.strerror}")
+def rewrite_record():   # the record `stop` acts on: rewritten to name another container
     with open(os.path.join(run, "node.json"), "w") as handle:
         handle.write(json.dumps({"container": {"runtime": "podman", "name": "victim"}}))
-    said.append("node.json rewritten")
-except OSError as exc:
-    said.append(f"node.json refused: {exc.strerror}")
-try:
-    open(os.path.join(run, "lib", "rankexec.py"), "a").write("# changed\\n")
-    said.append("lib changed")
-except OSError as exc:
-    said.append(f"lib refused: {exc.strerror}")
+attempt("node.json", rewrite_record)
+attempt("lib", lambda: open(os.path.join(run, "lib", "rankexec.py"), "a").write("# changed\\n"))
+said.append(f"state holds {sorted(os.listdir(os.path.join(run, 'state')))}")
 # the host-side exit record, aimed at a host file through a link (root on the node writes it)
-os.symlink(os.environ["VICTIM_FILE"], os.path.join(run, "state", "launcher.exit"))
-os.symlink(os.environ["VICTIM_FILE"], os.path.join(run, "state", "launcher.exit.tmp"))
-os.symlink("/etc/shadow", os.path.join(run, "logs", "rank9.log"))
+attempt("state link", lambda: os.symlink(os.environ["VICTIM_FILE"], os.path.join(run, "state", "launcher.exit")))
+for folder in ("state", "logs", "output"):   # a folder the host acts on, swapped for a link to another's folder
+    attempt(f"{folder} swap", lambda: os.rename(os.path.join(run, folder), os.path.join(run, folder + ".old")))
+attempt("new folder", lambda: os.symlink(os.environ["VICTIM_DIR"], os.path.join(run, "planted")))
 print("; ".join(said), flush=True)
+time.sleep(3)   # streamed before its own log is swapped for a link to the victim's private file
+os.unlink(os.path.join(run, "logs", "rank0.log"))
+os.symlink(os.environ["VICTIM_DIR"] + "/private.txt", os.path.join(run, "logs", "rank0.log"))
 '''
 
 
 def test_a_rank_in_the_container_cannot_steer_what_the_host_does(cluster, image, project):
-    """Root inside the container (podman, rootful) owns what it is given: node.json, lib/ and the scripts are
-    mounted read-only over the run folder, the host writes its exit record without following a link, and a log
-    that is a link is not read."""
+    """Root inside the container (podman, rootful) writes only its own folders: the run folder is read-only
+    there (node.json, lib/, the scripts), its state/ is an empty read-only folder, the folders it writes cannot be
+    swapped for links (they are mounts), and a link it plants inside one (its log, to another user's 0600 file) is
+    never read by tail or collect, nor written by the resumed attempt."""
     victim_host = cluster.nodes[0].root / "victim.txt"
     victim_host.write_text("the host's own file\n")
+    victim_dir = cluster.nodes[0].root / "victim-dir"
+    victim_dir.mkdir(mode=0o700, exist_ok=True)
+    (victim_dir / "private.txt").write_text("alice's private line\n")
     (project / "attack.py").write_text(ATTACKER)
     env = cluster.env()
     hosts = cluster.inventory(count=1, container={"image": image, "runtime": "podman", "options": OPTIONS},
-                              env={"VICTIM_FILE": "/srv/node/victim.txt"})
+                              env={"VICTIM_FILE": "/srv/node/victim.txt", "VICTIM_DIR": "/srv/node/victim-dir"})
     result = run_nodectl(["-i", str(hosts), "launch", "--skip-preflight", "--", "attack.py"], env=env, cwd=project)
     run_id = latest_run_id(project)
     try:
         assert result.exit_code == 0, result.output
-        assert "node.json refused: Read-only file system" in result.stdout, result.stdout
-        assert "lib refused: Read-only file system" in result.stdout
+        said = result.stdout
+        assert "node.json refused: Read-only file system" in said, said
+        assert "lib refused: Read-only file system" in said and "state holds []" in said
+        assert "state link refused: Read-only file system" in said
+        for folder in ("state", "logs", "output"):
+            assert f"{folder} swap refused" in said, said
+        assert "new folder refused: Read-only file system" in said
         assert victim_host.read_text() == "the host's own file\n", "the exit record went through the link"
         run_dir = cluster.nodes[0].workdir / "runs" / run_id
         assert json.loads((run_dir / "state" / "launcher.exit").read_text())["code"] == 0
         assert json.loads((run_dir / "node.json").read_text())["run_id"] == run_id
         status = run_nodectl(["status", "--run", run_id], env=env, cwd=project)
         assert "exited(0)" in status.stdout, status.output
+        for command in (["tail", "rank0", "--run", run_id], ["collect", run_id]):
+            shown = run_nodectl(["-i", str(hosts), *command], env=env, cwd=project)
+            assert "alice's private line" not in shown.output, (command, shown.output)
+        collected = project / "runs" / run_id / "nodes"
+        assert not any("alice's private line" in p.read_text(errors="replace")
+                       for p in collected.rglob("*") if p.is_file()), "collect read through the link"
+        resumed = run_nodectl(["-i", str(hosts), "launch", "--resume", run_id, "--skip-preflight"], env=env,
+                              cwd=project)
+        assert resumed.exit_code == 0, resumed.output
+        assert sorted(p.name for p in victim_dir.iterdir()) == ["private.txt"], "the resumed attempt wrote there"
+        assert (victim_dir / "private.txt").read_text() == "alice's private line\n"
     finally:
         kill_leftovers(run_id)

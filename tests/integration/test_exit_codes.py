@@ -44,6 +44,7 @@ def test_a_node_that_answers_with_an_error_is_exit_1_not_unreachable(tmp_path, m
     result = nodectl(tmp_path, command, "--run", run_id)
     assert result.exit_code == EXIT_FAILED, result.stdout + result.stderr
     assert "Traceback" not in result.stderr and "n0" in result.stdout + result.stderr
+    assert "n0: n0:" not in result.stdout + result.stderr   # the node named once
     if command == "stop":  # the run is not marked stopped: nothing confirmed it
         assert json.loads((tmp_path / "runs" / run_id / "manifest.json").read_text())["state"] == "starting"
 
@@ -56,3 +57,22 @@ def test_a_node_that_cannot_be_reached_is_exit_3(tmp_path, monkeypatch, command)
     result = nodectl(tmp_path, command, "--run", run_id)
     assert result.exit_code == EXIT_UNREACHABLE, result.stdout + result.stderr
     assert "gone" in result.stdout + result.stderr and "Traceback" not in result.stderr
+
+
+def test_tail_of_a_run_whose_node_folder_is_gone_says_so_and_fails(tmp_path, monkeypatch):
+    """It printed nothing and exited 0."""
+    monkeypatch.setenv("NODECTL_RUNS", str(tmp_path / "runs"))
+    monkeypatch.setenv("NODECTL_STATE_DIR", str(tmp_path / "state"))
+    run_id = recorded_run(tmp_path, f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
+                                    f"gpus: 1, workdir: {tmp_path / 'work'}}}\n")
+    result = nodectl(tmp_path, "tail", "rank0", "--run", run_id)
+    assert result.exit_code == EXIT_FAILED, result.stdout + result.stderr
+    assert f"n0 has no folder of run {run_id}" in result.stdout, result.stdout
+
+
+@pytest.mark.parametrize("command", [["status"], ["runs"], ["exec", "--", "true"], ["tail", "rank0"]])
+def test_an_inventory_that_is_not_there_is_refused_by_every_command(tmp_path, command):
+    """`-i missing.yaml` was refused by exec but silently ignored by status and runs."""
+    result = nodectl(tmp_path, "-i", str(tmp_path / "missing.yaml"), *command)
+    assert result.exit_code == 2, result.stdout + result.stderr
+    assert f"{tmp_path / 'missing.yaml'}: file: not found" in result.stderr and "Traceback" not in result.stderr

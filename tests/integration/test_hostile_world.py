@@ -415,3 +415,34 @@ def test_a_run_record_shipped_in_a_cloned_project_is_never_used(tmp_path):
     bare = nodectl(tmp_path, "stop")   # the latest run is the user's own, never the shipped one
     assert bare.exit_code == 0 and f"stopping run {mine}" in bare.stderr, bare.stderr
     assert victim.is_dir() and not canary.exists()
+
+
+def test_a_users_own_record_edited_to_name_etc_or_a_climbing_node_is_refused_by_every_reader(tmp_path):
+    """Write access to one's own run record made `launch --resume` sync the controller's /etc (shadow included)
+    to the nodes (`sync_dir: /etc`), and `collect --from-store` write outside runs/<id>/nodes/ (a node named
+    ../../..): every reader now takes a record only through the plan's typed reading, and a resume syncs only the
+    project the run was launched from."""
+    (tmp_path / "hosts.yaml").write_text(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
+                                         f"gpus: 1, workdir: {tmp_path / 'work'}}}\n")
+    (tmp_path / "ok.py").write_text("print('fine', flush=True)\n")
+    assert nodectl(tmp_path, "launch", "--skip-preflight", "--", "ok.py").exit_code == 0
+    run_id = json.loads(nodectl(tmp_path, "--json", "runs").stdout)["runs"][0]["run_id"]
+    record = tmp_path / "runs" / run_id / "manifest.json"
+    original = json.loads(record.read_text())
+
+    edited = json.loads(json.dumps(original))
+    edited["plan"]["sync_dir"] = "/etc"
+    record.write_text(json.dumps(edited))
+    resumed = nodectl(tmp_path, "launch", "--resume", run_id, "--skip-preflight")
+    assert resumed.exit_code == 2 and "plan.sync_dir '/etc' is not the project" in resumed.stderr, resumed.stderr
+    assert not list((tmp_path / "work").rglob("shadow")), "nothing of /etc reached the node"
+
+    edited = json.loads(json.dumps(original))
+    edited["plan"]["nodes"][0]["node"]["name"] = "../../.."
+    edited["plan"]["outputs"] = {"url": "s3://bucket/prefix"}
+    record.write_text(json.dumps(edited))
+    for command in (["collect", "--from-store", run_id], ["status", "--run", run_id], ["tail", "rank0", "--run", run_id]):
+        refused = nodectl(tmp_path, *command)
+        assert refused.exit_code == 2 and "Traceback" not in refused.stderr, (command, refused.stderr)
+        assert f"run {run_id}'s record" in refused.stderr and "name" in refused.stderr, (command, refused.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hosts.yaml", "ok.py", "runs", "state", "work"]

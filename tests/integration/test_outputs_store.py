@@ -220,3 +220,47 @@ def test_an_uploader_killed_mid_file_leaves_the_run_going_says_so_and_vouches_fo
     assert "output/ckpt-1/model.bin" not in index, "a file half sent is never vouched for"
     stopped = run_nodectl(["stop", "--run", run_id], env=env, cwd=project)
     assert stopped.exit_code == 0, stopped.output
+
+
+WRITER = '''\
+import os
+out = os.environ["NODECTL_OUTPUT_DIR"]
+if os.environ["NODECTL_ATTEMPT"] == "0":
+    with open(os.path.join(out, f"ckpt-100-rank{os.environ['RANK']}.pt"), "wb") as handle:
+        handle.write(os.urandom(1 << 20))
+    print("ckpt-100 written", flush=True)
+else:
+    print("resumed", flush=True)
+'''
+
+
+def test_a_resume_whose_pull_fails_keeps_every_earlier_file_and_names_what_it_could_not_bring(cluster, store,
+                                                                                                tmp_path):
+    """A file node1 lost, whose object in the bucket no longer has its index's size: the resume stops before it
+    starts, naming the file, and each node's run folder (attempt 0's checkpoints and logs) is left byte for byte.
+    It removed the whole folder on both nodes before."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(WRITER)
+    hosts = write_inventory(cluster, store, tmp_path / "hosts.yaml", indices=(2, 3))
+    env = cluster.env(NODECTL_INVENTORY=str(hosts))
+    first = run_nodectl(["launch", "--skip-preflight", "--", "train.py"], env=env, cwd=project, timeout=300)
+    assert first.exit_code == 0, first.output
+    run_id = latest_run_id(project)
+    folders = [cluster.nodes[i].workdir / "runs" / run_id for i in (2, 3)]
+    before = {path: path.read_bytes() for folder in folders for path in folder.rglob("*")
+              if path.is_file() and path.parent.name in ("output", "logs")}
+    assert sum(path.name.startswith("ckpt-100") for path in before) == 2, sorted(before)
+    key = f"team/exp1/{run_id}/node1/output/ckpt-100-rank1.pt"
+    wait_for(lambda: key in store.objects(BUCKET, f"team/exp1/{run_id}"))
+    store.client().put_object(Bucket=BUCKET, Key=key, Body=b"short")   # no longer what the index says
+    lost = folders[1] / "output" / "ckpt-100-rank1.pt"   # and node1 lost its copy: the resume must fetch it
+    lost.unlink()
+    before.pop(lost)
+    resumed = run_nodectl(["launch", "--resume", run_id, "--skip-preflight"], env=env, cwd=project, timeout=300)
+    assert resumed.exit_code != 0 and "resumed" not in resumed.stdout, resumed.output
+    assert "output/ckpt-100-rank1.pt: the store holds 5 bytes, its index 1048576" in resumed.output, resumed.output
+    assert "every file already in its run folder is kept" in resumed.output
+    for path, data in before.items():   # attempt 0's logs were archived under attempts/0/ by the resume
+        kept = path if path.parent.name == "output" else path.parents[1] / "attempts" / "0" / "logs" / path.name
+        assert kept.is_file() and kept.read_bytes() == data, f"{kept} changed or went"

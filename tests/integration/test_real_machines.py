@@ -528,7 +528,7 @@ def test_a_hung_node_never_delays_a_failure_elsewhere_and_is_lost_after_the_grac
         log = ssh_cluster.nodes[0].workdir / "runs" / run_id / "logs" / "rank0.log"
         wait_for(lambda: log.exists() and "ARGS=" in log.read_text(), timeout=60, interval=0.1)
         marker.write_text("")            # from now on node1's commands hang
-        exit_file = ssh_cluster.nodes[0].workdir / "runs" / run_id / "state" / "rank0.exit"
+        exit_file = ssh_cluster.nodes[0].workdir / "runs" / run_id / "ranks" / "rank0.exit"
         wait_for(exit_file.exists, timeout=60, interval=0.05)
         failed_at = time.monotonic()
         out, err = proc.communicate(timeout=120)

@@ -60,6 +60,28 @@ def project_and_env(cluster, tmp_path, workdir: str):
 
 
 @pytest.mark.parametrize("preflight", [True, False])
+def test_a_workdir_that_is_another_users_link_is_refused_and_nothing_is_made_where_it_points(cluster, mallory, tmp_path,
+                                                                                          preflight):
+    """`ln -s /etc /srv/shared/rootwd` by another user in a world-writable sticky folder, then a root launch with
+    that workdir: it made /etc/.nodectl and /etc/runs and ran the job there (the target's owner was judged, never
+    the link's). Now the path is judged as OpenSSH's StrictModes judges it: the link, its owner and the fix."""
+    node_path, host = scratch(cluster, f"scratch-wd-{preflight}")
+    victim = cluster.nodes[0].root / f"etc-like-{preflight}"   # a system folder of root's
+    victim.mkdir()
+    os.chmod(victim, 0o755)
+    (host / "rootwd").symlink_to(f"/srv/node/{victim.name}")
+    mallorys(mallory, host / "rootwd")
+    project, env = project_and_env(cluster, tmp_path, f"{node_path}/rootwd")
+    done = run_nodectl(["launch", *([] if preflight else ["--skip-preflight"]), "--", "train.py"], env=env,
+                       cwd=project)
+    assert done.exit_code == 2, done.output
+    assert f"{node_path}/rootwd" in done.stderr and "symbolic link" in done.stderr, done.stderr
+    assert f"owned by uid {mallory.pw_uid}" in done.stderr and "mkdir -m 700" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "the run ran" not in done.stdout
+    assert sorted(os.listdir(victim)) == [], "nothing made where the link points"
+
+
+@pytest.mark.parametrize("preflight", [True, False])
 def test_a_planted_nodectl_link_is_refused_and_what_it_points_at_is_untouched(cluster, mallory, tmp_path, preflight):
     node_path, host = scratch(cluster, f"scratch-link-{preflight}")
     victim = cluster.nodes[0].root / f"victim-{preflight}"   # a system folder of root's, readable by all

@@ -3,6 +3,7 @@ CDI devices, apptainer --nv, enroot) is checked here on the command itself; podm
 tests/integration/test_containers.py."""
 from __future__ import annotations
 
+import json
 import shlex
 import subprocess
 from dataclasses import replace
@@ -135,6 +136,21 @@ def test_a_secret_in_container_options_or_mounts_is_shown_and_stored_as_stars():
         assert "wandb-5e3c7f9a2b" not in shown, shown
     assert "WANDB_API_KEY=***" in str(plan.to_json()) and "--env WANDB_API_KEY" in node.launch_redacted
     assert "nofile=1024:1024" in node.launch_redacted and "/data:/data:ro" in node.launch_redacted
+
+
+@pytest.mark.parametrize("form", [["--env=HF_TOKEN=hf-plain-9f3a1c"], ["-eHF_TOKEN=hf-plain-9f3a1c"],
+                                  ["--env", "HF_TOKEN=hf-plain-9f3a1c"], ["-e", "HF_TOKEN=hf-plain-9f3a1c"]])
+def test_every_form_of_an_env_option_is_redacted_in_every_record(form):
+    """`--env=HF_TOKEN=...` was stored verbatim, four times, in manifest.json (only `-e NAME=value` was masked):
+    each form reaches the node in env.sh alone, and the plan's record, the dry run's script and env.sh's shown
+    copy hold ***."""
+    inventory = parse_inventory(json.dumps({"defaults": {"device": "cpu", "container": {
+        "image": "img:1", "runtime": "podman", "options": form}}, "nodes": [{"host": "a"}]}))
+    plan = build_plan(inventory, gpus=1, command=("train.py",), sync_dir=".")
+    node = render_plan(plan)[0]
+    assert "HF_TOKEN=hf-plain-9f3a1c" in node.env and "hf-plain-9f3a1c" not in node.launch
+    for shown in (node.launch_redacted, json.dumps(plan.to_json()), node.env_redacted):
+        assert "hf-plain-9f3a1c" not in shown, shown
 
 
 @pytest.mark.parametrize("setting, key", [

@@ -27,6 +27,8 @@ from nodectl.inventory import parse_inventory
     ("--index-url https://user:pw@example.invalid/simple", "--index-url is refused"),
     ("--find-links ./wheels", "--find-links is refused"),
     ("--pre", "the option --pre is not taken"),
+    ("evilpkg-1.0.tar.gz", "names an archive file, refused"),   # pip took it as a local sdist: "ERROR: Exception:"
+    ("evilpkg-1.0-py3-none-any.whl", "names an archive file, refused"),
 ])
 def test_lines_that_are_not_wheels_from_an_index_are_refused_by_name(line, words):
     with pytest.raises(UsageError, match="line 2") as refused:

@@ -78,6 +78,17 @@ def test_a_sitecustomize_already_on_the_path_still_runs(tmp_path):
     assert out.stdout.strip() == "True theirs", out.stderr   # `import sitecustomize` is the program's own
 
 
+def test_a_projects_own_sitecustomize_beside_its_script_is_what_it_imports(tmp_path):
+    """No sitecustomize on the path at start-up but the project's, beside its script: `import sitecustomize` gave
+    nodectl's listener module; it gives the project's, as without nodectl."""
+    (tmp_path / "sitecustomize.py").write_text("MINE = 'the project s own'\n")
+    (tmp_path / "check.py").write_text("import sitecustomize\nprint(sitecustomize.MINE)\n")
+    env = {**os.environ, "PYTHONPATH": str(LAUNCHERS)}
+    out = subprocess.run([sys.executable, str(tmp_path / "check.py")], env=env, capture_output=True, text=True,
+                         cwd=tmp_path)
+    assert out.stdout.strip() == "the project s own", out.stdout + out.stderr
+
+
 SIGTIMEDWAIT = """\
 import signal, sys, time
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
