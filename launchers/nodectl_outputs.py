@@ -31,6 +31,13 @@ import threading
 import time
 import uuid
 
+try:   # beside this file in lib/ on a node
+    import runlayout as layout
+    from nodeio import update_json
+except ImportError:   # the controller's copy (nodectl.resources.launchers): collect --from-store
+    from . import runlayout as layout
+    from .nodeio import update_json
+
 SECTIONS = ("output", "logs", "metrics")
 INDEX = "nodectl-index.json"
 MARKERS = ("COMPLETE",)
@@ -167,6 +174,7 @@ class Uploader:
         self.store = Store(config, config["run_id"], config["node"])
         self.wake, self.final = threading.Event(), threading.Event()
         self.index: dict = {}      # relative -> {"size", "mtime_ns"}: what the store holds consistently
+        self.borrowed = _borrowed(run_dir)   # node 0's files a resume brought here: node 0's uploader's to send
         self.state = {"url": f"{config['url'].rstrip('/')}/{config['run_id']}/{config['node']}/", "rounds": 0,
                       "files": 0, "bytes": 0, "last": None, "error": None, "error_time": None, "pid": os.getpid()}
 
@@ -203,7 +211,8 @@ class Uploader:
 
     def round(self, final: bool = False) -> None:
         now = time.time()
-        found = scan(self.run_dir)
+        found = {rel: facts for rel, facts in scan(self.run_dir).items()
+                 if self.borrowed.get(rel) != list(facts[:2])}   # unless the run since wrote it itself
         wanted = {rel for rel, (size, mtime, _) in found.items()
                   if self.index.get(rel) != {"size": size, "mtime_ns": mtime}}
         # a file written in the last QUIET seconds waits for the next round (the last round takes everything)
@@ -267,6 +276,15 @@ class Uploader:
         return 0
 
 
+def _borrowed(run_dir: str) -> dict:
+    try:
+        with open(os.path.join(run_dir, layout.BORROWED), encoding="utf-8") as handle:
+            found = json.load(handle)
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def _inside(run_dir: str, relative: str, sections) -> str | None:
     """The path `relative` names under one of `sections` of run_dir, or None for one that would leave it."""
     parts = relative.split("/")
@@ -284,7 +302,7 @@ def pull(run_dir: str, request: dict) -> dict:
     """Bring the run's output/ back from the store: first from this node's own place (what differs), then from
     node 0's (only what is missing here: a checkpoint a script wrote on rank 0 alone). Only what the index lists;
     `sections` (collect --from-store) may take logs/ and metrics/ too."""
-    fetched, nbytes, sources, failed = 0, 0, {}, []
+    fetched, nbytes, sources, failed, borrowed = 0, 0, {}, [], {}
     for source in request["sources"]:   # a source may name a bucket of its own (node 0's, where nodes differ)
         store = Store(source["outputs"] if isinstance(source.get("outputs"), dict) else request["outputs"])
         base = "/".join(p for p in (store.base, request["run_id"], source["node"]) if p)
@@ -314,6 +332,10 @@ def pull(run_dir: str, request: dict) -> dict:
                 if os.path.lexists(part):
                     os.unlink(part)
             fetched, nbytes = fetched + 1, nbytes + facts.get("size", 0)
+            if source.get("missing_only"):   # another node's file: not this node's uploader's to send again
+                borrowed[relative] = list(_still(target)[:2])
+    if borrowed:
+        update_json(os.path.join(run_dir, layout.BORROWED), borrowed)
     return {"files": fetched, "bytes": nbytes, "indexed": sources, "failed": failed[:50],
             "failed_count": len(failed)}
 

@@ -42,6 +42,18 @@ def write_file(path: str, text: str, mode: int = 0o644, strict: bool = False) ->
             os.close(parent)
 
 
+def update_json(path: str, entries: dict) -> None:
+    """A JSON mapping at the real `path` (nothing reached through a link) with `entries` added, written whole."""
+    try:
+        fd = open_nofollow(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, encoding="utf-8") as handle:
+            current = json.load(handle)
+    except (OSError, ValueError, RecursionError):
+        current = {}
+    current = current if isinstance(current, dict) else {}
+    write_file(path, json.dumps({**current, **entries}), 0o600, strict=True)
+
+
 # Reaching a run folder's files on the host. A rank (root in a container, or the user's own program) may replace
 # any folder it can write with a link; a path string would be followed through it. So a path is walked from / a
 # name at a time, each folder opened with O_NOFOLLOW | O_DIRECTORY and each step relative to the last descriptor

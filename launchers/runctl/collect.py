@@ -11,7 +11,7 @@ import tarfile
 
 import runlayout as layout
 from runctl.common import LinkRefused, is_file, lstat_nofollow, no_run, quiet, read_json, walk
-from nodeio import last_json
+from nodeio import last_json, update_json
 from runctl.runfolder import SYNCED_CODE
 from runctl.store import STREAM_BUFFER
 
@@ -200,6 +200,8 @@ def cmd_fill(args: list, request: dict) -> dict:
                     done["refused"].append(f"{member.name[:200]} ({getattr(exc, 'strerror', None) or exc})"[:300])
     finally:
         os.close(root)
+    if done.get("borrowed"):   # node 0's files: its own uploader sent them, this node's does not send them again
+        update_json(os.path.join(args[0], layout.BORROWED), done.pop("borrowed"))
     done["refused"] = done["refused"][:50]
     return done
 
@@ -221,6 +223,8 @@ def _fill_member(tar, member, root: int, parts: list, done: dict) -> None:
         elif member.isfile():
             _fill_file(tar.extractfile(member), folder, name)
             done["added"], done["bytes"] = done["added"] + 1, done["bytes"] + member.size
+            info = os.stat(name, dir_fd=folder, follow_symlinks=False)
+            done.setdefault("borrowed", {})["/".join(["output", *parts])] = [info.st_size, info.st_mtime_ns]
         else:
             raise ValueError("not a file, a folder or a link to a sibling")
     finally:

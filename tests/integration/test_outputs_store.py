@@ -155,6 +155,9 @@ def test_a_script_uploads_while_running_and_a_fresh_node_gets_rank0s_checkpoint(
     assert resumed.exit_code == 0, resumed.output
     digests = {line.split()[-1] for line in resumed.stdout.splitlines() if "resumes from checkpoint-1" in line}
     assert len(digests) == 1 and resumed.stdout.count("resumes from checkpoint-1") == 2, resumed.stdout
+    # node0's checkpoint, which node1 took from node0's place for the resume, is node0's: not uploaded again
+    stored = store.objects(BUCKET, f"team/exp1/{run_id}")
+    assert key in stored and f"team/exp1/{run_id}/node1/output/checkpoint-1/weights.bin" not in stored, sorted(stored)
 
 
 def test_bad_credentials_fail_preflight_an_unreachable_store_does_not_stop_the_run(cluster, store, tmp_path):
