@@ -140,8 +140,42 @@ def probe_os() -> dict:
                     release[key] = value.strip('"')
     except OSError:
         pass
-    return {"hostname": socket.gethostname(), "system": platform.system(), "kernel": platform.release(),
-            "distribution": release.get("PRETTY_NAME", ""), "machine": platform.machine()}
+    hostname = socket.gethostname()
+    return {"hostname": hostname, "system": platform.system(), "kernel": platform.release(),
+            "distribution": release.get("PRETTY_NAME", ""), "machine": platform.machine(),
+            "hostname_resolves": _resolve(hostname), "hosts_line": _hosts_line(hostname)}
+
+
+def _resolve(name: str, timeout: float = 3.0) -> list | dict:
+    """The addresses the node's resolver gives its own host name (what `hostname -i` and launchers that find
+    "their own address" by name hand the other nodes), or {"error"}; a resolver that hangs costs `timeout`."""
+    found: dict = {}
+
+    def ask() -> None:
+        try:
+            found["addresses"] = sorted({info[4][0] for info in socket.getaddrinfo(name, None)})
+        except OSError as exc:
+            found["error"] = f"{exc.__class__.__name__}: {exc}"
+
+    thread = threading.Thread(target=ask, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if "addresses" in found:
+        return found["addresses"]
+    return {"error": found.get("error") or f"the resolver did not answer within {timeout:.0f} s"}
+
+
+def _hosts_line(name: str):
+    """The /etc/hosts line that names this host, as written (number and text), or None."""
+    try:
+        with open("/etc/hosts", encoding="utf-8", errors="replace") as handle:
+            for number, line in enumerate(handle, 1):
+                words = line.split("#", 1)[0].split()
+                if len(words) > 1 and name in words[1:]:
+                    return {"line": number, "text": line.strip()[:200]}
+    except OSError:
+        pass
+    return None
 
 
 def probe_cpu() -> dict:
@@ -165,8 +199,13 @@ def probe_memory() -> dict:
         for line in handle:
             key, _, value = line.partition(":")
             info[key] = int(value.split()[0]) * 1024
+    overcommit = _read("/proc/sys/vm/overcommit_memory")
+    ratio = _read("/proc/sys/vm/overcommit_ratio")
     return {"total_bytes": info.get("MemTotal"), "available_bytes": info.get("MemAvailable"),
-            "swap_total_bytes": info.get("SwapTotal")}
+            "swap_total_bytes": info.get("SwapTotal"),
+            "overcommit_memory": int(overcommit) if overcommit and overcommit.isdigit() else None,
+            "overcommit_ratio": int(ratio) if ratio and ratio.isdigit() else None,
+            "commit_limit_bytes": info.get("CommitLimit"), "committed_bytes": info.get("Committed_AS")}
 
 
 def probe_python() -> dict:
@@ -651,11 +690,21 @@ def probe_disk(workdir: str) -> dict:
     stat = os.statvfs(path)
     shm = os.statvfs("/dev/shm") if os.path.exists("/dev/shm") else None
     return {"workdir": os.path.expanduser(workdir), "checked_path": path, "free_bytes": stat.f_bavail * stat.f_frsize,
+            **_inodes(path, stat),
             "shm_bytes": shm.f_blocks * shm.f_frsize if shm else None, **_try_write(os.path.expanduser(workdir)),
             "unsafe": _unsafe(os.path.expanduser(workdir)),
             "scratch": {"tmp": _scratch(os.environ.get("TMPDIR") or "/tmp"),
                         "cache": _scratch(os.environ.get("HF_HOME") or os.environ.get("XDG_CACHE_HOME")
                                           or os.path.expanduser("~/.cache"))}}
+
+
+def _inodes(path: str, stat) -> dict:
+    """Free and total inodes of the file system holding `path` (0 total: one that does not count them, btrfs
+    say), and its mount point: a disk out of inodes refuses new files with ENOSPC while it still has bytes."""
+    mount = os.path.realpath(path)
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    return {"free_inodes": stat.f_favail, "total_inodes": stat.f_files, "mount": mount}
 
 
 def _unsafe(workdir: str):
@@ -695,6 +744,7 @@ def _scratch(folder: str) -> dict:
     try:
         stat = os.statvfs(folder)
         found["free_bytes"] = stat.f_bavail * stat.f_frsize
+        found.update(_inodes(folder, stat))
     except OSError:
         pass
     return found

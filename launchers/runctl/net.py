@@ -92,9 +92,18 @@ def cmd_connect(args: list, request: dict) -> dict:
 
 
 def cmd_route(args: list, request: dict) -> dict:
-    """The interface this node sends to ADDR through (ip route get), or null where ip is missing."""
+    """The interface this node sends to ADDR through (ip route get), or null where ip is missing; with `peers`
+    (the other nodes' addresses), the interface toward each."""
+    answer = _route(args[0])
+    peers = [str(p) for p in (request.get("peers") or [])][:4096]
+    if peers:
+        answer["peers"] = {peer: _route(peer)["dev"] for peer in peers}
+    return answer
+
+
+def _route(addr: str) -> dict:
     try:
-        proc = subprocess.run(["ip", "route", "get", args[0]], capture_output=True, text=True, timeout=10)
+        proc = subprocess.run(["ip", "route", "get", addr], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return {"dev": None}
     words = proc.stdout.split()

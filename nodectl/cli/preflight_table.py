@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import textwrap
+import time
 
 import yaml
 from rich.markup import escape
@@ -81,3 +82,24 @@ def _print_matrix(console, report: PreflightReport, per_node: list) -> None:
                                      for c in checks)])
     columns = [Column("node", key=True), *(Column(escape(c), whole=True) for c in checks)]
     console.print(make_table(columns, rows, title="preflight", keep=["node", *checks]))
+
+
+def show_history(app, history, node: str | None) -> None:
+    """`preflight --history [NODE]`: every recorded figure (of NODE's parts), a row per preflight and part;
+    with --json, the rows."""
+    rows = history.rows(node)
+    if app.json:
+        app.emit_json({"history": str(history.path), "node": node, "rows": rows})
+        return
+    if not rows:
+        app.info(f"no measured preflight recorded{f' for {node}' if node else ''} in {history.path} (the default and "
+                 f"--full tiers record their figures; --quick measures none)")
+        return
+    cells = [[time.strftime("%Y-%m-%d %H:%M", time.localtime(r["time"])), escape(str(r.get("label"))),
+              escape(str(r.get("metric"))), f"{r.get('value', 0):.1f}", "" if r.get("judged", True) else "kept"]
+             for r in rows]
+    columns = [Column("when", whole=True), Column("part"), Column("figure", whole=True),
+               Column("value", "right", whole=True), Column("", whole=True)]
+    app.out.print(make_table(columns, cells, title=f"preflight history{f' of {node}' if node else ''}",
+                             keep=("when", "part", "value")))
+    app.info(f"from {history.path}")

@@ -37,6 +37,7 @@ class NodeFacts:
     env: Mapping[str, str] = field(default_factory=dict)   # what the inventory sets for the node's ranks
     gpus: int | None = None                          # the node's `gpus:`
     medians: Mapping = field(default_factory=dict)   # per GPU model, the cluster's median GPU job figures
+    addr: str = ""                                   # what the other nodes reach it by (inventory `addr:`)
 
 
 @dataclass(frozen=True)

@@ -174,19 +174,45 @@ def check_shm(node: str, report: Mapping) -> CheckResult:
 
 @check("disk", "host", section="disk",
        doc=(("disk",
-            "free bytes under the workdir",
-            "fail under 2 GiB, warn under 20 GiB",
-            "checkpoints of a LoRA run"),))
+            "free bytes and free inodes of the file system under the workdir (`statvfs`)",
+            f"fail under 2 GiB or under {1000:,} inodes (\"inodes exhausted\", naming the mount: a full inode table "
+            "refuses new files with ENOSPC while bytes are free), warn under 20 GiB or under 5% of the inodes",
+            "checkpoints of a LoRA run; torch.compile and Triton caches write thousands of small files"),))
 def check_disk(node: str, report: Mapping) -> CheckResult:
     free = get(report, "disk", "free_bytes")
     where = get(report, "disk", "workdir", default="workdir")
     if free is None:
         return CheckResult("disk", node, SKIP, "free space could not be read")
+    inodes = inode_verdict("disk", node, get(report, "disk") or {}, where)
+    if inodes is not None and (inodes.verdict == FAIL or free >= DISK_WARN):
+        return inodes
     if free < DISK_FAIL:
         return CheckResult("disk", node, FAIL, f"{gib(free)} free in {where}", "free space or move workdir:")
     if free < DISK_WARN:
         return CheckResult("disk", node, WARN, f"{gib(free)} free in {where}", "checkpoints may not fit")
     return CheckResult("disk", node, PASS, f"{gib(free)} free")
+
+
+INODES_FAIL, INODES_WARN_SHARE = 1000, 0.05
+
+
+def inode_verdict(name: str, node: str, facts: Mapping, where: str) -> CheckResult | None:
+    """A file system out of (or short of) inodes, by the probe's statvfs; None when it has enough or does not
+    count them (btrfs, some network file systems: 0 total)."""
+    free, total, mount = facts.get("free_inodes"), facts.get("total_inodes"), facts.get("mount") or where
+    if not isinstance(free, int) or not isinstance(total, int) or total <= 0:
+        return None
+    said = f"{free:,} of {total:,} inodes free on {mount}"
+    if free < INODES_FAIL:
+        return CheckResult(name, node, FAIL, f"inodes exhausted on {mount} (df -i): {said}, while "
+                                             f"{gib(facts.get('free_bytes') or 0)} are free: no new file can be made "
+                                             f"there", f"remove small files on {mount} (find {mount} -xdev -type f "
+                                                       f"| cut -d/ -f1-4 | sort | uniq -c | sort -n shows where they "
+                                                       f"are), or move {where} to another file system")
+    if free < total * INODES_WARN_SHARE:
+        return CheckResult(name, node, WARN, f"few inodes left on {mount} (df -i): {said}",
+                           f"remove small files on {mount}; checkpoints and compile caches need new files")
+    return None
 
 
 SCRATCH_WARN = 4 << 30
@@ -213,7 +239,10 @@ def check_scratch(node: str, report: Mapping) -> list[CheckResult]:
             out.append(CheckResult(key, node, SKIP, "the probe did not read it"))
             continue
         where = found.get("path", key)
-        if not found["writable"]:
+        inodes = inode_verdict(key, node, found, where)
+        if inodes is not None and inodes.verdict == FAIL:
+            out.append(inodes)
+        elif not found["writable"]:
             out.append(CheckResult(key, node, FAIL, f"{where} cannot be written ({found.get('write_error')}): "
                                    f"{SCRATCH_USE[key]}",
                                    "make it writable for the login user, or point the ranks elsewhere in the "
@@ -340,3 +369,52 @@ def check_clock(node: str, report: Mapping) -> CheckResult:
     if effective > SKEW_WARN:
         return CheckResult("clock", node, WARN, f"{skew:+.1f}s from the controller", hint)
     return CheckResult("clock", node, PASS, f"{skew:+.2f}s")
+
+
+@check("overcommit", "host", given=lambda f: (f.report, f.device), section="memory",
+       doc=(("overcommit",
+            "`vm.overcommit_memory` (`/proc/sys/vm`), with the commit limit and what is committed (`/proc/meminfo`)",
+            "fail at 2 (strict) on a `device: cuda` node, warn on a CPU node",
+            "CUDA and PyTorch reserve large virtual ranges (the CUDA context, the caching allocator, pinned "
+            "memory): under strict accounting they fail with ENOMEM at init or first allocation, whatever is free"),))
+def check_overcommit(node: str, report: Mapping, device: str) -> CheckResult:
+    mode = get(report, "memory", "overcommit_memory")
+    if mode is None:
+        return CheckResult("overcommit", node, SKIP, "vm.overcommit_memory could not be read")
+    if mode != 2:
+        return CheckResult("overcommit", node, PASS, f"vm.overcommit_memory = {mode}")
+    limit, committed = get(report, "memory", "commit_limit_bytes"), get(report, "memory", "committed_bytes")
+    accounts = f" (commit limit {gib(limit)}, {gib(committed)} committed)" if limit and committed is not None else ""
+    return CheckResult("overcommit", node, FAIL if device == "cuda" else WARN,
+                       f"vm.overcommit_memory = 2, strict accounting{accounts}: CUDA and PyTorch reserve large "
+                       f"virtual ranges and fail with ENOMEM at init or their first allocation",
+                       f"on {node}: sysctl -w vm.overcommit_memory=0 (heuristic, the default), and the same in "
+                       f"/etc/sysctl.d/ to keep it after a reboot")
+
+
+LOOPBACK_PREFIXES = ("127.", "::1", "0:0:0:0:0:0:0:1")
+
+
+@check("hostname", "host", given=lambda f: (f.report, f.addr), section="os",
+       doc=(("hostname",
+            "the node's host name as its resolver gives it (`getaddrinfo`, `/etc/hosts` first) and the /etc/hosts "
+            "line that names it",
+            "warn when it resolves to a loopback address while the other nodes reach the node at another one "
+            "(Debian's `127.0.1.1 <hostname>` kept in an image), naming the line",
+            "what finds \"its own address\" by host name (MPI-style launchers, `hostname -i` scripts, some "
+            "rendezvous settings) then hands the other nodes an address they cannot reach"),))
+def check_hostname(node: str, report: Mapping, addr: str) -> CheckResult:
+    name, found = get(report, "os", "hostname"), get(report, "os", "hostname_resolves")
+    if not name or found is None:
+        return CheckResult("hostname", node, SKIP, "the host name was not resolved")
+    if isinstance(found, Mapping):   # resolves to nothing: nothing to hand out wrongly
+        return CheckResult("hostname", node, PASS, f"{name} does not resolve on the node ({found.get('error')})")
+    loopback = [a for a in found if str(a).startswith(LOOPBACK_PREFIXES)]
+    if not loopback or not addr or addr.startswith(LOOPBACK_PREFIXES) or addr == "localhost":
+        return CheckResult("hostname", node, PASS, f"{name} resolves to {', '.join(map(str, found)) or 'nothing'}")
+    line = get(report, "os", "hosts_line")
+    where = f" (/etc/hosts line {line['line']}: {line['text']!r})" if isinstance(line, Mapping) else ""
+    return CheckResult("hostname", node, WARN,
+                       f"{name} resolves to {', '.join(loopback)}{where}, while the other nodes reach {node} at "
+                       f"{addr}: a launcher that finds its own address by host name hands them one they cannot "
+                       f"reach", f"on {node}, map {name} to {addr} in /etc/hosts (or remove the loopback line)")

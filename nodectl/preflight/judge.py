@@ -6,11 +6,11 @@ from typing import Mapping
 
 # Each subject module declares its checks as it is imported (in whatever order); SUBJECTS orders them, then each
 # module's own order: the order of the preflight's output and of docs/PREFLIGHT.md's table.
-from nodectl.preflight import cluster, gpu, host, network, storage
+from nodectl.preflight import cluster, gpu, history, host, network, storage
 from nodectl.preflight.checks import MEASURED, REGISTRY, TIERS, Check, DocRow, Expectation, NodeFacts
 from nodectl.preflight.verdict import CheckResult
 
-SUBJECTS = tuple(m.__name__ for m in (host, gpu, network, storage, cluster))
+SUBJECTS = tuple(m.__name__ for m in (host, gpu, network, storage, cluster, history))
 
 __all__ = ["MEASURED", "TIERS", "Check", "Expectation", "NodeFacts", "checks_for", "doc_table", "judge_cluster",
            "judge_node"]

@@ -321,3 +321,33 @@ def judge_pairs(pairs: list[dict]) -> list[CheckResult]:
     return out + [CheckResult("node pairs", "cluster", WARN, f"slow pairs (under {SLOW_PAIR:.0%} of the median "
                                                              f"{median:.1f} GB/s): {detail}; common node: {culprit}",
                               f"check {culprit}'s NIC, cabling and PCIe; or leave it out with --exclude")]
+
+
+@check("socket route", "network", given=lambda f: (f.env, f.extras["route"]), needs="route",
+       doc=(("socket route",
+            "the device each node's route to every other node uses (`ip route get <peer>`), against "
+            "`NCCL_SOCKET_IFNAME` / `GLOO_SOCKET_IFNAME` from the inventory's `env:`",
+            "fail when a route to another node leaves through an interface the setting does not select (a "
+            "container bridge that is up, say), naming the interface and the device the route really uses",
+            "NCCL and gloo bind their sockets to the named interface: traffic to a peer it does not route to "
+            "hangs or fails at init"),))
+def check_socket_route(node: str, env: Mapping[str, str], answer: Mapping | None) -> CheckResult:
+    named = {var: env[var] for var in SOCKET_IFNAME_VARS if env.get(var)}
+    peers = (answer or {}).get("peers") or {}
+    if not named:
+        return CheckResult("socket route", node, PASS, "no socket interface named")
+    if not peers:
+        return CheckResult("socket route", node, SKIP, "no route to another node was read (one node, or no `ip`)")
+    problems = []
+    for var, value in named.items():
+        wanted = parse_name_list(value)
+        astray = {peer: dev for peer, dev in peers.items() if dev and not wanted.selects(dev)}
+        if astray:
+            shown = ", ".join(f"{peer} through {dev}" for peer, dev in sorted(astray.items())[:4])
+            problems.append(f"{var}={value}, but the route to {shown} does not use it")
+    if problems:
+        devices = sorted({dev for dev in peers.values() if dev})
+        return CheckResult("socket route", node, FAIL, "; ".join(problems),
+                           f"name the interface that carries the route to the other nodes ({', '.join(devices)}) in "
+                           f"the inventory's env:, or route them through {', '.join(named.values())}")
+    return CheckResult("socket route", node, PASS, f"every other node is routed through {', '.join(named.values())}")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from nodectl.inventory import Inventory
 from nodectl.preflight.gpu import cluster_medians
+from nodectl.preflight.history import Drift, History, figures_of, judge_history, versions_of
 from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge_node
 from nodectl.preflight.storage import judge_store
 from nodectl.preflight.verdict import FAIL, WARN, CheckResult
@@ -36,6 +37,7 @@ class PreflightReport:
     quick: bool = True
     created: float = field(default_factory=time.time)
     gpu_jobs: dict[str, dict] = field(default_factory=dict)   # per node: the GPU job's figures (not --quick)
+    history: str = ""     # what the history said of the measured figures (one line)
 
     @property
     def failed(self) -> list[CheckResult]:
@@ -58,7 +60,7 @@ class PreflightReport:
                 "passed": not self.failed and not self.unreachable, "unreachable": self.unreachable,
                 "results": [r.to_json() for r in self.results], "collective": self.collective,
                 "collective_run": self.collective_run, "recommended_env": self.recommended_env(),
-                "gpu_jobs": self.gpu_jobs, "reports": self.reports}
+                "gpu_jobs": self.gpu_jobs, "reports": self.reports, "history": self.history}
 
 
 def selection_key(inventory: Inventory, gpus: int | None) -> str:
@@ -111,7 +113,8 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], por
     listener = cluster.fan_out(lambda t: NodeClient(t).listen(chosen, 30), [master])[0]
     try:
         reach = cluster.fan_out(lambda t: NodeClient(t).connect(master.addr, chosen), reachable)
-        route = cluster.fan_out(lambda t: NodeClient(t).route(master.addr), reachable)
+        route = cluster.fan_out(lambda t: NodeClient(t).route(
+            master.addr, tuple(n.addr for n in reachable if n.name != t.node.name)), reachable)
     finally:
         if listener.ok:
             cluster.fan_out(lambda t: NodeClient(t).unlisten(listener.value.pid), [master])
@@ -185,7 +188,8 @@ def run_preflight(inventory: Inventory, session: Session, *, gpus: int | None, q
     for node in inventory.nodes:
         if node.name in reports:
             results += judge_node(NodeFacts(node.name, reports[node.name], node.device, expect,
-                                            extras.get(node.name) or {}, node.env, node.gpus, medians), tier)
+                                            extras.get(node.name) or {}, node.env, node.gpus, medians, node.addr),
+                                  tier)
     uploading = [n for n in inventory.nodes if n.name in reports and n.outputs is not None]
     if uploading:
         phase("object store checks")
@@ -196,6 +200,22 @@ def run_preflight(inventory: Inventory, session: Session, *, gpus: int | None, q
         results += judge_cluster(reports, {k: v for k, v in devices.items() if k in reports}, tier)
     return PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick,
                            gpu_jobs=jobs)
+
+
+def compare_with_history(report: PreflightReport, history: History, warn: float, fail: float) -> Drift:
+    """A measured preflight's figures against each part's own past (its verdicts join the report's), then kept."""
+    if report.quick:
+        return Drift((), "")
+    figures = figures_of(report.reports, report.gpu_jobs, report.collective)
+    drift = judge_history(figures, history.entries(), warn, fail)
+    report.results += list(drift.results)
+    report.history = drift.summary
+    if figures:
+        try:
+            history.add(figures, versions_of(report.reports), report.nodes)
+        except OSError:   # an unwritable registry costs the record, never the preflight
+            pass
+    return drift
 
 
 def save(report: PreflightReport, inventory: Inventory, gpus: int | None) -> Path:

@@ -260,6 +260,7 @@ class ConnectAnswer:
 class RouteAnswer:
     dev: str | None = None
     raw: str | None = None
+    peers: dict[str, str | None] = field(default_factory=dict)   # another node's address -> the interface toward it
 
 
 @dataclass(frozen=True)

@@ -66,8 +66,8 @@ class NodeClient:
     def connect(self, addr: str, port: int) -> ConnectAnswer:
         return agent.call(self.transport, "connect", addr, str(port))
 
-    def route(self, addr: str) -> RouteAnswer:
-        return agent.call(self.transport, "route", addr)
+    def route(self, addr: str, peers: tuple[str, ...] = ()) -> RouteAnswer:
+        return agent.call(self.transport, "route", addr, request={"peers": list(peers)} if peers else None)
 
     # --- a run -------------------------------------------------------------------------------------------------
 

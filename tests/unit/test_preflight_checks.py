@@ -47,9 +47,11 @@ def healthy_report():
                  "scratch": {"tmp": {"path": "/tmp", "writable": True, "free_bytes": 200 << 30},
                              "cache": {"path": "/home/u/.cache", "writable": True, "free_bytes": 500 << 30}}},
         "clock": {"skew_s": 0.02, "round_trip_s": 0.3},
-        "os": {"kernel": "5.15.0-119-generic"},
+        "os": {"kernel": "5.15.0-119-generic", "hostname": "gpu01", "hostname_resolves": ["10.0.0.11"],
+               "hosts_line": {"line": 3, "text": "10.0.0.11 gpu01"}},
         "cpu": {"governor": "performance"},
-        "memory": {"swap_total_bytes": 0},
+        "memory": {"swap_total_bytes": 0, "overcommit_memory": 0, "overcommit_ratio": 50,
+                   "commit_limit_bytes": 1 << 40, "committed_bytes": 20 << 30},
         "packages": {"torch": "2.6.0", "peft": "0.13.0"},
     }
 
@@ -325,7 +327,7 @@ def test_the_judge_lists_what_each_tier_checks():
 
     quick, default, full = names("quick"), names("default"), names("full")
     assert {"torch", "gpus", "nvlink", "xid", "shm", "clock", "one GPU model"} <= quick
-    assert default - quick == {"p2p", "gpu perf, gpu load", "collective, nccl transport"}
+    assert default - quick == {"p2p", "gpu perf, gpu load", "collective, nccl transport", "history"}
     assert full - default == {"node pairs"}
     assert not {c.subject for c in judge.checks_for("full", "cpu")} & {"gpu"}
     assert {c.subject for c in judge.checks_for("full")} == {"host", "gpu", "network", "cluster"}
@@ -415,3 +417,58 @@ def test_cpu_nodes_are_not_failed_for_cuda_nccl_or_driver_they_do_not_use():
     assert not {"same cuda", "same nccl", "same driver"} & set(on_cpu) and on_cpu["same torch"] == PASS
     on_gpu = {r.check: r.verdict for r in judge.judge_cluster(reports, {"node0": "cuda", "node1": "cuda"})}
     assert on_gpu["same cuda"] == FAIL and on_gpu["same nccl"] == FAIL
+
+
+# --- what a run will hit that preflight did not read before (issue 53) ---------------------------------------
+
+def test_a_file_system_out_of_inodes_is_named_as_such_not_as_disk_space():
+    report = healthy_report()
+    report["disk"].update(free_inodes=0, total_inodes=65536, mount="/scratch")
+    report["disk"]["scratch"]["tmp"].update(writable=False, write_error="OSError: No space left on device",
+                                            free_inodes=12, total_inodes=65536, mount="/tmp")
+    results = verdicts(report)
+    disk, tmp = results["disk"], results["tmp"]
+    assert disk.verdict == FAIL and "inodes exhausted on /scratch (df -i)" in disk.detail, disk
+    assert "500.0 GiB" in disk.detail and "remove small files on /scratch" in disk.hint, disk
+    assert "free space or move workdir" not in (disk.hint or "")
+    assert tmp.verdict == FAIL and "inodes exhausted on /tmp" in tmp.detail, tmp
+    report["disk"].update(free_inodes=2_000, total_inodes=1_000_000)
+    assert verdicts(report)["disk"].verdict == WARN
+    report["disk"].update(free_inodes=0, total_inodes=0)   # btrfs counts none: judged by bytes alone
+    assert verdicts(report)["disk"].verdict == PASS
+
+
+@pytest.mark.parametrize("device, verdict", [("cuda", FAIL), ("cpu", WARN)])
+def test_strict_memory_overcommit_is_named_with_the_cure(device, verdict):
+    report = healthy_report()
+    report["memory"].update(overcommit_memory=2, commit_limit_bytes=40 << 30, committed_bytes=39 << 30)
+    found = verdicts(report, device=device)["overcommit"]
+    assert found.verdict == verdict and "vm.overcommit_memory = 2" in found.detail and "ENOMEM" in found.detail
+    assert "sysctl -w vm.overcommit_memory=0" in found.hint and "/etc/sysctl.d/" in found.hint
+    report["memory"]["overcommit_memory"] = 1
+    assert verdicts(report, device=device)["overcommit"].verdict == PASS
+
+
+def test_a_host_name_that_resolves_to_loopback_is_a_warning_naming_the_hosts_line():
+    report = healthy_report()
+    report["os"].update(hostname_resolves=["127.0.1.1"], hosts_line={"line": 2, "text": "127.0.1.1 gpu01"})
+    found = {r.check: r for r in judge.judge_node(NodeFacts("n0", report, "cuda", EXPECT, {}, {}, addr="10.0.0.11"))}
+    hostname = found["hostname"]
+    assert hostname.verdict == WARN and "gpu01 resolves to 127.0.1.1" in hostname.detail, hostname
+    assert "/etc/hosts line 2: '127.0.1.1 gpu01'" in hostname.detail and "map gpu01 to 10.0.0.11" in hostname.hint
+    on_loopback = {r.check: r for r in judge.judge_node(NodeFacts("n0", report, "cuda", EXPECT, {}, {},
+                                                                   addr="127.0.0.2"))}
+    assert on_loopback["hostname"].verdict == PASS   # a cluster on one machine's loopback reaches it there
+
+
+def test_a_socket_interface_that_does_not_carry_the_route_to_the_other_nodes_fails():
+    route = {"dev": "ens1", "peers": {"10.0.0.12": "ens1", "10.0.0.13": "ens1"}}
+    env = {"NCCL_SOCKET_IFNAME": "docker0"}
+    report = healthy_report()
+    report["nics"].append({"name": "docker0", "state": "up"})
+    found = verdicts(report, {"route": route}, env=env)["socket route"]
+    assert found.verdict == FAIL, found
+    assert "NCCL_SOCKET_IFNAME=docker0, but the route to 10.0.0.12 through ens1" in found.detail
+    assert "(ens1)" in found.hint
+    assert verdicts(report, {"route": route}, env={"NCCL_SOCKET_IFNAME": "ens"})["socket route"].verdict == PASS
+    assert verdicts(report, {"route": route}, env={"NCCL_SOCKET_IFNAME": "^docker"})["socket route"].verdict == PASS

@@ -1,0 +1,188 @@
+"""Preflight remembers: each measured preflight's figures per GPU (by UUID), per node pair and for the cluster's
+all-reduce, kept in the user's registry with the time and the software versions, and each new preflight judged
+against every part's own recent past. One-shot checks miss a part that fails slowly (a GPU that lost 15% of its
+GEMM rate since last month, a link drifting down); fleet tools catch it by comparing a part with its own history
+and its peers (the peers: gpu.py's cluster medians). Storage is one JSON line per preflight
+(`<state dir>/preflight-history.jsonl`), bounded; judging is pure and unit-tested on saved entries."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from nodectl.preflight.checks import MEASURED, check
+from nodectl.preflight.verdict import FAIL, WARN, CheckResult
+
+HISTORY_FILE = "preflight-history.jsonl"
+KEPT = 400                 # entries kept; older ones are dropped when the file passes KEPT + 100
+WINDOW = 10                # a part's own median: its last WINDOW measurements
+DRIFT_WARN, DRIFT_FAIL = 0.10, 0.20   # below its own median by this share: warn, fail (preflight --drift-warn/-fail)
+METRICS = {"gemm_tflops": ("bf16 GEMM", "TFLOP/s"), "hbm_gbps": ("HBM", "GB/s"), "busbw_gbs": ("busbw", "GB/s")}
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One measured figure of one part: `key` names the part across preflights (a GPU by its UUID, a pair of
+    nodes, the all-reduce over a set of nodes at one size); higher is better for every metric kept."""
+    key: str
+    metric: str
+    value: float
+    node: str        # where a verdict about it is reported ("cluster" for the all-reduce and pairs)
+    label: str       # how a person names it: "node1 GPU 3 (GPU-7f...)", "node0+node1"
+    judged: bool = True   # CPU (gloo) busbw is kept, not judged: on shared CPUs it varies past any threshold
+
+    def to_json(self) -> dict:
+        return {"key": self.key, "metric": self.metric, "value": self.value, "node": self.node, "label": self.label,
+                "judged": self.judged}
+
+
+def figures_of(reports: Mapping[str, Mapping], gpu_jobs: Mapping[str, Mapping],
+               collective: Mapping | None) -> list[Figure]:
+    """The figures a measured preflight produced: each GPU's GEMM and HBM rates (the GPU job), the all-reduce's
+    busbw at its largest size, each node pair's busbw (--full)."""
+    out = []
+    for node, job in sorted(gpu_jobs.items()):
+        uuids = {d.get("index"): d.get("uuid") for d in ((reports.get(node) or {}).get("gpus") or {}).get("devices")
+                 or [] if isinstance(d, Mapping)}
+        for device in job.get("devices") or []:
+            if not isinstance(device, Mapping):
+                continue
+            uuid = uuids.get(device.get("index")) or f"{node}/{device.get('index')}"
+            label = f"{node} GPU {device.get('index')} ({str(uuid)[:12]})"
+            out += [Figure(f"gpu:{uuid}", metric, float(device[metric]), node, label)
+                    for metric in ("gemm_tflops", "hbm_gbps") if isinstance(device.get(metric), (int, float))]
+    sizes = [s for s in (collective or {}).get("sizes") or [] if isinstance(s, Mapping) and s.get("busbw_gbs")]
+    nccl = (collective or {}).get("backend") == "nccl"
+    if sizes:
+        largest = max(sizes, key=lambda s: s.get("bytes") or 0)
+        nodes = "+".join(sorted(reports))
+        out.append(Figure(f"allreduce:{nodes}:{largest.get('bytes')}", "busbw_gbs", float(largest["busbw_gbs"]),
+                          "cluster", f"all-reduce of {int(largest.get('bytes') or 0) >> 20} MiB over {nodes}", nccl))
+    for pair in (collective or {}).get("pairs") or []:
+        if isinstance(pair, Mapping) and pair.get("busbw_gbs") and pair.get("nodes"):
+            name = "+".join(sorted(pair["nodes"]))
+            out.append(Figure(f"pair:{name}", "busbw_gbs", float(pair["busbw_gbs"]), "cluster", f"pair {name}",
+                              nccl))
+    return out
+
+
+def versions_of(reports: Mapping[str, Mapping]) -> dict:
+    return {node: {"torch": (r.get("torch") or {}).get("version"), "nccl": (r.get("torch") or {}).get("nccl"),
+                   "driver": (r.get("gpus") or {}).get("driver")} for node, r in reports.items()}
+
+
+@dataclass(frozen=True)
+class Drift:
+    """What the history says of today's figures: the verdicts (one per part that fell) and one line for all."""
+    results: tuple[CheckResult, ...]
+    summary: str
+
+
+@check("history", "cluster", scope="job", tiers=MEASURED,
+       doc=(("history",
+            "each measured figure (a GPU's bf16 GEMM and HBM rates by its UUID, the all-reduce's busbw at its "
+            "largest size, each node pair's busbw with `--full`) against the same part's median over its last "
+            f"{WINDOW} preflights, kept in the user's registry (`preflight --history [NODE]` shows them); CPU "
+            "(gloo) figures are kept, not judged",
+            f"warn {DRIFT_WARN:.0%} below its own median, fail {DRIFT_FAIL:.0%} below (`--drift-warn`, "
+            "`--drift-fail`), naming the part, both figures and when it last measured well; a part without a past "
+            "is recorded, not judged",
+            "fail-slow parts (a GPU losing its GEMM rate, a link drifting down) pass every one-shot check; fleet "
+            "health checks compare a part with its own past"),))
+def judge_history(today: list[Figure], past: list[dict], warn: float = DRIFT_WARN,
+                  fail: float = DRIFT_FAIL) -> Drift:
+    """Today's figures against each part's median over its last WINDOW entries in `past` (oldest first)."""
+    results, matched, parts_seen = [], 0, 0
+    for figure in (f for f in today if f.judged):
+        earlier = [(entry.get("time", 0), found["value"]) for entry in past for found in entry.get("figures") or []
+                   if found.get("key") == figure.key and found.get("metric") == figure.metric
+                   and isinstance(found.get("value"), (int, float))][-WINDOW:]
+        if not earlier:
+            continue
+        parts_seen += 1
+        median = statistics.median(v for _, v in earlier)
+        if median <= 0:
+            continue
+        drop = 1 - figure.value / median
+        if drop < warn:
+            matched += 1
+            continue
+        well = [(t, v) for t, v in earlier if v >= median * (1 - warn)]
+        since = f"; last measured well {_when(well[-1][0])} ({well[-1][1]:.1f})" if well else ""
+        what, unit = METRICS.get(figure.metric, (figure.metric, ""))
+        results.append(CheckResult(
+            "history", figure.node, FAIL if drop >= fail else WARN,
+            f"{figure.label}: {what} {figure.value:.1f} {unit}, {drop:.0%} below its own median of {median:.1f} "
+            f"over {len(earlier)} earlier preflight(s){since}",
+            "a part losing speed fails slowly: look at its clocks and temperature (nvidia-smi -q -d "
+            "PERFORMANCE,TEMPERATURE), its PCIe link and the node's load; `nodectl preflight --history "
+            f"{figure.node if figure.node != 'cluster' else ''}`".rstrip() + " shows its figures over time"))
+    judged = [f for f in today if f.judged]
+    if not today:
+        summary = ""
+    elif not judged:
+        summary = f"history: {len(today)} figure(s) recorded (CPU figures are kept, not judged)"
+    elif not parts_seen:
+        summary = f"history: {len(today)} figure(s) recorded, the first for these parts"
+    elif not results:
+        summary = (f"history: matches its own past ({matched} figure(s) within {warn:.0%} of their medians over up "
+                   f"to {WINDOW} earlier preflights)")
+    else:
+        summary = f"history: {len(results)} of {parts_seen} figure(s) below their own past (above)"
+    return Drift(tuple(results), summary)
+
+
+def _when(timestamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
+
+
+class History:
+    """The history file: read whole (bounded), appended one line per measured preflight."""
+
+    def __init__(self, folder: Path) -> None:
+        self.path = folder / HISTORY_FILE
+
+    def entries(self) -> list[dict]:
+        try:
+            lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                entry = json.loads(line)
+            except (ValueError, RecursionError):
+                continue   # a damaged line costs that entry, never the history
+            if isinstance(entry, dict) and isinstance(entry.get("figures"), list):
+                out.append(entry)
+        return out
+
+    def add(self, figures: Iterable[Figure], versions: Mapping, nodes: list[str], when: float | None = None) -> None:
+        entry = {"time": when or time.time(), "nodes": nodes, "versions": dict(versions),
+                 "figures": [f.to_json() for f in figures]}
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(entry) + "\n")
+        entries = self.entries()
+        if len(entries) > KEPT + 100:
+            tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text("".join(json.dumps(e) + "\n" for e in entries[-KEPT:]))
+            os.replace(tmp, self.path)
+
+    def rows(self, node: str | None = None) -> list[dict]:
+        """Every recorded figure (of `node`'s GPUs, its pairs and the all-reduces it took part in), oldest first."""
+        out = []
+        for entry in self.entries():
+            for figure in entry["figures"]:
+                if isinstance(figure, dict) and (not node or _concerns(figure, node)):
+                    out.append({"time": entry.get("time", 0), **figure})
+        return out
+
+
+def _concerns(figure: Mapping, node: str) -> bool:
+    return figure.get("node") == node or node in str(figure.get("label", "")).replace("+", " ").split()

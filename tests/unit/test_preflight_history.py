@@ -1,0 +1,78 @@
+"""Preflight remembers (issue 53): each measured figure against the same part's own past, on saved entries."""
+from __future__ import annotations
+
+import json
+
+from nodectl.preflight.history import History, figures_of, judge_history
+from nodectl.preflight.verdict import FAIL, WARN
+
+REPORTS = {"node0": {"gpus": {"driver": "550.54.15", "devices": [{"index": 0, "uuid": "GPU-aaaa0000"},
+                                                                {"index": 1, "uuid": "GPU-bbbb1111"}]},
+                     "torch": {"version": "2.6.0", "nccl": "2.21.5"}},
+           "node1": {"gpus": {"devices": [{"index": 0, "uuid": "GPU-cccc2222"}]}}}
+
+
+def jobs(gemm: float = 700.0, slow: float | None = None) -> dict:
+    return {"node0": {"devices": [{"index": 0, "gemm_tflops": gemm, "hbm_gbps": 4000.0},
+                                  {"index": 1, "gemm_tflops": slow or gemm, "hbm_gbps": 4000.0}]},
+            "node1": {"devices": [{"index": 0, "gemm_tflops": gemm, "hbm_gbps": 4000.0}]}}
+
+
+COLLECTIVE = {"backend": "nccl", "sizes": [{"bytes": 1 << 20, "busbw_gbs": 20.0}, {"bytes": 1 << 30, "busbw_gbs": 360.0}],
+              "pairs": [{"nodes": ["node1", "node0"], "busbw_gbs": 45.0}]}
+
+
+def past(history: History, count: int = 5, gemm: float = 700.0, start: float = 1_790_000_000.0) -> None:
+    for i in range(count):
+        history.add(figures_of(REPORTS, jobs(gemm), COLLECTIVE), {}, ["node0", "node1"], when=start + i * 86400)
+
+
+def test_a_gpu_slower_than_its_own_past_is_named_with_both_figures(tmp_path):
+    history = History(tmp_path)
+    past(history)
+    today = figures_of(REPORTS, jobs(slow=590.0), COLLECTIVE)   # GPU 1 of node0 lost 16%
+    drift = judge_history(today, history.entries())
+    (found,) = drift.results
+    assert found.verdict == WARN and found.node == "node0", found
+    assert "node0 GPU 1 (GPU-bbbb1111)" in found.detail and "bf16 GEMM 590.0 TFLOP/s" in found.detail
+    assert "16% below its own median of 700.0 over 5 earlier preflight(s)" in found.detail, found.detail
+    assert "last measured well" in found.detail and "--history node0" in found.hint
+    assert "1 of" in drift.summary
+    assert judge_history(figures_of(REPORTS, jobs(slow=500.0), COLLECTIVE), history.entries()).results[0].verdict == FAIL
+    strict = judge_history(today, history.entries(), warn=0.05, fail=0.15)   # the thresholds are the caller's
+    assert strict.results[0].verdict == FAIL
+
+
+def test_a_healthy_rerun_raises_nothing_and_says_it_matches_its_history(tmp_path):
+    history = History(tmp_path)
+    past(history)
+    drift = judge_history(figures_of(REPORTS, jobs(gemm=690.0), COLLECTIVE), history.entries())
+    assert drift.results == ()
+    assert drift.summary.startswith("history: matches its own past (8 figure(s) within 10%"), drift.summary
+
+
+def test_a_pair_and_the_all_reduce_are_judged_and_cpu_figures_only_kept(tmp_path):
+    history = History(tmp_path)
+    past(history)
+    slow_pair = dict(COLLECTIVE, pairs=[{"nodes": ["node0", "node1"], "busbw_gbs": 30.0}])
+    (found,) = judge_history(figures_of(REPORTS, jobs(), slow_pair), history.entries()).results
+    assert found.node == "cluster" and "pair node0+node1: busbw 30.0 GB/s, 33% below" in found.detail
+    gloo = {"backend": "gloo", "sizes": [{"bytes": 64 << 20, "busbw_gbs": 1.0}]}
+    cpu = figures_of({"a": {}, "b": {}}, {}, gloo)
+    history.add(cpu, {}, ["a", "b"])
+    drift = judge_history(figures_of({"a": {}, "b": {}}, {}, dict(gloo, sizes=[{"bytes": 64 << 20, "busbw_gbs": 0.1}])),
+                          history.entries())
+    assert drift.results == () and "CPU figures are kept, not judged" in drift.summary
+
+
+def test_the_history_is_bounded_private_and_survives_a_damaged_line(tmp_path):
+    history = History(tmp_path)
+    past(history, count=2)
+    with history.path.open("a") as handle:
+        handle.write("{not json\n")
+    past(history, count=1)
+    assert len(history.entries()) == 3 and (history.path.stat().st_mode & 0o777) == 0o600
+    rows = history.rows("node1")
+    assert {r["label"] for r in rows} == {"node1 GPU 0 (GPU-cccc2222)", "pair node0+node1",
+                                          "all-reduce of 1024 MiB over node0+node1"}
+    assert json.loads(history.path.read_text().splitlines()[0])["figures"][0]["key"] == "gpu:GPU-aaaa0000"
