@@ -77,6 +77,15 @@ def test_full_runs_a_collective_on_each_node_pair(ssh_cluster, tmp_path):
     pairs = result.json()["collective"]["pairs"]
     assert [p["nodes"] for p in pairs] == [["node0", "node1"], ["node1", "node2"], ["node2", "node0"]]
     assert all(p["busbw_gbs"] > 0 for p in pairs)
+    # remembered in the user's registry: the all-reduce and each pair, kept (gloo's figures are not judged)
+    assert "figure(s) recorded (CPU figures are kept, not judged)" in result.json()["history"], result.json()["history"]
+    shown = run_nodectl(["preflight", "--history", "node1"], env=ssh_cluster.env(), cwd=tmp_path)
+    assert shown.exit_code == 0, shown.output
+    for part in ("pair node0+node1", "pair node1+node2", "all-reduce of 64 MiB over node0+node1+node2"):
+        assert part in shown.stdout, shown.stdout
+    assert "pair node0+node2" not in shown.stdout   # node1's parts only
+    rows = run_nodectl(["--json", "preflight", "--history", "node1"], env=ssh_cluster.env(), cwd=tmp_path).json()
+    assert {r["metric"] for r in rows["rows"]} == {"busbw_gbs"} and not any(r["judged"] for r in rows["rows"])
 
 
 def test_node_without_torch_fails_with_hint_and_launch_refuses(ssh_cluster, tmp_path):
