@@ -111,9 +111,10 @@ def fsdp_leaves_params_out() -> bool:
 
 
 def choose(setting: str, shape: Shape, memory: float | None, world: int, nodes: int, per_node: int,
-           leaves_out: bool = True) -> Layout:
+           leaves_out: bool = True, unit: str = "GPU") -> Layout:
     """The layout for `setting` (a name, or auto) on this topology; `memory`: one GPU's bytes (None: unknown);
-    `leaves_out`: whether FSDP can keep weights out (fsdp_leaves_params_out)."""
+    `leaves_out`: whether FSDP can keep weights out (fsdp_leaves_params_out); `unit`: what a rank runs on, as the
+    reason names it ("rank" on CPU)."""
     import torch
 
     from .config import ConfigError
@@ -136,10 +137,10 @@ def choose(setting: str, shape: Shape, memory: float | None, world: int, nodes: 
         fits.remove("hsdp")   # one node: hsdp is fsdp
     chosen = fits[0] if fits else "fsdp"
     memory_text = f"{memory / gib:.0f} GB" if memory else "unknown"
-    why = {"replicate": f"the frozen base ({shape.frozen_bytes / gib:.1f} GB) fits on every GPU: est. "
+    why = {"replicate": f"the frozen base ({shape.frozen_bytes / gib:.1f} GB) fits on every {unit}: est. "
                         f"{need['replicate'] / gib:.0f} GB of {memory_text}; nothing to all-gather, only adapter "
                         f"gradients are reduced",
-           "hsdp": f"the base sharded over a node's {per_node} GPUs fits (est. {need['hsdp'] / gib:.0f} GB of "
+           "hsdp": f"the base sharded over a node's {per_node} {unit}s fits (est. {need['hsdp'] / gib:.0f} GB of "
                    f"{memory_text}; whole on each: {need['replicate'] / gib:.0f} GB); all-gathers stay inside the "
                    f"node, only gradient shards cross it",
            "fsdp": f"sharded over all {world} ranks: est. {need['fsdp'] / gib:.0f} GB of {memory_text}"

@@ -96,7 +96,7 @@ def train(recipe: Recipe) -> dict:
                              recipe.data.overlong, log=say)
     shape = layouts.shape_of(model, recipe)
     chosen = layouts.choose(recipe.model.layout, shape, layouts.device_memory(ctx.device), *layouts.topology(),
-                            leaves_out=layouts.fsdp_leaves_params_out())
+                            leaves_out=layouts.fsdp_leaves_params_out(), unit="GPU" if ctx.on_gpu else "rank")
     if ctx.rank == 0:
         print(chosen.describe(), flush=True)
     dist.init_process_group("nccl" if ctx.on_gpu else "gloo", device_id=ctx.device if ctx.on_gpu else None,
@@ -155,7 +155,7 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
                           grad_accum=recipe.train.grad_accum, world_size=ctx.world, rank=ctx.rank,
                           seed=recipe.data.seed, pad_id=tokenizer.pad_token_id or 0)
     start_step = _resume(recipe, ctx, model, optimizer, out_dir)
-    reporter = Reporter(out_dir, ctx.rank, recipe)
+    reporter = Reporter(out_dir, ctx.rank, recipe, per="gpu" if ctx.on_gpu else "rank")
     telemetry = Telemetry(Path(os.environ["NODECTL_RUN_DIR"]) / "metrics" if os.environ.get("NODECTL_RUN_DIR")
                           else Path(out_dir)).start()   # metrics/: a folder the ranks may write in a container
     config = model.base_model.model.config

@@ -77,9 +77,9 @@ class Sinks:
 
 
 class Reporter:
-    def __init__(self, out_dir: Path, rank: int, recipe=None) -> None:
+    def __init__(self, out_dir: Path, rank: int, recipe=None, per: str = "gpu") -> None:
         run_dir = os.environ.get("NODECTL_RUN_DIR")
-        self.rank = rank
+        self.rank, self.per = rank, per   # "rank" on CPU: a CPU run's figures are not per GPU
         self.sinks = Sinks(recipe, out_dir) if rank == 0 and recipe is not None else None
         self.heartbeat_dir = Path(run_dir) / "heartbeat" if run_dir else out_dir / "heartbeat"
         self.heartbeat_dir.mkdir(parents=True, exist_ok=True)
@@ -126,7 +126,7 @@ class Reporter:
             mfu = f" mfu {record['mfu']:.1%}" if record.get("mfu") is not None else ""
             memory = f" mem {record['max_memory_gb']:.1f}GB" if record.get("max_memory_gb") else ""
             print(f"step {record['step']:>5} loss {record['loss']:.4f} lr {record['lr']:.2e} "
-                  f"gnorm {record['grad_norm']:.3f} tok/s/gpu {record['tokens_per_s_per_gpu']:.0f}{mfu}{memory}",
+                  f"gnorm {record['grad_norm']:.3f} tok/s/{self.per} {record['tokens_per_s_per_gpu']:.0f}{mfu}{memory}",
                   flush=True)
 
     def close(self) -> None:

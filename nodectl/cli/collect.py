@@ -11,7 +11,7 @@ from nodectl.cli.run_option import opened, run_option
 from nodectl.errors import InventoryError, UsageError, exit_code_for
 from nodectl.outputs import download_run
 from nodectl.remote.collect import collect_node
-from nodectl.terminal_text import visible
+from nodectl.terminal_text import sized, visible
 
 
 @click.command("collect")
@@ -88,7 +88,7 @@ def _from_store(app: AppContext, run) -> None:
     for name, outputs in stores.items():
         fetched += download_run(outputs, run.run_id, [name], run.folder / "nodes", env)
     for item in fetched:
-        app.info(f"{item.node}: {item.files} file(s), {item.bytes / 2**20:.1f} MiB from "
+        app.info(f"{item.node}: {item.files} file(s), {sized(item.bytes)} from "
                  f"{stores[item.node].run_url(run.run_id)}{item.node}/ -> {item.folder}/")
     if app.json:
         app.emit_json({"run_id": run.run_id, "folder": str(run.folder / "nodes"),

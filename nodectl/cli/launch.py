@@ -20,7 +20,7 @@ from nodectl.launch import Outcome, launch, launch_request, stages_for
 import nodectl.launch.events as ev
 from nodectl.launch.job import StartFailed, launch_argv, processes_left
 from nodectl.remote import sync
-from nodectl.terminal_text import visible
+from nodectl.terminal_text import sized, visible
 from nodectl.watch import LogStream
 
 
@@ -117,8 +117,8 @@ def _shown(app: AppContext):
         elif isinstance(event, ev.Recorded):
             _recorded(app, event)
         elif isinstance(event, ev.CodeReady):
-            app.info(f"code ready on {event.nodes} node(s) in {event.seconds:.1f}s ({event.sent / 2**20:.1f} MiB "
-                     f"sent); starting")
+            app.info(f"code ready on {event.nodes} node(s) in {event.seconds:.1f}s ({sized(event.sent)} sent); "
+                     f"starting")
         elif isinstance(event, ev.Interrupting):
             app.err.print(f"interrupted: stopping run {event.run_id} on every node")
         elif isinstance(event, ev.Interrupted):
@@ -140,7 +140,7 @@ def _environments_ready(app: AppContext, event: ev.EnvironmentsReady) -> None:
     what = f"built on {', '.join(built)}" if built else "reused on every node"
     fetched = "wheels fetched, " if done.fetched else ""
     app.info(f"environment {environments.describe(first)}: {what} in {event.seconds:.1f}s "
-             f"({fetched}{done.sent / 2**20:.1f} MiB sent)")
+             f"({fetched}{sized(done.sent)} sent)")
 
 
 def _print_dry_run(app: AppContext, event: ev.Planned) -> None:

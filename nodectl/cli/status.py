@@ -12,7 +12,7 @@ from nodectl.cli.run_option import opened, refresh_state, run_option
 from nodectl.errors import exit_code_for
 from nodectl.runs import RunState
 from nodectl.remote.answers import PollAnswer, RankState
-from nodectl.terminal_text import visible
+from nodectl.terminal_text import sized, visible
 from nodectl.cli.tables import Column, make_table
 from nodectl.watch import Failure, failure_lines, poll, rank_failures
 
@@ -98,7 +98,7 @@ def upload_line(name: str, row: dict, now: float) -> str:
     else:
         said = (f"{escape(name)}: last upload {max(0.0, now - row['last']):.0f}s ago"
                 f"{' (the final one)' if row['final'] else ''}, {row['stored']} file(s) stored, "
-                f"{row['bytes'] / 2**20:.1f} MiB sent in {row['rounds']} round(s)"
+                f"{sized(row['bytes'])} sent in {row['rounds']} round(s)"
                 + (f", {row['waiting']} waiting" if row["waiting"] else ""))
     if row["error"]:
         said += f"; [red]upload error[/] {max(0.0, now - (row['error_time'] or now)):.0f}s ago: {escape(row['error'])}"

@@ -69,3 +69,15 @@ def test_an_answer_to_an_older_request_is_not_shown_twice():
 def poll_answer(fields: dict):
     """A runctl poll answer, through the same parser a real one goes through."""
     return parse("poll", {"now": 0.0, "node_rank": 0, "alive": 1, "ranks": [], **fields})
+
+
+def test_a_progress_bar_is_shown_as_its_last_state_and_small_sizes_in_their_unit():
+    """`tail` of a rank drawing a tqdm bar printed `\\r` escapes and cursor codes; 40 KiB sent read "0.0 MiB"."""
+    from nodectl.terminal_text import sized, visible
+
+    bar = "epoch 1:  10%|#         | 1/10\r epoch 1:  50%|#####     | 5/10\r\x1b[K epoch 1: 100%|##########| 10/10\r"
+    assert visible(bar) == " epoch 1: 100%|##########| 10/10"
+    assert visible("\x1b[2K\x1b[1Aloss 0.5 \x1b[32mok\x1b[0m") == "loss 0.5 \x1b[32mok\x1b[0m"   # colour kept
+    assert visible("\x1b]52;c;ZXZpbA==\x07") == "\\x1b]52;c;ZXZpbA==\\x07"   # an OSC clipboard write still escaped
+    assert [sized(n) for n in (0, 512, 40 << 10, 3 << 20, 5 << 30)] == ["0 B", "512 B", "40.0 KiB", "3.0 MiB",
+                                                                       "5.0 GiB"]

@@ -207,6 +207,9 @@ def test_auto_layout_replicates_what_fits_keeps_shards_inside_nodes_and_says_why
     h200, h100 = 150.1e9, 85.0e9
     chosen = layout.choose("auto", _shape(), h200, 4, 1, 4)
     assert chosen.name == "replicate" and "61.1 GB" in chosen.reason and "nothing to all-gather" in chosen.reason
+    assert "fits on every GPU" in chosen.reason
+    on_cpu = layout.choose("auto", _shape(), None, 4, 1, 4, unit="rank")   # a CPU run is not labelled as GPUs
+    assert "fits on every rank" in on_cpu.reason and "GPU" not in on_cpu.reason
     assert layout.choose("auto", _shape(), h100, 4, 1, 4).name == "fsdp"       # 61 GB of base does not fit twice
     glm = _shape(frozen_bytes=int(213.8e9), trainable=int(1.83e9), expert_bytes=int(202e9), layers=46, hidden=4096,
                  checkpointed=46, tokens=4096, mlp_ratio=2.75)
