@@ -111,7 +111,8 @@ def test_installed_local_demo_launch(installed, tmp_path, demo_cache):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert re.search(r"run \S+ succeeded", done.stdout + done.stderr) and "adapter saved to" in done.stdout
     assert "Warning" not in done.stdout + done.stderr, "the demo prints no library's warning"
-    assert "tok/s/rank" in done.stdout and "GPU" not in done.stdout, "a CPU run is not labelled as GPUs"
+    assert "tok/s/rank" in done.stdout and "tok/s/gpu" not in done.stdout and "every GPU" not in done.stdout, \
+        "a CPU run is not labelled as GPUs"
     run_id = json.loads(_nodectl(installed, ["--json", "runs"], project, env).stdout)["runs"][-1]["run_id"]
     assert _nodectl(installed, ["collect"], project, env).returncode == 0
     collected = project / "runs" / run_id / "nodes" / "local0" / "output"
