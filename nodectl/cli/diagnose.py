@@ -37,8 +37,10 @@ def command(app: AppContext, run_id: str | None, lines: int) -> None:
     raise SystemExit(EXIT_FAILED if diagnosis.verdict.kind in NOT_A_HANG else EXIT_OK)
 
 
-def print_diagnosis(app: AppContext, diagnosis: Diagnosis, lines: int = 5, console=None) -> None:
-    """The verdict in one line, then the evidence per rank, the culprits' last lines, and what to do."""
+def print_diagnosis(app: AppContext, diagnosis: Diagnosis, lines: int = 5, console=None,
+                    stopping: bool = False) -> None:
+    """The verdict in one line, then the evidence per rank, the culprits' last lines, and what to do (`stopping`:
+    the launch is stopping the run itself, so advice to stop it is replaced by saying so)."""
     out = console or app.out
     verdict = diagnosis.verdict
     colour = "green" if verdict.kind == "healthy" else "red"
@@ -54,9 +56,13 @@ def print_diagnosis(app: AppContext, diagnosis: Diagnosis, lines: int = 5, conso
             out.print(f"[bold]last lines of rank {rank}[/]")
             for line in tail:
                 out.print(f"  {escape(visible(redact_words(line)))}")
-    if verdict.advice:
+    advice = [line for line in verdict.advice if not (stopping and "nodectl stop" in line)]
+    if stopping:
+        advice.append("nodectl is stopping the run now (--on-stall stop); `nodectl launch --resume RUN` continues "
+                      "it from its last checkpoint once the cause is fixed")
+    if advice:
         out.print("[bold]what to do[/]")
-        for line in verdict.advice:
+        for line in advice:
             out.print(f"  - {escape(visible(redact_words(line)))}")
     if diagnosis.folder is not None:
         out.print(f"[dim]stacks, flight recorder and node answers: {escape(str(diagnosis.folder))}/ "

@@ -202,11 +202,13 @@ def _attended(app: AppContext, event: ev.Event) -> None:
     elif isinstance(event, ev.LeavingOut):
         app.err.print(f"[yellow]leaving out {escape(event.node)}[/]: {escape(event.why)}")
     elif isinstance(event, ev.Diagnosed):
-        app.err.print(f"[red]{escape(event.failure.describe())}[/]; diagnosing every rank")
+        # the culprit first: the stale heartbeat that noticed the stall is usually rank 0's, one of those waiting
+        app.err.print("[red]the run stalled[/]: diagnosing every rank")
         if event.diagnosis is None:
-            app.err.print(f"the diagnosis failed: {escape(event.error)}")
+            app.err.print(f"{escape(event.failure.describe())}; the diagnosis failed: {escape(event.error)}")
         else:
-            print_diagnosis(app, event.diagnosis, console=app.err)
+            print_diagnosis(app, event.diagnosis, console=app.err, stopping=not event.kept)
+            app.err.print(f"[dim](noticed as: {escape(event.failure.describe())})[/]")
         if event.kept:
             app.err.print(f"--on-stall keep: run {event.diagnosis.run_id if event.diagnosis else ''} goes on; "
                           f"stop it with Ctrl-C or nodectl stop")

@@ -135,6 +135,11 @@ def test_the_seed_case_is_diagnosed_when_the_attached_launch_declares_the_stall(
         assert "diagnosing every rank" in result.stderr
         assert "rank 1 on node0 is stuck in compute at compute.py:13" in result.stderr
         assert result.stderr.index("diagnosing every rank") < result.stderr.index("stopping the run on every node")
+        # the culprit first, then what noticed the stall (a waiting rank's silence); no advice to stop what
+        # nodectl is stopping
+        said = result.stderr
+        assert said.index("rank 1 on node0 is stuck in compute") < said.index("(noticed as: ")
+        assert "nodectl is stopping the run now (--on-stall stop)" in said and "  - nodectl stop" not in said
         failure = json.loads((project / "runs" / run_id / "manifest.json").read_text())["failure"]
         assert failure["kind"] == "stalled" and failure["diagnosis"]["kind"] == "compute"
         assert run_processes(run_id) == []
