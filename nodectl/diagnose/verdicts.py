@@ -64,7 +64,7 @@ class RankView:
 
 @dataclass(frozen=True)
 class Verdict:
-    kind: str   # desync | gone | behind | teardown | compute | network | idle | healthy | ended | unknown
+    kind: str   # desync | gone | behind | teardown | compute | network | idle | waiting | healthy | ended | unknown
     summary: str
     culprits: tuple[int, ...] = ()
     evidence: tuple[str, ...] = ()
@@ -84,7 +84,7 @@ def judge(views: list[RankView], shorten: Shorten = lambda path: path) -> Verdic
         return Verdict("unknown", "no rank answered: nothing to judge")
     if not any(v.running for v in views):
         return Verdict("ended", "no rank of the run is running: it is not hung, it ended (see `nodectl status`)")
-    for check in (desync, gone, behind, network, compute, idle):
+    for check in (desync, gone, behind, network, compute, idle, waiting):
         verdict = check(views, shorten)
         if verdict:
             return verdict
@@ -235,6 +235,23 @@ def idle(views: list[RankView], shorten: Shorten) -> Verdict | None:
                            f"rank {first.rank} on {first.node} is {doing}",
                    tuple(v.rank for v in stale), tuple(_evidence(views, shorten)),
                    ("the stacks say what they wait for (a file, a lock, a subprocess, input): `nodectl stacks`",))
+
+
+def waiting(views: list[RankView], shorten: Shorten) -> Verdict | None:
+    """Ranks that wait in a collective while no check could name why (the others gave no flight recorder or
+    stack): never "no hang found" against its own evidence."""
+    found = [(v, v.waits()[0]) for v in views if v.running and v.waits()]
+    if not found:
+        return None
+    view, collective = max(found, key=lambda pair: pair[0].age(pair[1]))
+    ranks = _ranks([v.rank for v, _ in found])
+    silent = [v.rank for v in views if v.running and not v.recorder.present]
+    return Verdict("waiting", f"{ranks} {'has' if len(found) == 1 else 'have'} waited in {collective.label()} for "
+                              f"{view.age(collective):.0f} s and no rank was seen behind, computing or gone"
+                   + (f" ({_ranks(silent)} gave no flight recorder)" if silent else "")
+                   + ": not proven hung, not healthy", (), tuple(_evidence(views, shorten)),
+                   ("diagnose again in a minute: a wait that grows is a hang; `nodectl stacks` shows where every "
+                    "rank is",))
 
 
 def healthy(views: list[RankView], shorten: Shorten) -> Verdict:

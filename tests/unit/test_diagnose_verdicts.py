@@ -130,6 +130,19 @@ def test_every_rank_in_one_collective_points_at_the_network(version):
     assert any("preflight --full" in line for line in found.advice)
 
 
+@pytest.mark.parametrize("version", VERSIONS)
+def test_ranks_waiting_in_a_collective_are_never_called_healthy(version):
+    """Rank 3 gave no flight recorder and no CPU figure, so nothing names a cause; ranks 0-2 have waited in
+    all_reduce #4 all along. It said "no hang found" against its own evidence."""
+    answers = raw(version, "behind")
+    answers["node1"]["ranks"]["3"].update(listener=None, cpu=None)
+    found = judge(views_of(answers), shorten)
+    assert found.kind == "waiting" and "no hang found" not in found.summary, found.summary
+    assert found.summary.startswith("ranks 0-2 have waited in all_reduce #4 (group 0) for ")
+    assert "(rank 3 gave no flight recorder): not proven hung, not healthy" in found.summary
+    assert any("diagnose again" in line for line in found.advice)
+
+
 def test_a_run_whose_ranks_all_ended_is_not_hung():
     answers = raw("torch-2.13", "behind")
     for document in answers.values():
