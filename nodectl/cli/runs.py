@@ -59,6 +59,7 @@ def command(app: AppContext, show_all: bool) -> None:
         plan = manifest.plan
         rows.append({"run_id": run.run_id, "kind": manifest.kind, "state": manifest.state.value,
                      "nodes": manifest.node_names, "world_size": sum(n["nproc"] for n in plan.get("nodes", [])),
+                     "ranks_per_node": [n["nproc"] for n in plan.get("nodes", [])],
                      "started": manifest.started, "folder": str(run.folder.resolve()),
                      "command": " ".join(plan.get("command", [])),
                      "cause": manifest.cause if manifest.state != RunState.SUCCEEDED else None,
@@ -66,26 +67,47 @@ def command(app: AppContext, show_all: bool) -> None:
     if app.json:
         app.emit_json({"runs": rows})
         return
-    app.out.print(render(rows) if rows else "no runs yet")
+    if not rows:
+        app.out.print("no runs yet")
+        return
+    app.out.print(render(rows))
+    for line in notes(rows):   # at full width: a URL to copy, a cause to read, never folded into a column
+        app.out.print(line, soft_wrap=True)
 
 
 COLUMNS = (Column("run", key=True), Column("state", whole=True), Column("started", whole=True),
-           Column("nodes: command / cause"))
+           Column("nodes, ranks: command"))
 
 
 def render(rows: list[dict]):
-    """One row per run; the run id (what users copy) is never split; under its command, where its outputs are
-    uploaded (outputs:) and, for a run that did not succeed, why."""
+    """One row per run; the run id (what users copy) is never split."""
     cells = []
     for row in rows:
         started = time.strftime("%m-%d %H:%M", time.localtime(row["started"])) if row["started"] else "-"
         label = escape(row["run_id"])
-        nodes = re.sub(r",(?![^\[]*\])", ", ", fold(row["nodes"]))
-        what = escape(f"{nodes} x {row['world_size']}: " + ("(preflight) " if row["kind"] == "preflight" else "")
+        what = escape(f"{_placement(row)}: " + ("(preflight) " if row["kind"] == "preflight" else "")
                       + row["command"])
-        if row.get("outputs"):
-            what += f"\noutputs: {escape(row['outputs'])}"
-        if row.get("cause"):
-            what += f"\n[red]{escape(row['cause'])}[/]"
         cells.append([label, escape(row["state"] or "-"), started, what])
     return make_table(COLUMNS, cells, keep=("run", "state"))
+
+
+def _placement(row: dict) -> str:
+    """`node[0-1], 2 ranks each` (or each node's count where they differ): never `x 4`, which read as either."""
+    nodes = re.sub(r",(?![^\[]*\])", ", ", fold(row["nodes"]))
+    per = row.get("ranks_per_node") or []
+    if per and len(set(per)) == 1:
+        return f"{nodes}, {per[0]} rank{'s' if per[0] != 1 else ''} each"
+    if per:
+        return f"{nodes}, {'+'.join(str(p) for p in per)} ranks"
+    return f"{nodes}, {row['world_size']} ranks"
+
+
+def notes(rows: list[dict]) -> list[str]:
+    """Under the table, a line per run that has them: where its outputs are uploaded, and why it did not succeed."""
+    out = []
+    for row in rows:
+        if row.get("outputs"):
+            out.append(f"{escape(row['run_id'])} outputs: {escape(row['outputs'])}")
+        if row.get("cause"):
+            out.append(f"{escape(row['run_id'])} [red]{escape(row['cause'])}[/]")
+    return out

@@ -74,15 +74,21 @@ def test_status_table(width):
 
 @pytest.mark.parametrize("width", [80, 200])
 def test_runs_never_splits_a_run_id_and_says_why_a_run_failed(width):
+    url = "s3://team-ckpts/very/long/prefix/for/experiments/glm-lora-2026/20261126-072901-b071/"
     rows = [{"run_id": f"20261126-0729{i:02d}-b07{i}", "kind": "train", "state": state, "nodes": NODES,
-             "world_size": 16, "started": 1795000000.0 + i, "command": "-m nodectl_trainer --config ../config/r.yaml",
-             "cause": cause}
+             "world_size": 16, "ranks_per_node": [8, 8], "started": 1795000000.0 + i,
+             "command": "-m nodectl_trainer --config ../config/r.yaml", "cause": cause, "outputs": url if i else None}
             for i, (state, cause) in enumerate([("succeeded", None), ("failed", "stalled: rank 3 on node1 never "
                                                 "entered all_reduce #4 (group 0), which ranks 0-2 have been waiting "
                                                 "in for 10 s; it is sleeping at hang.py:13")])]
     text = rendered(runs.render(rows), width)
-    readable(text, width, [r["run_id"] for r in rows] + ["succeeded", "failed"], ["run", "state", "started", "nodes: command / cause"])
-    assert "never" in text and "hang.py:13" in text
+    readable(text, width, [r["run_id"] for r in rows] + ["succeeded", "failed"],
+             ["run", "state", "started", "nodes, ranks: command"])
+    assert "8 ranks each" in " ".join(text.split()) and " x 16" not in text   # ranks per node, unambiguous
+    # the cause and the bucket's URL at full width under the table: the URL whole on one line, to copy
+    said = rendered(lambda console: [console.print(line, soft_wrap=True) for line in runs.notes(rows)], width)
+    assert f"20261126-072901-b071 outputs: {url}" in said.splitlines()
+    assert "never entered all_reduce #4" in said and "hang.py:13" in said
 
 
 @pytest.mark.parametrize("width", [80, 200])
