@@ -134,6 +134,8 @@ class Fetched:
     files: int
     bytes: int
     folder: Path
+    failed: tuple = ()   # {path, error} of each file the index lists that could not be brought (the rest was)
+    failed_count: int = 0
 
 
 def download_run(outputs: Outputs, run_id: str, nodes: list[str], destination: Path,
@@ -161,7 +163,8 @@ def download_run(outputs: Outputs, run_id: str, nodes: list[str], destination: P
             if not answer["indexed"].get(node):
                 raise NodectlError(f"{outputs.run_url(run_id)}{node}/ holds no index: the node uploaded nothing "
                                    f"(nodectl status --run {run_id} shows its upload errors)")
-            fetched.append(Fetched(node, answer["files"], answer["bytes"], folder))
+            fetched.append(Fetched(node, answer["files"], answer["bytes"], folder, tuple(answer.get("failed") or ()),
+                                   int(answer.get("failed_count") or 0)))
         return fetched
     finally:
         for name, value in saved.items():

@@ -8,7 +8,7 @@ from rich.markup import escape
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.run_option import opened, run_option
-from nodectl.errors import InventoryError, UsageError, exit_code_for
+from nodectl.errors import EXIT_FAILED, InventoryError, UsageError, exit_code_for
 from nodectl.outputs import download_run
 from nodectl.remote.collect import collect_node
 from nodectl.terminal_text import sized, visible
@@ -90,7 +90,15 @@ def _from_store(app: AppContext, run) -> None:
     for item in fetched:
         app.info(f"{item.node}: {item.files} file(s), {sized(item.bytes)} from "
                  f"{stores[item.node].run_url(run.run_id)}{item.node}/ -> {item.folder}/")
+        for failed in item.failed[:5]:   # one refused entry each; the node's other files came home
+            app.err.print(f"[yellow]{escape(item.node)}[/]: not brought: {escape(str(failed.get('path')))} "
+                          f"({escape(str(failed.get('error')))})")
+        if item.failed_count > 5:
+            app.err.print(f"[yellow]{escape(item.node)}[/]: and {item.failed_count - 5} more not brought")
     if app.json:
         app.emit_json({"run_id": run.run_id, "folder": str(run.folder / "nodes"),
                        "stores": {name: o.run_url(run.run_id) for name, o in stores.items()},
-                       "nodes": {item.node: {"files": item.files, "bytes": item.bytes} for item in fetched}})
+                       "nodes": {item.node: {"files": item.files, "bytes": item.bytes,
+                                             "not_brought": item.failed_count} for item in fetched}})
+    if any(item.failed_count for item in fetched):
+        raise SystemExit(EXIT_FAILED)

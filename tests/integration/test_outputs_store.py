@@ -267,3 +267,18 @@ def test_a_resume_whose_pull_fails_keeps_every_earlier_file_and_names_what_it_co
     for path, data in before.items():   # attempt 0's logs were archived under attempts/0/ by the resume
         kept = path if path.parent.name == "output" else path.parents[1] / "attempts" / "0" / "logs" / path.name
         assert kept.is_file() and kept.read_bytes() == data, f"{kept} changed or went"
+
+    # a name this machine's file system refuses, listed in node0's index: one entry not brought, not an abort
+    client, index_key = store.client(), f"team/exp1/{run_id}/node0/nodectl-index.json"
+    index = json.loads(client.get_object(Bucket=BUCKET, Key=index_key)["Body"].read())
+    odd = "output/" + "x" * 300
+    index["files"][odd] = {"size": 4, "mtime_ns": 1}
+    client.put_object(Bucket=BUCKET, Key=f"team/exp1/{run_id}/node0/{odd}", Body=b"long")
+    client.put_object(Bucket=BUCKET, Key=index_key, Body=json.dumps(index).encode())
+    collected = run_nodectl(["collect", "--from-store", run_id], env=env, cwd=project)
+    assert collected.exit_code == 1 and "Traceback" not in collected.stderr, collected.output
+    assert "node0: not brought: output/xxxx" in collected.stderr and "File name too long" in collected.stderr
+    home = project / "runs" / run_id / "nodes"
+    assert (home / "node0" / "output" / "ckpt-100-rank0.pt").is_file()   # the node's other files came home
+    assert "node1: not brought: output/ckpt-100-rank1.pt (the store holds 5 bytes, its index 1048576)" in \
+        collected.stderr and (home / "node1" / "logs").is_dir()
