@@ -111,6 +111,15 @@ def _uv_binary(workdir: str, store: str, wheel: dict) -> str:
     return target
 
 
+def _nearly_full(folder: str) -> bool:
+    """Under 1 MiB or no inode left: why a build step failed, whatever it said."""
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return False
+    return info.f_bavail * info.f_frsize < (1 << 20) or (info.f_files > 0 and info.f_favail == 0)
+
+
 def _room(folder: str) -> str:
     """', N MiB free there' (what a full disk leaves), or ''."""
     try:
@@ -207,9 +216,11 @@ def _build_env(workdir: str, env_dir: str, request: dict) -> tuple:
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, stdin=subprocess.DEVNULL)
         if proc.returncode != 0:
             said = (proc.stderr or proc.stdout).strip()
-            if "No space left on device" in said or "Disk quota exceeded" in said or "[Errno 28]" in said:
-                raise OSError(errno.ENOSPC, f"the disk is full ({os.path.basename(argv[0])} {argv[1]}: "
-                                            f"{said.splitlines()[-1][-300:]})")   # the folder named by the caller
+            if "No space left on device" in said or "Disk quota exceeded" in said or "[Errno 28]" in said \
+                    or _nearly_full(os.path.dirname(env_dir)):   # ensurepip says only "returned non-zero exit"
+                last = said.splitlines()[-1][-300:] if said else "no words"
+                raise OSError(errno.ENOSPC, f"the disk is full ({os.path.basename(argv[0])} {argv[1]} {argv[2]}: "
+                                            f"{last})")   # the folder named by the caller
             raise RuntimeError(f"{os.path.basename(argv[0])} {argv[1]} failed ({proc.returncode}): {said[-800:]}")
     # every module's bytecode now, so the manifest holds it and a .pyc that appears later is drift (a file a
     # package ships that does not compile, Python 2 test code say, gets none now or at import: no false drift)

@@ -101,3 +101,25 @@ def test_a_full_disk_while_collecting_leaves_no_truncated_file(tmp_path, small_d
     assert caught.value.errno == errno.ENOSPC
     assert (target / "run" / "logs" / "rank0.log").stat().st_size == 1000
     assert sorted(p.name for p in (target / "run" / "output").iterdir()) == []   # nothing half-written
+
+
+def test_a_full_disk_while_pip_builds_an_environment_names_the_disk_and_the_folder(tmp_path, small_disk):
+    """The audit's third full disk: a pip-built environment (a node without uv) failed with pip's last line,
+    naming neither the disk nor the folder. Nothing of the half-built venv is kept."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                           "six==1.17.0", "-d", str(tmp_path / "wheels")], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"no package index here: {proc.stderr[-300:]}")
+    wheel = next((tmp_path / "wheels").glob("six-*.whl"))
+    workdir = small_disk("3m")   # room for the wheel, not for a venv with its own pip
+    store = workdir / ".nodectl" / "objects"
+    store.mkdir(parents=True)
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    (store / sha).write_bytes(wheel.read_bytes())
+    with pytest.raises(RuntimeError) as caught:
+        runctl.envs.cmd_env_build([str(workdir)], {"lock_sha": "3" * 64, "wheels": [{"name": wheel.name,
+                                                                                      "sha256": sha}]})
+    said = str(caught.value)
+    assert f"building the venv in {workdir}/.nodectl/envs/" in said and "the disk is full" in said, said
+    assert "MiB free there" in said
+    assert [p.name for p in (workdir / ".nodectl" / "envs").iterdir() if not p.name.endswith(".lock")] == []
