@@ -714,6 +714,9 @@ def _unsafe(workdir: str):
     import stat as modes
 
     uid = os.getuid()
+    found = _unsafe_path(workdir, uid)
+    if found:
+        return found
     try:
         info = os.stat(workdir)
     except OSError:
@@ -732,6 +735,39 @@ def _unsafe(workdir: str):
             return {"path": path, "why": f"a symbolic link (to {os.readlink(path)}), not a folder nodectl made"}
         if info.st_uid != uid:
             return {"path": path, "why": f"owned by uid {info.st_uid}, not by you (uid {uid}): another user made it"}
+    return None
+
+
+def _unsafe_path(path: str, uid: int):
+    """The first folder or link on the way to `path` that another user owns (they choose where it leads), or a
+    folder others may write without the sticky bit: runctl's StrictModes rule (resolve_workdir), read only."""
+    import stat as modes
+
+    pending, current, hops = [p for p in os.path.abspath(path).split("/") if p], "/", 0
+    while pending and hops <= 40:
+        name = pending.pop(0)
+        if name in (".", ".."):
+            current = os.path.dirname(current) if name == ".." else current
+            continue
+        candidate = os.path.join(current, name)
+        try:
+            info = os.lstat(candidate)
+        except OSError:
+            return None
+        is_link = modes.S_ISLNK(info.st_mode)
+        if info.st_uid not in (uid, 0):
+            what = f"a symbolic link (to {os.readlink(candidate)})" if is_link else "a folder"
+            return {"path": candidate, "why": f"{what} owned by uid {info.st_uid}, not by you (uid {uid}) or root"}
+        if is_link:
+            hops += 1
+            target = os.readlink(candidate)
+            pending[:0] = [p for p in target.split("/") if p]
+            current = "/" if target.startswith("/") else current
+            continue
+        if pending and info.st_mode & 0o022 and not info.st_mode & modes.S_ISVTX:
+            return {"path": candidate, "why": "writable by other users without the sticky bit, on the way to the "
+                                              "workdir"}
+        current = candidate
     return None
 
 
