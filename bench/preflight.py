@@ -55,12 +55,14 @@ def main() -> None:
         fill_history(full, first)
         quick = [timed(cluster, ["-i", str(inventory), "preflight", "--quick"], root, empty)[0]
                  for _ in range(args.repeats)]
+        print(f"quick: {', '.join(f'{q:.2f}' for q in quick)} s", flush=True)
         without, with_history = [], []
         for _ in range(args.repeats):   # alternated: the machine's drift falls on both alike
             shutil.rmtree(empty, ignore_errors=True)
             without.append(timed(cluster, ["-i", str(inventory), "preflight"], root, empty)[0])
             fill_history(full, first)
             with_history.append(timed(cluster, ["-i", str(inventory), "preflight"], root, full)[0])
+            print(f"default tier: {without[-1]:.2f} s without history, {with_history[-1]:.2f} s with", flush=True)
         history = History(full)
         started = time.perf_counter()
         entries = history.entries()

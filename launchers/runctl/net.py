@@ -97,8 +97,36 @@ def cmd_route(args: list, request: dict) -> dict:
     answer = _route(args[0])
     peers = [str(p) for p in (request.get("peers") or [])][:4096]
     if peers:
-        answer["peers"] = {peer: _route(peer)["dev"] for peer in peers}
+        answer["peers"] = _routes(peers)
     return answer
+
+
+ROUTE_TYPES = ("local", "unicast", "broadcast", "multicast", "anycast", "unreachable", "blackhole", "prohibit")
+
+
+def _routes(peers: list) -> dict:
+    """The interface toward each peer, from one `ip -batch` (one process, not one per peer: 16 nodes asked 240
+    before); a peer named by host name is resolved here first, as the ranks will resolve it."""
+    addresses = {}
+    for peer in peers:
+        try:
+            addresses[peer] = socket.gethostbyname(peer)
+        except (OSError, UnicodeError):
+            addresses[peer] = None
+    asked = sorted({a for a in addresses.values() if a})
+    try:
+        proc = subprocess.run(["ip", "-o", "-force", "-batch", "-"], input="".join(f"route get {a}\n" for a in asked),
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return {peer: None for peer in peers}
+    found = {}
+    for line in proc.stdout.splitlines():
+        words = line.split()
+        if words and words[0] in ROUTE_TYPES:
+            words = words[1:]
+        if words and "dev" in words:
+            found[words[0]] = words[words.index("dev") + 1]
+    return {peer: found.get(addresses[peer]) if addresses[peer] else None for peer in peers}
 
 
 def _route(addr: str) -> dict:
