@@ -15,7 +15,7 @@ from support.cli import run_nodectl
 from support.sshcluster import namespaced_cluster, netns_available, sshd_available
 
 pytestmark = pytest.mark.slow
-SUBNET = "10.78"
+SUBNET = "10.79"   # its own: 10.77 (node lost) and 10.78 (environments) run beside it
 
 
 @pytest.fixture
