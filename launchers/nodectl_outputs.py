@@ -31,12 +31,16 @@ import threading
 import time
 import uuid
 
-try:   # beside this file in lib/ on a node
-    import runlayout as layout
-    from nodeio import update_json
-except ImportError:   # the controller's copy (nodectl.resources.launchers): collect --from-store
-    from . import runlayout as layout
-    from .nodeio import update_json
+
+def _shared():
+    """runlayout and nodeio: beside this file in lib/ on a node, or the controller's copies (collect
+    --from-store). Imported when used: preflight's store check runs this file alone, from stdin."""
+    try:
+        import nodeio
+        import runlayout
+    except ImportError:
+        from . import nodeio, runlayout
+    return runlayout, nodeio
 
 SECTIONS = ("output", "logs", "metrics")
 INDEX = "nodectl-index.json"
@@ -278,7 +282,7 @@ class Uploader:
 
 def _borrowed(run_dir: str) -> dict:
     try:
-        with open(os.path.join(run_dir, layout.BORROWED), encoding="utf-8") as handle:
+        with open(os.path.join(run_dir, _shared()[0].BORROWED), encoding="utf-8") as handle:
             found = json.load(handle)
     except (OSError, ValueError):
         return {}
@@ -335,7 +339,8 @@ def pull(run_dir: str, request: dict) -> dict:
             if source.get("missing_only"):   # another node's file: not this node's uploader's to send again
                 borrowed[relative] = list(_still(target)[:2])
     if borrowed:
-        update_json(os.path.join(run_dir, layout.BORROWED), borrowed)
+        layout, nodeio = _shared()
+        nodeio.update_json(os.path.join(run_dir, layout.BORROWED), borrowed)
     return {"files": fetched, "bytes": nbytes, "indexed": sources, "failed": failed[:50],
             "failed_count": len(failed)}
 

@@ -114,7 +114,7 @@ def _pack_also(tar, run_dir: str, also: str, packed: dict) -> None:
 def _pack_entries(tar, dir_fd: int, relative: str, names: list, dirs: list, packed: dict) -> None:
     """Regular files (opened without following a link, their metadata from the open file) and links to a sibling
     name (output/adapter -> adapter-<step>); anything else is counted as left out."""
-    links = [d for d in dirs if stat.S_ISLNK(os.stat(d, dir_fd=dir_fd, follow_symlinks=False).st_mode)]
+    links = [d for d in dirs if _is_link(d, dir_fd)]
     for name in sorted(names + links):
         arcname = os.path.normpath(os.path.join(relative, name))
         if arcname in packed["names"]:   # a --path entry that the walk packed already
@@ -141,6 +141,13 @@ def _pack_entries(tar, dir_fd: int, relative: str, names: list, dirs: list, pack
             packed["vanished"] += 1
         except LinkRefused:   # swapped for a link between the listing and the open
             packed["skipped"].append(arcname)
+
+
+def _is_link(name: str, dir_fd: int) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:   # gone since the listing (a checkpoint rotating out)
+        return False
 
 
 def _pack_file(tar, dir_fd: int, name: str, arcname: str, packed: dict) -> None:

@@ -323,7 +323,7 @@ def judge_pairs(pairs: list[dict]) -> list[CheckResult]:
                               f"check {culprit}'s NIC, cabling and PCIe; or leave it out with --exclude")]
 
 
-@check("socket route", "network", given=lambda f: (f.env, f.extras["route"]), needs="route",
+@check("socket route", "network", given=lambda f: (f.env, f.extras["route"], f.report), needs="route",
        doc=(("socket route",
             "the device each node's route to every other node uses (`ip route get <peer>`), against "
             "`NCCL_SOCKET_IFNAME` / `GLOO_SOCKET_IFNAME` from the inventory's `env:`",
@@ -331,8 +331,11 @@ def judge_pairs(pairs: list[dict]) -> list[CheckResult]:
             "container bridge that is up, say), naming the interface and the device the route really uses",
             "NCCL and gloo bind their sockets to the named interface: traffic to a peer it does not route to "
             "hangs or fails at init"),))
-def check_socket_route(node: str, env: Mapping[str, str], answer: Mapping | None) -> CheckResult:
-    named = {var: env[var] for var in SOCKET_IFNAME_VARS if env.get(var)}
+def check_socket_route(node: str, env: Mapping[str, str], answer: Mapping | None,
+                       report: Mapping | None = None) -> CheckResult:
+    nics = [n.get("name") for n in (report or {}).get("nics") or [] if isinstance(n, Mapping) and n.get("name")]
+    named = {var: env[var] for var in SOCKET_IFNAME_VARS if env.get(var)
+             and (not nics or any(parse_name_list(env[var]).selects(name) for name in nics))}   # else: socket ifname's
     peers = (answer or {}).get("peers") or {}
     if not named:
         return CheckResult("socket route", node, PASS, "no socket interface named")
