@@ -53,7 +53,9 @@ def resolve_workdir(workdir: str) -> str:
     """The workdir's real path, judged like OpenSSH's StrictModes on the way: every folder and link on the path is
     root's or yours (another user could rename or re-point it), and a folder other users can write is sticky (so
     they cannot rename what is in it): a link another user planted in /scratch is refused, naming the link, its
-    owner and the fix. A missing rest of the path is returned as written, to be made by you."""
+    owner and the fix. A missing rest of the path is returned as written, to be made by you. The same walk runs
+    where this module cannot be imported: the installer's bootstrap (nodectl/remote/agent.py, _WALK) and
+    preflight's probe (launchers/probe.py, _unsafe_path)."""
     uid, path = os.getuid(), os.path.abspath(os.path.expanduser(workdir))
     pending, current, hops = [p for p in path.split("/") if p], "/", 0
     while pending:
