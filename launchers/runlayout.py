@@ -70,6 +70,12 @@ def rank_request(rank) -> str:
     return f"{FLIGHT}/rank{rank}.request"
 
 
+def rank_pace(rank) -> str:
+    """The rank's latest collectives as its flight recorder holds them, rewritten every few seconds by its pace
+    thread (lib/sitecustomize.py): when it reached each one and, on NCCL, how long each took."""
+    return f"{FLIGHT}/rank{rank}.pace.json"
+
+
 def rank_answer(rank) -> str:
     """Where the listener writes its answer to one request (atomically, with the request's id)."""
     return f"{FLIGHT}/rank{rank}.answer.json"

@@ -12,6 +12,11 @@ collective (torch releases the GIL there) or spins in Python (the GIL is handed 
   the full dump goes next to it as the pickle torch writes, for torch's own analyser (`torchfrtrace`).
 The answer is written to flight/rank<R>.answer.json in the run folder, atomically, with the request's id.
 
+A second daemon thread keeps the rank's pace (NODECTL_PACE_EVERY seconds, 0: off): every few seconds it copies the
+latest collectives from the flight recorder (process group, sequence id, when this rank reached it, and on NCCL
+with timing how long it took) to flight/rank<R>.pace.json. Comparing when each rank reaches the same collective
+tells the rank the others wait for (nodectl/pace.py); the program itself is never touched.
+
 The variable is removed from the environment at once, so the rank's own child processes (data loader workers,
 a compile pool) do not start listeners of their own. A sitecustomize that was already on the path (a
 distribution's, a virtualenv's) still runs: it is imported after this one. Standard library only.
@@ -25,6 +30,7 @@ import runlayout as layout   # beside this file in lib/: the run folder's names,
 from nodeio import write_file
 
 ENTRIES_PER_GROUP = 32      # the latest collectives of each process group kept in the JSON answer
+PACE_ENTRIES = 600          # the latest collectives kept in the pace file
 FRAMES_PER_THREAD = 48
 FRAMES_PER_ENTRY = 12
 
@@ -39,15 +45,28 @@ def _start() -> None:
     listener = threading.Thread(target=_serve, args=(fifo, run_dir, rank),
                                 name="nodectl-diagnose", daemon=True)
     listener.start()
-    _quiet_fork(listener)
+    threads = [listener]
+    every = _seconds(os.environ.pop("NODECTL_PACE_EVERY", ""))
+    if every:
+        pace = threading.Thread(target=_keep_pace, args=(run_dir, rank, every), name="nodectl-pace", daemon=True)
+        pace.start()
+        threads.append(pace)
+    _quiet_fork(threads)
 
 
-def _quiet_fork(listener) -> None:
+def _seconds(text: str) -> float:
+    try:
+        return max(0.0, float(text))
+    except ValueError:
+        return 0.0
+
+
+def _quiet_fork(ours: list) -> None:
     """Python 3.12 warns at every fork() of a process with more than one thread ("This process is multi-threaded,
     use of fork() may lead to deadlocks in the child"). A program with no thread of its own would get it at each
-    fork only because of the listener, which waits in open() holding no lock: so while the listener is the one
-    other thread (by the kernel's count and by Python's), that warning is filtered out for the fork. A program
-    that runs threads of its own still gets it, as it should."""
+    fork only because of nodectl's threads, which wait in open() or sleep holding no lock: so while they are the
+    only other threads (by the kernel's count and by Python's), that warning is filtered out for the fork. A
+    program that runs threads of its own still gets it, as it should."""
     import threading
     import warnings
 
@@ -59,7 +78,8 @@ def _quiet_fork(listener) -> None:
                 threads = int(handle.read().rsplit(")", 1)[1].split()[17])
         except (OSError, IndexError, ValueError):
             return
-        if threads == 2 and threading.active_count() == 2 and listener.is_alive():
+        alive = sum(1 for thread in ours if thread.is_alive())
+        if threads == alive + 1 and threading.active_count() == alive + 1:
             quiet = warnings.catch_warnings()
             quiet.__enter__()
             warnings.filterwarnings("ignore", message=r"This process \(pid=\d+\) is multi-threaded",
@@ -97,6 +117,48 @@ def _serve(fifo: str, run_dir: str, rank: str) -> None:
             sys.setswitchinterval(interval)
         answer["request"] = request
         _write_json(os.path.join(run_dir, layout.rank_answer(rank)), answer)
+
+
+def _keep_pace(run_dir: str, rank: str, every: float) -> None:
+    """Every `every` seconds, the latest collectives of this rank as [group, sequence id, reached (ns since the
+    epoch), duration in ms or None] in flight/rank<R>.pace.json. Nothing is read before the program has
+    imported torch.distributed itself."""
+    import json
+    import pickle
+    import signal
+    import time
+
+    signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    path = os.path.join(run_dir, layout.rank_pace(rank))
+    while True:
+        time.sleep(every)
+        c10d = sys.modules.get("torch._C._distributed_c10d")
+        if c10d is None:
+            continue
+        dump_trace = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)
+        if dump_trace is None:
+            return
+        try:
+            try:
+                raw = dump_trace(True, False, False)
+            except TypeError:
+                raw = dump_trace()
+            entries = pickle.loads(raw).get("entries") or []
+        except Exception:  # noqa: BLE001 - a recorder not enabled, an old torch: try again later
+            continue
+        kept = []
+        for entry in entries[-PACE_ENTRIES:]:
+            seq, reached = entry.get("collective_seq_id"), entry.get("time_created_ns")
+            if entry.get("is_p2p") or not isinstance(seq, int) or not isinstance(reached, int):
+                continue
+            duration = entry.get("duration_ms")
+            kept.append([str(entry.get("pg_id", (entry.get("process_group") or ("?",))[0])), seq, reached,
+                         round(float(duration), 3) if isinstance(duration, (int, float)) else None])
+        if kept:
+            try:
+                write_file(path, json.dumps({"time": time.time(), "pid": os.getpid(), "entries": kept}))
+            except OSError:
+                return   # the run folder is gone
 
 
 def _snapshot(folder: str, rank: str) -> dict:

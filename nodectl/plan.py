@@ -24,6 +24,8 @@ DEFAULT_ENV = {
     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
     "PYTHONUNBUFFERED": "1",
     "PYTHONFAULTHANDLER": "1",
+    "NODECTL_PACE_EVERY": "5",          # the ranks' pace files (lib/sitecustomize.py), for the straggler verdict
+    "TORCH_NCCL_ENABLE_TIMING": "1",    # and on NCCL how long each collective took (its CUDA events)
 }   # HF_HUB_OFFLINE=1 is the built-in trainer's own default (trainer/__main__.py), not forced on a user's script
 
 

@@ -83,6 +83,7 @@ class Manifest:
     attempts: list = field(default_factory=list)
     left_out: list = field(default_factory=list)
     controller: dict | None = None  # the nodectl process that started this attempt: host, pid, its start time
+    pace: dict | None = None        # the attached launch's latest pace verdict (nodectl/pace.py: PaceState)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from nodectl.errors import interruptible, uninterruptible
+from nodectl.pace import PaceWatch, Straggler
 from nodectl.resources.launchers import runlayout as layout
 from nodectl.remote.answers import NO_LOG, LogChunk
 from nodectl.remote.poller import Poller
@@ -18,7 +19,7 @@ from nodectl.remote.client import NodeClient
 
 @dataclass
 class Failure:
-    kind: str                # rank | launcher | lost | stalled
+    kind: str                # rank | launcher | lost | stalled | straggler
     node: str
     rank: int | None = None
     code: int | None = None
@@ -39,6 +40,8 @@ class Failure:
             return f"node {self.node} was lost: {self.detail}"
         if self.kind == "stalled":
             return f"rank {self.rank} on node {self.node} stalled: {self.detail}"
+        if self.kind == "straggler":
+            return self.detail
         if self.code is None:
             return f"node {self.node}: {self.detail}"
         return f"node {self.node}: torchrun exited {self.code} {self.detail}".rstrip()
@@ -52,14 +55,21 @@ def _signal_name(number: int) -> str:
 
 
 def poll(cluster: Cluster, run_nodes: list[RunNode], offsets: dict[int, int] | None = None,
-         gpus: bool = False) -> dict[str, NodeResult]:
-    """Every node's state of the run (and new log text from `offsets`; with `gpus`, an nvidia-smi sample)."""
+         gpus: bool = False, pace: PaceWatch | None = None) -> dict[str, NodeResult]:
+    """Every node's state of the run (and new log text from `offsets`; with `gpus`, an nvidia-smi sample); with
+    `pace`, what it asks of the ranks' pace, and each answer fed to it."""
     by_name = {rn.node.name: rn for rn in run_nodes}
 
     def work(transport):
         rn = by_name[transport.node.name]
         wanted = {str(r): o for r, o in (offsets or {}).items() if r in rn.ranks}
-        return NodeClient(transport).poll(rn.run_dir, wanted, gpus=gpus, timeout=30)
+        since, detail = pace.request(rn.node.name, list(rn.ranks)) if pace else (None, False)
+        sent = time.time()
+        answer = NodeClient(transport).poll(rn.run_dir, wanted, gpus=gpus, pace=since, gpu_detail=detail,
+                                            timeout=30)
+        if pace:
+            pace.feed(rn.node.name, answer, time.time(), sent)
+        return answer
 
     return {r.node.name: r for r in cluster.fan_out(work, [rn.node for rn in run_nodes])}
 
@@ -259,18 +269,23 @@ class LogStream:
 
 def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream | None, *, interval: float = 1.0,
                  lost_after: float = 15.0, stall_after: float | None = None,
-                 on_stall: Callable[[Failure], bool] | None = None) -> tuple[RunState, Failure | None]:
+                 on_stall: Callable[[Failure], bool] | None = None, pace: PaceWatch | None = None,
+                 on_pace: Callable[[list, PaceWatch], Straggler | None] | None = None
+                 ) -> tuple[RunState, Failure | None]:
     """Watch until the run succeeds (SUCCEEDED) or something fails (FAILED with the first failure).
 
     Every node is polled by a thread of its own (nodectl/remote/poller.py) and decisions use each node's latest answer,
     so a node whose commands hang never delays what the others report; a node that has not answered properly
     for `lost_after` seconds (unreachable, erroring, or hanging) is lost. A stall is told to `on_stall` first
-    (once per stalled rank and step), which says whether it ends the watch (True) or the run is kept."""
+    (once per stalled rank and step), which says whether it ends the watch (True) or the run is kept. With `pace`,
+    each of its judgements (nodectl/pace.py) is told to `on_pace` with what changed; a straggler it gives back
+    ends the watch as the failure (--on-straggler exclude)."""
     offsets = (lambda: dict(stream.offsets)) if stream else dict
     seen: dict[str, int] = {}
     last_good: dict[str, float] = {}
     stalls = StallWatch(stall_after)
-    with Poller(cluster, run_nodes, offsets, interval, timeout=lost_after) as poller:
+    asks = (lambda rn: pace.request(rn.node.name, list(rn.ranks))) if pace else None
+    with Poller(cluster, run_nodes, offsets, interval, timeout=lost_after, pace=asks) as poller:
         while True:
             time.sleep(interval)
             answers = poller.answers()
@@ -283,6 +298,8 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
                 stream.feed(fresh)
             latest = {name: a.result for name, a in answers.items()}
             outcome = _judge(latest, len(run_nodes))
+            if pace and outcome is None:
+                outcome = _pace(pace, answers, fresh, on_pace)
             if outcome is None:
                 stall = stalls.check(latest)
                 if stall and (on_stall is None or on_stall(stall)):
@@ -295,6 +312,19 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
                     followed = [rn for rn in run_nodes if set(rn.ranks) & set(stream.offsets)]
                     stream.feed({name: r for name, r in poll(cluster, followed, offsets()).items() if r.ok})
                 return (RunState.FAILED, outcome) if isinstance(outcome, Failure) else (RunState.SUCCEEDED, None)
+
+
+def _pace(pace: PaceWatch, answers: dict, fresh: dict, on_pace) -> Failure | None:
+    """The fresh answers fed to the pace watch, its changes told; a straggler the caller acts on, as a failure."""
+    wall = time.time() - time.monotonic()
+    for name, result in fresh.items():
+        if result.ok and result.value:
+            pace.feed(name, result.value, answers[name].at + wall, answers[name].sent + wall)
+    changes = pace.judge()
+    acted = on_pace(changes, pace) if on_pace and pace.judged else None
+    if acted is not None:
+        return Failure("straggler", acted.node, acted.rank, detail=acted.describe(), time=time.time())
+    return None
 
 
 def _judge(states: dict[str, NodeResult], nodes: int) -> Failure | str | None:

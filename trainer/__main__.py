@@ -8,7 +8,10 @@ import time
 
 from .teardown import leave
 
-AGREED_ERROR_WAIT = 3.0   # seconds a rank other than 0 waits before leaving on an error every rank found
+# Seconds at most a rank other than 0 waits before leaving on an error every rank found: rank 0 says it and leaves,
+# and torchrun's fail-fast ends the others. A fixed few seconds lost the message on a loaded node (rank 0 was still
+# loading the model when rank 1 left and torchrun stopped it).
+AGREED_ERROR_WAIT = 120.0
 
 
 def main(argv: list[str] | None = None) -> int:

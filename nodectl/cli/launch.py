@@ -56,6 +56,12 @@ from nodectl.watch import LogStream
 @click.option("--on-stall", type=click.Choice(["stop", "keep"]), default="stop", show_default=True,
               help="With --stall-after: after the diagnosis, stop the run, or keep it running (to attach a "
                    "debugger, or wait it out).")
+@click.option("--on-straggler", type=click.Choice(["warn", "exclude"]), default="warn", show_default=True,
+              help="When one rank stays 15% slower than the others (the straggler verdict): say so, or, with "
+                   "--max-restarts, once the verdict has held for --straggler-hold seconds stop the run, leave its "
+                   "node out and resume on the rest from the latest checkpoint.")
+@click.option("--straggler-hold", type=Seconds(min=0), default=60.0, show_default=True,
+              help="With --on-straggler exclude: seconds a straggler verdict must hold before its node is left out.")
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override one value of the built-in trainer's recipe (repeatable), e.g. --set train.steps=200.")
 @click.option("--environment", "environment", metavar="FILE",
@@ -212,6 +218,16 @@ def _attended(app: AppContext, event: ev.Event) -> None:
         if event.kept:
             app.err.print(f"--on-stall keep: run {event.diagnosis.run_id if event.diagnosis else ''} goes on; "
                           f"stop it with Ctrl-C or nodectl stop")
+    elif isinstance(event, ev.StragglerSeen):
+        straggler = event.straggler
+        if straggler.ended is None:
+            app.err.print(f"[yellow]{escape(straggler.describe())}[/]")
+        else:
+            app.err.print(f"[green]straggler gone[/]: rank {straggler.rank} on node {escape(straggler.node)} keeps "
+                          f"pace again (it was {straggler.slower * 100:.0f}% slower for "
+                          f"{straggler.ended - straggler.since:.0f}s)")
+    elif isinstance(event, ev.RunPace):
+        app.err.print(f"[yellow]{escape(event.line)}[/]")
     elif isinstance(event, ev.AttemptRecorded):
         app.info(f"run {event.run_id}: attempt {event.attempt} on {event.nnodes} node(s)")
 

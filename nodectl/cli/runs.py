@@ -10,6 +10,7 @@ import time
 import click
 from rich.markup import escape
 
+from nodectl.pace import pace_lines
 from nodectl.cli.context import AppContext
 from nodectl.cli.run_option import refresh_state, warn_untrusted
 from nodectl.errors import UsageError
@@ -63,7 +64,9 @@ def command(app: AppContext, show_all: bool) -> None:
                      "started": manifest.started, "folder": str(run.folder.resolve()),
                      "command": " ".join(plan.get("command", [])),
                      "cause": manifest.cause if manifest.state != RunState.SUCCEEDED else None,
-                     "outputs": manifest.outputs_url})
+                     "outputs": manifest.outputs_url,
+                     "pace": [line for line in pace_lines(manifest.pace, live=manifest.state == RunState.RUNNING)
+                              if not line.startswith("pace ")]})
     if app.json:
         app.emit_json({"runs": rows})
         return
@@ -110,4 +113,6 @@ def notes(rows: list[dict]) -> list[str]:
             out.append(f"{escape(row['run_id'])} outputs: {escape(row['outputs'])}")
         if row.get("cause"):
             out.append(f"{escape(row['run_id'])} [red]{escape(row['cause'])}[/]")
+        for line in row.get("pace") or ():
+            out.append(f"{escape(row['run_id'])} [yellow]{escape(line)}[/]")
     return out

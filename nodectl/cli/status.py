@@ -1,4 +1,5 @@
-"""`nodectl status`: per node and rank: running / exited(code) / stalled / lost, heartbeat age, last step and loss."""
+"""`nodectl status`: per node and rank: running / exited(code) / stalled / lost, heartbeat age, last step and loss, the
+share of the recent window each rank was busy or waited in collectives for the others, and the straggler verdict."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,7 @@ from rich.markup import escape
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
 from nodectl.cli.run_option import opened, refresh_state, run_option
+from nodectl import pace
 from nodectl.errors import exit_code_for
 from nodectl.runs import RunState
 from nodectl.remote.answers import PollAnswer, RankState
@@ -105,6 +107,11 @@ def upload_line(name: str, row: dict, now: float) -> str:
     return said
 
 
+def share(value) -> str:
+    """A share of the recent window: busy (computing, data, launches) or waiting in collectives for other ranks."""
+    return "-" if value is None else f"{value * 100:.0f}%"
+
+
 def render(run_id: str, run_state, rows: list[dict]):
     colour = {"running": "green", "stalled": "yellow", "lost": "red", "starting": "cyan"}
     cells = []
@@ -114,9 +121,11 @@ def render(run_id: str, run_state, rows: list[dict]):
         age = row.get("heartbeat_age")
         cells.append([escape(row["node"]), str(row["rank"]), f"[{shade}]{escape(state)}[/]",
                       "-" if age is None else f"{max(age, 0):.0f}s ago", escape(str(row.get("step") or "-")),
-                      "-" if row.get("loss") is None else f"{row['loss']:.4f}", str(row.get("pid") or "-")])
+                      "-" if row.get("loss") is None else f"{row['loss']:.4f}", share(row.get("busy")),
+                      share(row.get("in_collectives")), str(row.get("pid") or "-")])
     columns = [Column("node", key=True), Column("rank", "right", key=True), Column("state", whole=True),
-               *(Column(name, "right", whole=True) for name in ("heartbeat", "step", "loss", "pid"))]
+               *(Column(name, "right", whole=True) for name in ("heartbeat", "step", "loss", "busy", "waits",
+                                                                "pid"))]
     return make_table(columns, cells, title=f"run {run_id} ({run_state})", keep=("node", "rank", "state"))
 
 
@@ -130,7 +139,8 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
     run = opened(app, run_id)
     run_nodes = run.nodes()
     with app.cluster_for(run_nodes) as cluster:
-        states = poll(cluster, run_nodes)
+        watch = pace.for_run(run, run_nodes)
+        states = poll(cluster, run_nodes, pace=watch)
         rows = rank_rows(states, run_nodes, stall_after)
         uploads = upload_rows(states)
         run_state = refresh_state(run, states)
@@ -138,13 +148,21 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
         first = _first_failure(manifest, states, run_state)
         if first:
             first.last_lines = failure_lines(cluster, run_nodes, first)
+    live = run_state == RunState.RUNNING
+    told, split = pace.current(manifest.pace, watch.look()) if live else (manifest.pace, {})
+    for row in rows:
+        row["busy"], row["in_collectives"] = split.get(row["rank"], (None, None))
+    pace_said = pace.pace_lines(told, live=live)
     cause = manifest.cause or (first.describe() if first else None)
     if app.json:
         app.emit_json({"run_id": run.run_id, "state": run_state, "ranks": rows, "cause": cause,
                        "diagnosis": (manifest.failure or {}).get("diagnosis"),
-                       "first_failure": first.__dict__ if first else None, "uploads": uploads})
+                       "first_failure": first.__dict__ if first else None, "uploads": uploads,
+                       "pace": told, "pace_lines": pace_said})
     else:
         app.out.print(render(run.run_id, run_state, rows))
+        for line in pace_said:
+            app.out.print(f"[yellow]{escape(line)}[/]" if "straggler:" in line or "slower" in line else escape(line))
         if uploads:
             app.out.print(f"outputs: {escape(manifest.outputs_url or next(iter(uploads.values()))['url'])}")
             for name, row in sorted(uploads.items()):

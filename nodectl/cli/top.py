@@ -6,15 +6,16 @@ import time
 from dataclasses import asdict
 
 import click
+from rich.console import Group
 from rich.live import Live
 from rich.markup import escape
-from rich.table import Table
 
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
 from nodectl.cli.run_option import opened, refresh_state, run_option
-from nodectl.cli.status import rank_rows
-from nodectl.runs import FINAL_STATES, Run
+from nodectl import pace
+from nodectl.cli.status import rank_rows, share
+from nodectl.runs import FINAL_STATES, Run, RunState
 from nodectl.cli.tables import Column, make_table
 from nodectl.watch import poll
 
@@ -32,8 +33,8 @@ def _gpu_of_ranks(run: Run) -> dict[int, tuple[str, int]]:
     return out
 
 
-def snapshot(run: Run, cluster, run_nodes, stall_after: float) -> dict:
-    states = poll(cluster, run_nodes, gpus=True)
+def snapshot(run: Run, cluster, run_nodes, stall_after: float, watch: pace.PaceWatch) -> dict:
+    states = poll(cluster, run_nodes, gpus=True, pace=watch)
     rows = rank_rows(states, run_nodes, stall_after)
     gpus = {}
     for name, result in states.items():
@@ -45,9 +46,15 @@ def snapshot(run: Run, cluster, run_nodes, stall_after: float) -> dict:
         row["gpu"] = gpus.get(node, {}).get(index)
     state = refresh_state(run, states)
     manifest = run.read()
+    live = state == RunState.RUNNING
+    watch.judge()   # the verdicts of a watch kept across updates (with causes), as an attached launch gives them
+    look = watch.state if watch.state.ranks else watch.look()
+    told, split = pace.current(manifest.pace, look) if live else (manifest.pace, {})
+    for row in rows:
+        row["busy"], row["in_collectives"] = split.get(row["rank"], (None, None))
     return {"run_id": run.run_id, "state": state.value, "attempt": manifest.attempt,
             "elapsed_s": round(time.time() - manifest.started, 1) if manifest.started else None,
-            "ranks": rows}
+            "ranks": rows, "pace": told, "pace_lines": pace.pace_lines(told, live=live)}
 
 
 def _cell(value, fmt: str) -> str:
@@ -55,11 +62,11 @@ def _cell(value, fmt: str) -> str:
 
 
 COLUMNS = (Column("node", key=True), Column("rank", "right", key=True), Column("state", whole=True),
-           *(Column(name, "right", whole=True) for name in ("step", "loss", "tok/s", "beat", "gpu", "util", "mem GiB",
-                                                            "temp", "power")))
+           *(Column(name, "right", whole=True) for name in ("step", "loss", "tok/s", "beat", "busy", "waits", "gpu",
+                                                            "util", "mem GiB", "temp", "power")))
 
 
-def render(snap: dict) -> Table:
+def render(snap: dict):
     """One row per rank; the GPU columns only where a node reported a GPU (not on CPU nodes)."""
     title = f"run {snap['run_id']} ({snap['state']}, attempt {snap['attempt']}"
     title += f", {snap['elapsed_s']:.0f}s)" if snap.get("elapsed_s") is not None else ")"
@@ -73,9 +80,12 @@ def render(snap: dict) -> Table:
         rows.append([escape(row["node"]), str(row["rank"]), f"[{shade}]{escape(row['state'])}[/]",
                      escape(_cell(row.get("step"), "")), _cell(row.get("loss"), ".4f"),
                      _cell(row.get("tokens_per_s"), ",.0f"), _unit(row.get("heartbeat_age"), ".0f", "s"),
+                     share(row.get("busy")), share(row.get("in_collectives")),
                      _cell(gpu.get("index"), ""), _unit(gpu.get("util"), ".0f", "%"), memory,
                      _unit(gpu.get("temp_c"), ".0f", "C"), _unit(gpu.get("power_w"), ".0f", "W")])
-    return make_table(COLUMNS, rows, title=title, keep=("node", "rank", "state"))
+    table = make_table(COLUMNS, rows, title=title, keep=("node", "rank", "state"))
+    said = snap.get("pace_lines") or ()
+    return Group(table, *(f"[yellow]{escape(line)}[/]" for line in said)) if said else table
 
 
 def _unit(value, fmt: str, unit: str) -> str:
@@ -95,13 +105,14 @@ def command(app: AppContext, run_id: str | None, interval: float, once: bool, st
     run = opened(app, run_id)
     run_nodes = run.nodes()
     with app.cluster_for(run_nodes) as cluster:
+        watch = pace.for_run(run, run_nodes)
         if once or app.json or not app.out.is_terminal:
-            snap = snapshot(run, cluster, run_nodes, stall_after)
+            snap = snapshot(run, cluster, run_nodes, stall_after, watch)
             app.emit_json(snap) if app.json else app.out.print(render(snap))
             return
         with Live(console=app.out, auto_refresh=False) as live:
             while True:
-                snap = snapshot(run, cluster, run_nodes, stall_after)
+                snap = snapshot(run, cluster, run_nodes, stall_after, watch)
                 live.update(render(snap), refresh=True)
                 if snap["state"] in FINAL_STATES:
                     return

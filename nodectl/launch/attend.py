@@ -12,7 +12,8 @@ from typing import Callable
 
 from nodectl.errors import RunFailed
 from nodectl.launch.events import (CheckingNodes, Diagnosed, Event, LeavingOut, NotAnswering,
-                                   Restarting, Stopping)
+                                   Restarting, RunPace, Stopping, StragglerSeen)
+from nodectl.pace import PaceWatch, Straggler, for_run
 from nodectl.launch.job import Job, next_attempt, stop_run
 from nodectl.progress import Progress, no_progress
 from nodectl.secrets import redact_words
@@ -25,7 +26,8 @@ Restart = Callable[[Job, list[dict]], tuple[Job, Run]]
 
 
 def attend(job: Job, run: Run, session: Session, *, grace: float, restart: Restart, stall_after: float | None = None,
-           keep_stalled: bool = False, exclude_failed: bool = False,
+           keep_stalled: bool = False, exclude_failed: bool = False, on_straggler: str = "warn",
+           straggler_hold: float = 60.0,
            stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
            notify: Callable[[Event], None] = lambda event: None) -> tuple[Job, Run, Failure | None]:
     """Watch the started `job` until it succeeds, or fails with no restart left (`plan.max_restarts`): the last
@@ -36,13 +38,14 @@ def attend(job: Job, run: Run, session: Session, *, grace: float, restart: Resta
     while True:
         failure = follow(run, session.cluster(np.node for np in job.plan.nodes), grace=grace, lost_after=lost_after,
                          stall_after=stall_after, keep_stalled=keep_stalled, stream_for=stream_for, notify=notify,
-                         progress=session.progress)
+                         progress=session.progress,
+                         exclude_after=straggler_hold if on_straggler == "exclude" and restarts_left > 0 else None)
         if failure is None or not restarts_left:
             return job, run, failure
         restarts_left -= 1
         notify(Restarting(job.run_id, failure, job.plan.attempt + 1, restarts_left))
         left_out, inventory = [], None
-        if exclude_failed:
+        if exclude_failed or failure.kind == "straggler":
             inventory, left_out = _passing_nodes(job, failure, session, notify)
         job, run = restart(next_attempt(job, inventory=inventory), left_out)
 
@@ -50,12 +53,31 @@ def attend(job: Job, run: Run, session: Session, *, grace: float, restart: Resta
 def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_after: float | None = None,
            keep_stalled: bool = False,
            stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
-           notify: Callable[[Event], None] = lambda event: None, progress: Progress = no_progress) -> Failure | None:
+           notify: Callable[[Event], None] = lambda event: None, progress: Progress = no_progress,
+           exclude_after: float | None = None) -> Failure | None:
     """Follow the run to its end: None when it succeeded, else its first failure (the run stopped everywhere,
-    the failing rank's last lines kept). A stall is diagnosed first; with `keep_stalled` the run goes on."""
+    the failing rank's last lines kept). A stall is diagnosed first; with `keep_stalled` the run goes on. The
+    ranks' pace is judged all along (nodectl/pace.py): its verdicts are told and kept in the run's record; with
+    `exclude_after`, a straggler that keeps its verdict that many seconds ends the run as a failure."""
     run_nodes = run.nodes()
     stream = stream_for(run_nodes)
     verdicts: list[dict] = []
+    pace = for_run(run, run_nodes)
+    recorded = [0.0]
+
+    def paced(changes: list, watch: PaceWatch) -> Straggler | None:
+        for change in changes:
+            notify(StragglerSeen(change) if isinstance(change, Straggler) else RunPace(change))
+        if changes or time.time() - recorded[0] >= PACE_RECORD_EVERY:
+            recorded[0] = time.time()
+            try:
+                run.update(pace=watch.state.to_json())
+            except OSError:
+                pass   # the record is the run's; a full disk here must not end the watch
+        straggler = watch.state.straggler
+        if exclude_after is not None and straggler and time.time() - straggler.since >= exclude_after:
+            return straggler
+        return None
 
     def stalled(failure: Failure) -> bool:
         if stream:
@@ -65,7 +87,7 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
 
     try:
         outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=lost_after, stall_after=stall_after,
-                                        on_stall=stalled)
+                                        on_stall=stalled, pace=pace, on_pace=paced)
     finally:
         if stream:
             stream.flush()
@@ -89,6 +111,9 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
         failure.last_lines = failure_lines(cluster, run_nodes, failure)
     failure.processes_left = {name: r.value.left for name, r in stopped.items() if r.ok}
     return failure
+
+
+PACE_RECORD_EVERY = 15.0   # seconds between writes of the pace to the run's record while nothing changes
 
 
 def _culprit(stall: Failure, verdict: dict, run_nodes: list[RunNode]) -> Failure:
@@ -131,7 +156,7 @@ def _passing_nodes(job: Job, failure: Failure, session: Session, notify):
     bad = dict(report.unreachable)
     for result in report.failed:
         bad.setdefault(result.node, f"{result.check}: {result.detail}")
-    if failure.kind == "lost":
+    if failure.kind in ("lost", "straggler"):
         bad.setdefault(failure.node, failure.detail)
     if not bad:
         return None, []

@@ -119,6 +119,19 @@ class Diagnosed:
 
 
 @dataclass(frozen=True)
+class StragglerSeen:
+    """The pace verdict (nodectl/pace.py): a rank the others wait for, or (its `ended` set) one that keeps pace
+    again."""
+    straggler: Any           # nodectl.pace.Straggler
+
+
+@dataclass(frozen=True)
+class RunPace:
+    """Every rank is slower than the run's own healthy pace, no single rank to blame."""
+    line: str
+
+
+@dataclass(frozen=True)
 class Interrupting:
     """Ctrl-C or SIGTERM after the run was recorded: whatever may have started is being stopped."""
     run_id: str
@@ -134,7 +147,7 @@ class Interrupted:
 
 Event = (EnvironmentsReady | PreflightReused | PreflightProbing | PreflightFailed | Planned | SharedWorkdirs
          | Recorded | CodeReady | Started | Stopping | NotAnswering | Restarting | CheckingNodes | LeavingOut
-         | AttemptRecorded | Diagnosed | Interrupting | Interrupted)
+         | AttemptRecorded | Diagnosed | StragglerSeen | RunPace | Interrupting | Interrupted)
 Listener = Callable[[Event], None]
 
 

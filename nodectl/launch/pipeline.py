@@ -105,7 +105,9 @@ class _Launch:
             job, run, failure = attend(self.job, self.run_, self.session, grace=self.request.grace,
                                        restart=self.restart, stall_after=self.request.stall_after,
                                        keep_stalled=self.request.keep_stalled,
-                                       exclude_failed=self.request.exclude_failed, stream_for=self.logs,
+                                       exclude_failed=self.request.exclude_failed,
+                                       on_straggler=self.request.on_straggler,
+                                       straggler_hold=self.request.straggler_hold, stream_for=self.logs,
                                        notify=self.events)
             return Outcome(job, run, failure, attended=True)
         except KeyboardInterrupt:

@@ -29,6 +29,8 @@ class LaunchRequest:
     stall_after: float | None = None
     keep_stalled: bool = False
     exclude_failed: bool = False
+    on_straggler: str = "warn"       # warn | exclude (nodectl/pace.py's verdict)
+    straggler_hold: float = 60.0     # exclude: seconds the verdict holds first
     previous: Run | None = None      # --resume: the run whose next attempt this is
     withheld: tuple[sync.Withheld, ...] = ()   # project files that do not travel (the inventory, secrets)
 
@@ -42,7 +44,9 @@ class LaunchRequest:
 def launch_request(load_inventory: Callable[[], Inventory], open_run: Callable[[str], Run], *, argv: tuple[str, ...],
                    nodes=None, exclude=(), gpus=None, config=None, sync_dir=".", sync_limit=None, template=None,
                    skip_preflight=False, detach=False, grace=10.0, max_restarts=0, exclude_failed=False,
-                   stall_after=None, force=False, on_stall="stop", overrides=(), environment=None, outputs_url=None,
+                   stall_after=None, force=False, on_stall="stop", on_straggler="warn", straggler_hold=60.0,
+                   overrides=(), environment=None,
+                   outputs_url=None,
                    resume_run=None, command=(), **_output_options) -> LaunchRequest:
     """The request `nodectl launch` makes of its options; a usage error (exit 2) for any that cannot go together.
     `_output_options` (--dry-run, --follow) change what is shown, not what is launched."""
@@ -54,6 +58,12 @@ def launch_request(load_inventory: Callable[[], Inventory], open_run: Callable[[
                              f"): nodectl records and quotes arguments as UTF-8") from None
     if exclude_failed and not max_restarts:
         raise UsageError("--exclude-failed decides which nodes a restart uses: give --max-restarts N too")
+    if on_straggler == "exclude" and not max_restarts:
+        raise UsageError("--on-straggler exclude resumes the run without the straggler's node: give "
+                         "--max-restarts N too")
+    if on_straggler == "exclude" and detach:
+        raise UsageError("--on-straggler exclude needs an attached launch: nodectl itself watches the ranks' pace "
+                         "(drop --detach)")
     if on_stall == "keep" and not stall_after:
         raise UsageError("--on-stall keep says what to do with a stall: give --stall-after SECONDS too")
     if stall_after and detach:
@@ -95,6 +105,7 @@ def launch_request(load_inventory: Callable[[], Inventory], open_run: Callable[[
                    attempt=previous.read().attempt + 1 if previous else 0, any_port=force)
     return LaunchRequest(spec, grace=grace, skip_preflight=skip_preflight, stall_after=stall_after,
                          keep_stalled=on_stall == "keep", exclude_failed=exclude_failed, previous=previous,
+                         on_straggler=on_straggler, straggler_hold=straggler_hold,
                          withheld=tuple(withheld))
 
 

@@ -90,6 +90,39 @@ class UploadState:
 
 
 @dataclass(frozen=True)
+class RankPace:
+    """One rank's collectives reached since the last poll (parallel lists: process group, sequence id, when it
+    reached it in ns of the node's clock, how long it took in ms where NCCL timed it) and its scheduler counters."""
+
+    groups: tuple[str, ...] = ()
+    seqs: tuple[int, ...] = ()
+    reached: tuple[int, ...] = ()
+    durations: tuple[float | None, ...] = ()
+    cpu_s: float | None = None          # CPU the rank's process used (its threads' schedstat), a counter
+    runqueue_s: float | None = None     # time its threads were ready but waited for a CPU, a counter
+    throttled_s: float | None = None    # time its cgroup's CPU quota held it back, a counter; None: no quota
+
+
+@dataclass(frozen=True)
+class GpuDetail:
+    """A GPU as the pace verdict looks at it: other processes on it, NVML's clock event reasons, its PCIe link."""
+
+    others: tuple[dict, ...] = ()       # {pid, user, name} of each process on it that is not the run's
+    reasons: int | None = None
+    pcie_gen: int | None = None
+    pcie_gen_max: int | None = None
+    pcie_width: int | None = None
+    pcie_width_max: int | None = None
+
+
+@dataclass(frozen=True)
+class PaceSample:
+    ranks: dict[str, RankPace] = field(default_factory=dict)
+    cpu: dict = field(default_factory=dict)             # {cpus, load1, steal_s}
+    gpus: dict[str, GpuDetail] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class PullAnswer:
     files: int
     bytes: int
@@ -111,6 +144,7 @@ class PollAnswer:
     gpu_sample: GpuSample | None = None
     upload: UploadState | None = None
     same_boot: bool | None = None     # the node has not restarted since the run started (None: not known)
+    pace: PaceSample | None = None
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,12 @@ class NodeClient:
     def start(self, run_dir: str) -> StartAnswer:
         return agent.call(self.transport, "start", run_dir)
 
-    def poll(self, run_dir: str, offsets: dict[str, int], gpus: bool = False, timeout: float = 30) -> PollAnswer:
-        request = {"offsets": offsets, **({"gpus": True} if gpus else {})}
+    def poll(self, run_dir: str, offsets: dict[str, int], gpus: bool = False, pace: dict[str, int] | None = None,
+             gpu_detail: bool = False, timeout: float = 30) -> PollAnswer:
+        """The run's state on this node; with `pace` ({rank: ns}), each rank's collectives reached since then
+        and what can slow it (with `gpu_detail`, its GPUs' other processes, clock reasons and links too)."""
+        request = {"offsets": offsets, **({"gpus": True} if gpus else {}),
+                   **({"pace": pace, "gpu_detail": gpu_detail} if pace is not None else {})}
         return agent.call(self.transport, "poll", run_dir, request=request, timeout=timeout)
 
     def tail(self, run_dir: str, ranks: list, lines: int, timeout: float = 30) -> TailAnswer:

@@ -23,13 +23,17 @@ class Answer:
     result: NodeResult
     at: float          # time.monotonic() when it came back
     seq: int
+    sent: float = 0.0  # time.monotonic() when it was asked
     hung: bool = False  # the command timed out: the node is up but its commands hang
 
 
 class Poller:
     def __init__(self, cluster: Cluster, run_nodes: list[RunNode], offsets: Callable[[], dict[int, int]],
-                 interval: float, timeout: float) -> None:
-        self.cluster, self.run_nodes, self.offsets = cluster, run_nodes, offsets
+                 interval: float, timeout: float, pace: Callable[[RunNode], tuple[dict, bool] | None] | None = None
+                 ) -> None:
+        """`pace(run_node)`: what to ask that node of its ranks' pace ({rank: since}, GPU detail or not), or
+        None (nodectl/pace.py)."""
+        self.cluster, self.run_nodes, self.offsets, self.pace = cluster, run_nodes, offsets, pace
         self.interval, self.timeout = interval, timeout
         self.started = time.monotonic()   # what a node that never answered is silent since (watch's lost check)
         self._answers: dict[str, Answer] = {}
@@ -52,8 +56,10 @@ class Poller:
             began = time.monotonic()
             wanted = {str(r): o for r, o in self.offsets().items() if r in run_node.ranks}
             hung = False
+            pace = self.pace(run_node) if self.pace else None
             try:
-                value = NodeClient(transport).poll(run_node.run_dir, wanted, timeout=self.timeout)
+                value = NodeClient(transport).poll(run_node.run_dir, wanted, pace=pace[0] if pace else None,
+                                                   gpu_detail=bool(pace and pace[1]), timeout=self.timeout)
                 result = NodeResult(run_node.node, value=value)
             except agent.AgentError as exc:  # the node answered, with an error
                 result = NodeResult(run_node.node, failure=failure_of(exc))
@@ -64,7 +70,7 @@ class Poller:
                 hung = isinstance(exc, CommandTimeout)
             seq += 1
             with self._lock:
-                self._answers[run_node.node.name] = Answer(result, time.monotonic(), seq, hung)
+                self._answers[run_node.node.name] = Answer(result, time.monotonic(), seq, hung, began)
             self._stop.wait(max(0.0, self.interval - (time.monotonic() - began)))
 
     def answers(self) -> dict[str, Answer]:

@@ -36,7 +36,7 @@ def offline_cluster(tmp_path_factory):
 def launch(cluster, project, *extra):
     inventory = cluster.inventory(count=2, environment="requirements.txt", env={"GLOO_SOCKET_IFNAME": "eth0"})
     return run_nodectl(["-i", str(inventory), "launch", "--gpus", "1", *extra, "--", "train.py"],
-                       env=cluster.env(), cwd=project, timeout=900)
+                       env=cluster.env(), cwd=project, timeout=240)
 
 
 def built_line(output: str) -> str:

@@ -27,9 +27,15 @@ def run_nodectl(args: list[str], env: dict | None = None, cwd: Path | None = Non
                 input: str | None = None, umask: int | None = None) -> CLIResult:
     """nodectl as a user runs it: a separate process, its real exit code, stdout and stderr apart; with `umask`,
     the user's (a permissive 022 shows which files nodectl makes private itself)."""
-    proc = subprocess.run([sys.executable, "-m", "nodectl", *args], capture_output=True, text=True,
-                          env=env or os.environ.copy(), cwd=cwd, timeout=timeout, input=input,
-                          preexec_fn=None if umask is None else (lambda: os.umask(umask)))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "nodectl", *args], capture_output=True, text=True,
+                              env=env or os.environ.copy(), cwd=cwd, timeout=timeout, input=input,
+                              preexec_fn=None if umask is None else (lambda: os.umask(umask)))
+    except subprocess.TimeoutExpired as exc:  # a hung command fails its test with what it had printed
+        said = [(part.decode(errors="replace") if isinstance(part, bytes) else part or "")[-4000:]
+                for part in (exc.stdout, exc.stderr)]
+        raise AssertionError(f"nodectl {' '.join(args)} did not end in {timeout:.0f} s\nstdout: {said[0]}\n"
+                             f"stderr: {said[1]}") from None
     return CLIResult(proc.returncode, proc.stdout, proc.stderr)
 
 

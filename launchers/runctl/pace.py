@@ -1,0 +1,151 @@
+"""What the pace verdict reads on a node: each rank's latest collectives (its pace file), and what can slow a rank
+down there: its CPU time and run-queue wait, its cgroup's CPU throttling, the node's load and steal, and on
+request the GPU's other processes, clock event reasons and PCIe link."""
+from __future__ import annotations
+
+import os
+import pwd
+import subprocess
+
+import runlayout as layout
+from runctl.common import read_json
+
+NEW_ENTRIES_MAX = 2000   # entries one answer carries per rank (the pace file holds fewer)
+
+
+def rank_pace(run_dir: str, rank: int, pid: int | None, since: int) -> dict:
+    """The rank's collectives reached after `since` (ns since the epoch) and its scheduler counters."""
+    recorded = read_json(os.path.join(run_dir, layout.rank_pace(rank)))
+    entries = []
+    if isinstance(recorded, dict) and isinstance(recorded.get("entries"), list):
+        entries = [e for e in recorded["entries"]
+                   if isinstance(e, list) and len(e) == 4 and isinstance(e[1], int) and isinstance(e[2], int)
+                   and e[2] > since]
+    entries = entries[-NEW_ENTRIES_MAX:]
+    answer = {"groups": [str(e[0]) for e in entries], "seqs": [int(e[1]) for e in entries],
+              "reached": [e[2] for e in entries],
+              "durations": [float(e[3]) if isinstance(e[3], (int, float)) else None for e in entries]}
+    if pid:
+        answer.update(_sched(pid))
+    return answer
+
+
+def _sched(pid: int) -> dict:
+    """Seconds of CPU the process used (all its threads), seconds its main thread (the one that runs the training
+    loop) waited on a run queue for a CPU, and its cgroup's CPU throttling (seconds; None without a CPU limit),
+    all counters since it started."""
+    cpu = wait = 0
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/schedstat", encoding="ascii") as handle:
+                    ran, waited, _ = handle.read().split()
+                cpu += int(ran)
+                if task == str(pid):
+                    wait = int(waited)
+            except (OSError, ValueError):
+                continue
+    except OSError:
+        return {}
+    return {"cpu_s": cpu / 1e9, "runqueue_s": wait / 1e9, "throttled_s": _throttled(pid)}
+
+
+def _throttled(pid: int) -> float | None:
+    """Seconds the process's cgroup was held back by its CPU quota (cgroup v2 throttled_usec, v1 throttled_time)."""
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="ascii") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        controllers, path = parts[1].split(","), parts[2]
+        if parts[1] == "":
+            candidates = [f"/sys/fs/cgroup{path}/cpu.stat", f"/sys/fs/cgroup/unified{path}/cpu.stat"]
+        elif "cpu" in controllers:
+            candidates = [f"/sys/fs/cgroup/{parts[1]}{path}/cpu.stat", f"/sys/fs/cgroup/cpu{path}/cpu.stat",
+                          f"/sys/fs/cgroup/cpu,cpuacct{path}/cpu.stat"]
+        else:
+            continue
+        for candidate in candidates:
+            stats = _keyed(candidate)
+            if "throttled_usec" in stats:
+                return stats["throttled_usec"] / 1e6
+            if "throttled_time" in stats:
+                return stats["throttled_time"] / 1e9
+    return None
+
+
+def _keyed(path: str) -> dict:
+    try:
+        with open(path, encoding="ascii") as handle:
+            return {k: int(v) for k, v in (line.split() for line in handle if len(line.split()) == 2)}
+    except (OSError, ValueError):
+        return {}
+
+
+def node_cpu() -> dict:
+    """The node's 1-minute load, its CPUs, and the seconds its CPUs were stolen by the hypervisor (a counter)."""
+    answer: dict = {"cpus": os.cpu_count() or 1}
+    try:
+        with open("/proc/loadavg", encoding="ascii") as handle:
+            answer["load1"] = float(handle.read().split()[0])
+        with open("/proc/stat", encoding="ascii") as handle:
+            fields = handle.readline().split()
+        answer["steal_s"] = int(fields[8]) / (os.sysconf("SC_CLK_TCK") or 100) if len(fields) > 8 else 0.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return answer
+
+
+GPU_DETAIL = ("index", "uuid", "clocks_event_reasons.active", "pcie.link.gen.gpucurrent", "pcie.link.gen.max",
+              "pcie.link.width.current", "pcie.link.width.max")
+
+
+def gpu_detail(run_pids: set) -> dict:
+    """Per GPU index: the processes on it that are not this run's (pid, user, name), its clock event reasons
+    (a bit mask, NVML's), and its PCIe link now and at best. {} without nvidia-smi."""
+    try:
+        gpus = subprocess.run(["nvidia-smi", f"--query-gpu={','.join(GPU_DETAIL)}", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10)
+        apps = subprocess.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid,process_name",
+                               "--format=csv,noheader"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    by_uuid, detail = {}, {}
+    for line in gpus.stdout.splitlines():
+        cells = [c.strip() for c in line.split(",")]
+        if len(cells) != len(GPU_DETAIL) or not cells[0].isdigit():
+            continue
+        index, uuid = int(cells[0]), cells[1]
+        by_uuid[uuid] = index
+        detail[str(index)] = {"reasons": _int(cells[2]), "pcie_gen": _int(cells[3]), "pcie_gen_max": _int(cells[4]),
+                              "pcie_width": _int(cells[5]), "pcie_width_max": _int(cells[6]), "others": []}
+    for line in apps.stdout.splitlines():
+        cells = [c.strip() for c in line.split(",", 2)]
+        if len(cells) < 2 or cells[0] not in by_uuid or not cells[1].isdigit():
+            continue
+        pid = int(cells[1])
+        if pid in run_pids:
+            continue
+        detail[str(by_uuid[cells[0]])]["others"].append({"pid": pid, "user": _user_of(pid),
+                                                          "name": cells[2] if len(cells) > 2 else ""})
+    return detail
+
+
+def _int(text: str):
+    try:
+        return int(text, 16) if text.startswith("0x") else int(text)
+    except ValueError:
+        return None
+
+
+def _user_of(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as handle:
+            uid = next(int(line.split()[1]) for line in handle if line.startswith("Uid:"))
+        return pwd.getpwuid(uid).pw_name
+    except (OSError, StopIteration, ValueError, KeyError):
+        return "?"

@@ -1,0 +1,451 @@
+"""A run's pace while it runs: which rank the others wait for, how much slower it is, what the run pays, and why.
+
+Every rank's pace thread (launchers/sitecustomize.py) copies its latest collectives from torch's flight recorder:
+process group, sequence id, when this rank reached it, and on NCCL (TORCH_NCCL_ENABLE_TIMING) how long it took. The
+nodes' polls bring them here (runctl/pace.py) with each rank's scheduler counters. For each collective every rank
+reached, the last to arrive is the one the others waited for; a rank's wait is the last arrival minus its own
+(on NCCL: its collective's duration minus the shortest, which needs no clock at all). Over a window:
+
+- a rank's *busy* time is the window minus its waits: computing, loading data, launching kernels;
+- the straggler is the rank busy longest; it is *slower* by its busy time over the median rank's;
+- the run's *pace* is its rate now (steps, or collectives for a script that writes no heartbeat) against its own
+  healthy rate after warm-up.
+
+A verdict is given once one rank stays at least `slower` (15%) slower than the median for `hold` seconds, and
+withdrawn once it stays below half that. The node clocks are put on the controller's by each poll's own time (the
+error is the poll's one-way latency, milliseconds against steps of tenths of seconds). Nothing here talks to a
+node: the poller asks what `request` says and hands the answers to `feed`.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+# NVML clock event reasons that mean the GPU was held back (nvmlClocksEventReasons; idle and app clocks are not)
+CLOCK_REASONS = {0x4: "its power cap", 0x8: "a hardware slowdown", 0x20: "software thermal limits",
+                 0x40: "thermal limits", 0x80: "the power brake"}
+
+
+@dataclass(frozen=True)
+class PaceSettings:
+    window: float = 20.0      # seconds of collectives judged at once
+    every: float = 5.0        # how often they are judged
+    slower: float = 0.15      # a rank this much slower than the median rank...
+    hold: float = 15.0        # ...for this long is the straggler
+    warmup: float = 30.0      # seconds after the first collectives before the healthy pace is measured
+    low_pace: float = 0.85    # the run-wide line: every rank slower than this fraction of the healthy pace
+    look: float = 60.0        # seconds of collectives one look (`status`) judges: what the ranks' pace files hold
+
+
+@dataclass
+class RankTime:
+    rank: int
+    node: str
+    busy: float               # share of the window not waiting in collectives (computing, data, launches)
+    wait: float               # share of the window spent waiting in collectives for other ranks
+
+
+@dataclass
+class Straggler:
+    rank: int
+    node: str
+    gpu: str | None
+    slower: float             # its busy time over the median rank's, minus 1 (0.9 = 1.9x)
+    pace: float | None        # the run's rate now against its healthy rate
+    since: float              # when it was first seen slower (controller's clock)
+    causes: list[str] = field(default_factory=list)
+    ended: float | None = None
+
+    def describe(self) -> str:
+        where = f"rank {self.rank} on node {self.node}" + (f" (GPU {self.gpu})" if self.gpu is not None else "")
+        pays = f"; pace {self.pace:.2f}x" if self.pace is not None else ""
+        cause = "; " + "; ".join(self.causes) if self.causes else "; no cause seen on its node"
+        return f"straggler: {where} is {self.slower * 100:.0f}% slower than the median rank{pays}{cause}"
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class PaceState:
+    """What the watch knows now: each rank's time split, the run's pace, the straggler (if any) and every
+    straggler event so far."""
+
+    ranks: list[RankTime] = field(default_factory=list)
+    pace: float | None = None
+    rate: float | None = None
+    unit: str = "collectives/s"
+    straggler: Straggler | None = None
+    events: list[Straggler] = field(default_factory=list)
+    run_wide: str = ""
+
+    def to_json(self) -> dict:
+        return {"pace": self.pace, "rate": self.rate, "unit": self.unit,
+                "ranks": [asdict(r) for r in self.ranks], "straggler": self.straggler and self.straggler.to_json(),
+                "events": [e.to_json() for e in self.events], "run_wide": self.run_wide, "time": time.time()}
+
+
+class PaceWatch:
+    """Fed each poll's answers; `judge()` every few seconds gives what changed (a new straggler, one gone, a
+    run-wide slowdown) and `state` what holds now."""
+
+    def __init__(self, rank_nodes: dict[int, str], rank_gpus: dict[int, str | None] | None = None,
+                 settings: PaceSettings = PaceSettings(), gpus: bool = False) -> None:
+        self.rank_nodes, self.rank_gpus = rank_nodes, rank_gpus or {}
+        self.settings, self.gpus = settings, gpus
+        self.state = PaceState()
+        self._lock = threading.Lock()
+        self._since: dict[int, int] = {}                       # rank -> latest reached ns asked from
+        self._reached: dict[tuple, dict[int, float]] = defaultdict(dict)   # (group, seq) -> rank -> controller s
+        self._durations: dict[tuple, dict[int, float]] = defaultdict(dict)
+        self._offsets: dict[str, float] = {}                   # node/low, node/high: its clock minus ours
+        self._counters: dict[int, list[tuple]] = defaultdict(list)   # rank -> [(time, cpu, runqueue, throttled)]
+        self._node_cpu: dict[str, list[tuple]] = defaultdict(list)   # node -> [(time, steal, load, cpus)]
+        self._gpu_detail: dict[str, dict] = {}
+        self._steps: list[tuple[float, float]] = []            # (time, step) of the slowest rank's heartbeat
+        self._first: float | None = None
+        self._healthy: list[float] = []
+        self._candidate: tuple[int, float] | None = None       # (rank, since)
+        self._calm_since: float | None = None
+        self._last_judged = 0.0
+        self._low_since: float | None = None
+        self.judged = False                                     # the last judge() looked at a new window
+
+    # what the poller asks each node -------------------------------------------------------------------------
+    def request(self, node: str, ranks: list[int]) -> tuple[dict, bool]:
+        with self._lock:
+            since = {str(r): self._since.get(r, 0) for r in ranks}
+            candidate = self._candidate or (self.state.straggler and (self.state.straggler.rank, 0))
+            detail = bool(self.gpus and candidate and self.rank_nodes.get(candidate[0]) == node)
+        return since, detail
+
+    # what the nodes answered --------------------------------------------------------------------------------
+    def feed(self, node: str, answer, received: float, sent: float | None = None) -> None:
+        """One node's poll answer (nodectl.remote.answers.PollAnswer), asked at `sent` and received at `received`
+        (controller clock)."""
+        pace = getattr(answer, "pace", None)
+        if pace is None:
+            return
+        with self._lock:
+            shift = self._clock(node, answer.now, sent, received)
+            for rank_text, rp in pace.ranks.items():
+                rank = int(rank_text)
+                for group, seq, reached, duration in zip(rp.groups, rp.seqs, rp.reached, rp.durations):
+                    key = (group, seq)
+                    self._reached[key][rank] = reached / 1e9 - shift
+                    if duration is not None:
+                        self._durations[key][rank] = duration / 1e3
+                    self._since[rank] = max(self._since.get(rank, 0), reached)
+                if rp.cpu_s is not None:
+                    self._counters[rank].append((received, rp.cpu_s, rp.runqueue_s or 0.0, rp.throttled_s))
+                    del self._counters[rank][:-120]
+            if pace.cpu:
+                cpu = pace.cpu
+                self._node_cpu[node].append((received, cpu.get("steal_s"), cpu.get("load1"), cpu.get("cpus")))
+                del self._node_cpu[node][:-120]
+            if pace.gpus:
+                self._gpu_detail[node] = {k: v for k, v in pace.gpus.items()}
+            steps = [r.step for r in answer.ranks if isinstance(r.step, (int, float)) and not isinstance(r.step, bool)]
+            if steps:
+                self._steps.append((received, float(min(steps))))
+                del self._steps[:-2000]
+
+    def look(self, now: float | None = None) -> PaceState:
+        """What the collectives known so far say at once, without waiting for a verdict to hold (`status`): each
+        rank's time split, and the slowest rank as a straggler when it is `slower` behind the median."""
+        now = time.time() if now is None else now
+        with self._lock:
+            window = self._window(now, self.settings.look)
+        if window is None:
+            return self.state
+        times, rate, unit = window
+        state = self.state
+        state.ranks, state.rate, state.unit = times, rate, unit
+        busiest = max(times, key=lambda t: t.busy)
+        median = statistics.median(t.busy for t in times)
+        slower = busiest.busy / median - 1 if median > 0 else 0.0
+        if slower >= self.settings.slower and len(times) > 1:
+            state.straggler = Straggler(busiest.rank, busiest.node, self.rank_gpus.get(busiest.rank), round(slower, 2),
+                                        None, now)
+            with self._lock:
+                state.straggler.causes = self._causes(state.straggler, now)
+        return state
+
+    def _clock(self, node: str, now: float, sent: float | None, received: float) -> float:
+        """The node's clock minus the controller's, as far as it is proven: the node read `now` between `sent`
+        and `received`, so the difference lies between now - received and now - sent. While that range holds 0
+        (clocks kept by NTP, or one machine) nothing is corrected: guessing inside it would add the poll's
+        latency as an error, tens of ms against steps that may be as short."""
+        low, high = self._offsets.get(node + "/low", -1e18), self._offsets.get(node + "/high", 1e18)
+        low = max(low, now - received)
+        high = min(high, now - sent) if sent is not None else high
+        if high < low:   # the clock stepped (NTP): start again from this poll
+            low, high = now - received, (now - sent) if sent is not None else 1e18
+        self._offsets[node + "/low"], self._offsets[node + "/high"] = low, high
+        return low if low > 0 else high if high < 0 else 0.0
+
+    # the verdicts -------------------------------------------------------------------------------------------
+    def judge(self, now: float | None = None) -> list[Straggler | str]:
+        """What changed since the last call: a Straggler found (or, with `ended` set, gone), or a run-wide line."""
+        now = time.time() if now is None else now
+        s = self.settings
+        self.judged = False
+        if now - self._last_judged < s.every:
+            return []
+        self._last_judged = now
+        with self._lock:
+            window = self._window(now)
+        if window is None:
+            return []
+        times, rate, unit = window
+        state, changes, self.judged = self.state, [], True
+        state.ranks, state.rate, state.unit = times, rate, unit
+        healthy_from = (self._first or now) + s.warmup
+        if now >= healthy_from and state.straggler is None and not state.run_wide:
+            self._healthy.append(rate)
+            del self._healthy[:-12]
+        base = statistics.median(self._healthy) if len(self._healthy) >= 2 else None
+        state.pace = round(rate / base, 2) if base else None
+        busiest = max(times, key=lambda t: t.busy)
+        median = statistics.median(t.busy for t in times)
+        slower = busiest.busy / median - 1 if median > 0 else 0.0
+        straggler = state.straggler
+        if straggler is None:
+            if slower >= s.slower and len(times) > 1:
+                if self._candidate is None or self._candidate[0] != busiest.rank:
+                    self._candidate = (busiest.rank, now)
+                elif now - self._candidate[1] >= s.hold:
+                    found = Straggler(busiest.rank, busiest.node, self.rank_gpus.get(busiest.rank),
+                                      round(slower, 2), state.pace, self._candidate[1])
+                    with self._lock:
+                        found.causes = self._causes(found, now)
+                    state.straggler, self._candidate = found, None
+                    state.events.append(found)
+                    changes.append(found)
+            else:
+                self._candidate = None
+        else:
+            same = busiest.rank == straggler.rank and slower >= s.slower / 2
+            if same:
+                straggler.slower, straggler.pace, self._calm_since = round(slower, 2), state.pace, None
+            elif self._calm_since is None:
+                self._calm_since = now
+            elif now - self._calm_since >= s.hold:
+                straggler.ended, state.straggler, self._calm_since = now, None, None
+                changes.append(straggler)
+        changes += self._run_wide(now, state, times)
+        return changes
+
+    def _run_wide(self, now: float, state: PaceState, times: list[RankTime]) -> list[str]:
+        s = self.settings
+        if state.pace is None or state.straggler is not None or state.pace >= s.low_pace:
+            if self._low_since and state.run_wide:
+                state.run_wide = ""
+            self._low_since = None
+            return []
+        self._low_since = self._low_since or now
+        if state.run_wide or now - self._low_since < s.hold:
+            return []
+        waits = statistics.median(t.wait for t in times)
+        state.run_wide = (f"every rank is slower: pace {state.pace:.2f}x of this run's healthy pace, no single "
+                          f"rank to blame (each waits {waits * 100:.0f}% of the time in collectives); "
+                          f"{'the collectives themselves' if waits > 0.5 else 'compute or data on every node'} "
+                          f"take the time now")
+        return [state.run_wide]
+
+    def _window(self, now: float, seconds: float | None = None):
+        """(per-rank time split, rate, unit) over the last `seconds` (the window), or None while too little is
+        known."""
+        s = self.settings
+        seconds = seconds or s.window
+        ranks = sorted(self.rank_nodes)
+        by_group: dict[str, list] = defaultdict(list)
+        for key, arrivals in self._reached.items():
+            by_group[key[0]].append((key, arrivals))
+        if not by_group:
+            return None
+        if self._first is None:
+            self._first = min(min(a.values()) for entries in by_group.values() for _, a in entries)
+        # the group every rank takes part in (the default group, or the mesh group that spans the run)
+        group, entries = max(by_group.items(), key=lambda item: (len(set().union(*(a for _, a in item[1]))),
+                                                                  len(item[1])))
+        complete = sorted(((max(a.values()), key, a) for key, a in entries if set(a) >= set(ranks)),
+                          key=lambda item: item[0])
+        recent = [item for item in complete if item[0] >= now - seconds]
+        self._forget(now)
+        if len(recent) < 4 or recent[-1][0] - recent[0][0] < min(seconds, s.window) / 4:
+            return None
+        span = recent[-1][0] - recent[0][0]
+        waits = dict.fromkeys(ranks, 0.0)
+        timed = all(set(self._durations.get(key, {})) >= set(ranks) for _, key, _ in recent[1:])
+        for last, key, arrivals in recent[1:]:
+            if timed:   # NCCL timed each: a rank waited what its collective took beyond the shortest one
+                durations = self._durations[key]
+                shortest = min(durations[r] for r in ranks)
+                for r in ranks:
+                    waits[r] += durations[r] - shortest
+            else:
+                for r in ranks:
+                    waits[r] += last - arrivals[r]
+        times = [RankTime(r, self.rank_nodes[r], busy=round(max(0.0, 1 - waits[r] / span), 3),
+                          wait=round(min(1.0, waits[r] / span), 3)) for r in ranks]
+        steps = [(t, step) for t, step in self._steps if t >= now - seconds]
+        if len(steps) >= 2 and steps[-1][1] > steps[0][1]:
+            return times, (steps[-1][1] - steps[0][1]) / (steps[-1][0] - steps[0][0]), "steps/s"
+        return times, (len(recent) - 1) / span, "collectives/s"
+
+    def _forget(self, now: float) -> None:
+        keep_from = now - max(3 * self.settings.window, self.settings.look)
+        for key in [k for k, a in self._reached.items() if max(a.values()) < keep_from]:
+            del self._reached[key]
+            self._durations.pop(key, None)
+
+    # the causes ---------------------------------------------------------------------------------------------
+    def _causes(self, found: Straggler, now: float) -> list[str]:
+        causes = []
+        window = self.settings.window
+        mine = _rates(self._counters.get(found.rank, []), now - window)
+        others = [_rates(self._counters.get(r, []), now - window) for r in self.rank_nodes if r != found.rank]
+        others = [o for o in others if o]
+        if mine:
+            queue, throttled = mine.get("runqueue", 0.0), mine.get("throttled") or 0.0
+            usual = statistics.median(o.get("runqueue", 0.0) for o in others) if others else 0.0
+            if throttled >= 0.05:   # a throttled thread also counts as waiting on its run queue: said once
+                causes.append(f"its cgroup's CPU quota held it back {min(throttled, 1) * 100:.0f}% of the time "
+                              f"(CPU throttling)")
+            elif queue >= 0.1 and queue >= usual + 0.05:
+                load = self._node_cpu.get(found.node)
+                said = f" (node load {load[-1][2]:.1f} on {load[-1][3]} CPUs)" if load and load[-1][2] is not None \
+                    else ""
+                causes.append(f"its main thread waited for a CPU {min(queue, 1) * 100:.0f}% of the time: another "
+                              f"process shares its cores{said}")
+        steal = _steal(self._node_cpu.get(found.node, []), now - window)
+        if steal is not None and steal >= 0.05:
+            causes.append(f"the hypervisor took {steal * 100:.0f}% of its node's CPU time (steal)")
+        gpu = self._gpu_detail.get(found.node, {}).get(str(found.gpu)) if found.gpu is not None else None
+        if gpu is not None:
+            for other in gpu.others[:3]:
+                causes.append(f"another process on GPU {found.gpu} (pid {other.get('pid')}, user "
+                              f"{other.get('user')}{', ' + other['name'] if other.get('name') else ''})")
+            held = [text for bit, text in CLOCK_REASONS.items() if gpu.reasons and gpu.reasons & bit]
+            if held:
+                causes.append(f"GPU {found.gpu}'s clocks are slowed by {', '.join(held)}")
+            if gpu.pcie_width and gpu.pcie_width_max and gpu.pcie_width < gpu.pcie_width_max:
+                causes.append(f"GPU {found.gpu}'s PCIe link trained down to x{gpu.pcie_width} of "
+                              f"x{gpu.pcie_width_max}")
+        return causes
+
+
+def _rates(samples: list[tuple], since: float) -> dict:
+    """Shares of wall time, over the samples since `since`: CPU used, run-queue wait, quota throttling."""
+    recent = [s for s in samples if s[0] >= since]
+    if len(recent) < 2 or recent[-1][0] <= recent[0][0]:
+        return {}
+    wall = recent[-1][0] - recent[0][0]
+    rates = {"cpu": (recent[-1][1] - recent[0][1]) / wall, "runqueue": (recent[-1][2] - recent[0][2]) / wall}
+    if recent[-1][3] is not None and recent[0][3] is not None:
+        rates["throttled"] = (recent[-1][3] - recent[0][3]) / wall
+    return rates
+
+
+def _steal(samples: list[tuple], since: float) -> float | None:
+    recent = [s for s in samples if s[0] >= since and s[1] is not None]
+    if len(recent) < 2 or recent[-1][0] <= recent[0][0] or not recent[-1][3]:
+        return None
+    return (recent[-1][1] - recent[0][1]) / ((recent[-1][0] - recent[0][0]) * recent[-1][3])
+
+
+def for_run(run, run_nodes: list) -> PaceWatch:
+    """The pace watch of a run (nodectl.runs.Run, its RunNodes): each rank's node and, on GPU nodes, its GPU
+    index on that node (its place in the node's CUDA_VISIBLE_DEVICES, or its local rank)."""
+    plan = run.read().plan
+    envs = {entry["node"]["name"]: entry.get("env") or {} for entry in plan.get("nodes", [])}
+    gpus = plan.get("backend") == "nccl"
+    rank_gpus: dict[int, str | None] = {}
+    for rn in run_nodes:
+        visible = [v.strip() for v in str(envs.get(rn.node.name, {}).get("CUDA_VISIBLE_DEVICES", "")).split(",")
+                   if v.strip()]
+        for local, rank in enumerate(rn.ranks):
+            rank_gpus[rank] = (visible[local] if local < len(visible) else str(local)) if gpus else None
+    watch = PaceWatch({rank: rn.node.name for rn in run_nodes for rank in rn.ranks}, rank_gpus, gpus=gpus)
+    watch.state.events = earlier_stragglers(run.read().pace)   # an earlier attempt's verdicts stay in the record
+    return watch
+
+
+# reading a run record's pace (written by an attached launch; a record is data anyone may have edited) -------------
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def straggler_from(entry) -> Straggler | None:
+    if not isinstance(entry, dict) or not isinstance(entry.get("rank"), int) or not isinstance(entry.get("node"), str):
+        return None
+    causes = entry.get("causes")
+    return Straggler(rank=entry["rank"], node=entry["node"],
+                     gpu=entry["gpu"] if isinstance(entry.get("gpu"), str) else None,
+                     slower=_number(entry.get("slower")) or 0.0, pace=_number(entry.get("pace")),
+                     since=_number(entry.get("since")) or 0.0,
+                     causes=[c for c in causes if isinstance(c, str)] if isinstance(causes, list) else [],
+                     ended=_number(entry.get("ended")))
+
+
+def earlier_stragglers(record) -> list[Straggler]:
+    """The straggler events a run's record holds (an earlier attempt's), each ended."""
+    if not isinstance(record, dict) or not isinstance(record.get("events"), list):
+        return []
+    events = [s for s in (straggler_from(e) for e in record["events"]) if s is not None]
+    for event in events:
+        if event.ended is None:
+            event.ended = _number(record.get("time")) or event.since
+    return events
+
+
+RECORD_FRESH = 45.0   # seconds a record's pace stands for the live run (the attached launch writes it every 15)
+
+
+def current(record, look: PaceState | None) -> tuple[dict | None, dict[int, tuple[float, float]]]:
+    """(the pace to tell, {rank: (busy, wait)}) of a live run: the attached launch's verdict from its record while
+    it is fresh, else what one look at the ranks' pace files says."""
+    fresh = isinstance(record, dict) and (_number(record.get("time")) or 0) >= time.time() - RECORD_FRESH
+    looked = look.to_json() if look is not None and look.ranks else None
+    chosen = record if fresh else looked
+    return chosen, rank_split(looked or chosen)
+
+
+def pace_lines(record, live: bool = True) -> list[str]:
+    """What `status` and `runs` say of a run's pace from its record: the straggler now (or the run-wide line)
+    and the pace; with `live` False (the run ended) the stragglers it had."""
+    if not isinstance(record, dict):
+        return []
+    lines = []
+    current = straggler_from(record.get("straggler")) if live else None
+    pace = _number(record.get("pace"))
+    if current is not None:
+        lines.append(current.describe())
+    elif live and isinstance(record.get("run_wide"), str) and record["run_wide"]:
+        lines.append(record["run_wide"])
+    elif live and pace is not None:
+        lines.append(f"pace {pace:.2f}x of this run's healthy pace; no straggler")
+    if not live:
+        for event in earlier_stragglers(record)[-3:]:
+            lasted = f" for {event.ended - event.since:.0f}s" if event.ended else ""
+            lines.append(f"had a straggler{lasted}: rank {event.rank} on node {event.node}, "
+                         f"{event.slower * 100:.0f}% slower" + (f" ({'; '.join(event.causes)})" if event.causes
+                                                                else ""))
+    return lines
+
+
+def rank_split(record) -> dict[int, tuple[float, float]]:
+    """{rank: (busy share, wait share)} from a record's pace."""
+    if not isinstance(record, dict) or not isinstance(record.get("ranks"), list):
+        return {}
+    out = {}
+    for entry in record["ranks"]:
+        if isinstance(entry, dict) and isinstance(entry.get("rank"), int):
+            busy, wait = _number(entry.get("busy")), _number(entry.get("wait"))
+            if busy is not None and wait is not None:
+                out[entry["rank"]] = (busy, wait)
+    return out

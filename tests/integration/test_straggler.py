@@ -1,0 +1,80 @@
+"""The straggler verdict on isolated nodes, for a plain DDP script written for no tool: one rank held to a fraction of
+a CPU (a cgroup quota, as a shared or limited machine does) is named with its node and the cause within 60 s, while
+the run goes on; `status` shows it with each rank's share of time busy and waiting; --on-straggler exclude then
+stops the run, leaves that node out and starts the next attempt on the rest."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from support.cli import run_nodectl
+from support.launch import kill_leftovers, latest_run_id, wait_for
+from support.slowdown import cpu_quota, quota_available, rank_process
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(not quota_available() or os.geteuid() != 0, reason="needs a cgroup CPU quota (root)")]
+
+DDP = Path(__file__).resolve().parents[2] / "bench" / "scripts" / "ddp_plain.py"
+
+
+def test_a_quota_held_rank_is_named_shown_by_status_and_left_out(ssh_cluster, project):
+    (project / "ddp_plain.py").write_text(DDP.read_text())
+    env = ssh_cluster.env()
+    inventory = str(ssh_cluster.inventory(count=2))
+    launch = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", inventory, "launch", "--skip-preflight",
+                               "--gpus", "2", "--max-restarts", "1", "--on-straggler", "exclude",
+                               "--straggler-hold", "20", "--", "ddp_plain.py", "1000000", "640"],
+                              env=env, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    said: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: said.extend((time.monotonic(), line) for line in launch.stderr),
+                              daemon=True)
+    reader.start()
+    run_id = wait_for(lambda: latest_run_id(project) if (project / "runs").exists() and any(
+        p.name[0].isdigit() for p in (project / "runs").iterdir()) else None)
+    manifest = project / "runs" / run_id / "manifest.json"
+    wait_for(manifest.exists)
+    try:
+        # healthy first: the pace is judged (each rank's share busy and waiting) and no straggler is named
+        paced = lambda: (json.loads(manifest.read_text()).get("pace") or {}).get("pace") is not None  # noqa: E731
+        try:
+            wait_for(paced, timeout=120)
+        except AssertionError:
+            raise AssertionError(f"no pace in the record: {manifest.read_text()[-3000:]}\n{said}") from None
+        assert not [line for _, line in said if "straggler" in line], said
+        slow = wait_for(lambda: rank_process(run_id, 3, "ddp_plain.py"))
+        with cpu_quota(slow.pid, 0.2):
+            held = time.monotonic()
+            named = wait_for(lambda: next((line for at, line in said if "straggler: rank 3 on node node1" in line),
+                                          None), timeout=60)
+            noticed = next(at for at, line in said if line == named) - held
+            assert "CPU quota held it back" in named, named
+            assert "pace 0." in named, named
+
+            status = run_nodectl(["--json", "status"], env=env, cwd=project).json()
+            assert status["pace"]["straggler"]["rank"] == 3 and status["pace"]["straggler"]["node"] == "node1"
+            busy = {row["rank"]: row["busy"] for row in status["ranks"]}
+            assert busy[3] == max(busy.values()) and busy[3] > sorted(busy.values())[1] + 0.1, status["ranks"]
+            shown = run_nodectl(["status"], env=env, cwd=project).stdout
+            assert "straggler: rank 3 on node node1" in shown and "busy" in shown
+
+            # --on-straggler exclude: the verdict held 20 s, node1 is left out, attempt 1 runs on node0
+            wait_for(lambda: any("attempt 1 on 1 node(s)" in line for _, line in said), timeout=120)
+        text = "".join(line for _, line in said)
+        assert "leaving out node1" in text and "restarting run" in text, text[-3000:]
+        record = json.loads(manifest.read_text())
+        failure = record["attempts"][0]["failure"]
+        assert failure["kind"] == "straggler" and failure["rank"] == 3 and failure["node"] == "node1", failure
+        assert [n["node"]["name"] for n in record["plan"]["nodes"]] == ["node0"]
+        print(f"straggler named {noticed:.1f}s after the quota")
+        assert noticed < 60
+    finally:
+        run_nodectl(["stop", "--grace", "1"], env=env, cwd=project)
+        launch.kill()
+        kill_leftovers(run_id)

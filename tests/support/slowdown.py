@@ -1,0 +1,60 @@
+"""Making one rank slow, as a shared or limited machine does: a CPU quota on its process (a cgroup of its own, v1 or
+v2), for the straggler tests and bench/straggler.py."""
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+import psutil
+
+V1 = Path("/sys/fs/cgroup/cpu")
+V2 = Path("/sys/fs/cgroup")
+
+
+def rank_process(run_id: str, rank: int, script: str) -> psutil.Process | None:
+    """The program of `rank` of run `run_id` (its own process, not rankexec.py that started it)."""
+    for proc in psutil.process_iter():
+        try:
+            env, argv = proc.environ(), proc.cmdline()
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+        if env.get("NODECTL_RUN_ID") == run_id and env.get("RANK") == str(rank) \
+                and any(script in a for a in argv) and not any("rankexec" in a for a in argv):
+            return proc
+    return None
+
+
+def quota_available() -> bool:
+    return (V1 / "cpu.cfs_quota_us").exists() or (V2 / "cgroup.controllers").exists()
+
+
+@contextlib.contextmanager
+def cpu_quota(pid: int, share: float):
+    """Every thread of `pid` held to `share` of one CPU while inside; its cgroup removed after."""
+    name = f"nodectl-slow-{os.getpid()}-{pid}"
+    if (V1 / "cpu.cfs_quota_us").exists():
+        group = V1 / name
+        group.mkdir()
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(int(100000 * share)))
+        members, home = group / "tasks", V1 / "tasks"
+        threads = [t.id for t in psutil.Process(pid).threads()]
+    else:
+        group = V2 / name
+        group.mkdir()
+        (group / "cpu.max").write_text(f"{int(100000 * share)} 100000")
+        members, home = group / "cgroup.procs", V2 / "cgroup.procs"
+        threads = [pid]
+    try:
+        for tid in threads:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                members.write_text(str(tid))
+        yield group
+    finally:
+        with contextlib.suppress(OSError):
+            for tid in members.read_text().split():
+                with contextlib.suppress(OSError):
+                    home.write_text(tid)
+        with contextlib.suppress(OSError):
+            group.rmdir()
