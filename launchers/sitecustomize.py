@@ -130,6 +130,7 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
 
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     path = os.path.join(run_dir, layout.rank_pace(rank))
+    timed = os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"
     while True:
         time.sleep(every)
         c10d = sys.modules.get("torch._C._distributed_c10d")
@@ -148,6 +149,9 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
             continue
         kept = []
         for entry in entries[-PACE_ENTRIES:]:
+            if timed and str(entry.get("profiling_name", "")).startswith("nccl:") \
+                    and entry.get("state") in ("scheduled", "started"):
+                break   # NCCL times it once it completes: it comes in a later copy, with its duration
             seq, reached = entry.get("collective_seq_id"), entry.get("time_created_ns")
             if entry.get("is_p2p") or not isinstance(seq, int) or not isinstance(reached, int):
                 continue

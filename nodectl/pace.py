@@ -22,7 +22,7 @@ import statistics
 import threading
 import time
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 # NVML clock event reasons that mean the GPU was held back (nvmlClocksEventReasons; idle and app clocks are not)
 CLOCK_REASONS = {0x4: "its power cap", 0x8: "a hardware slowdown", 0x20: "software thermal limits",
@@ -113,6 +113,7 @@ class PaceWatch:
         self._last_judged = 0.0
         self._low_since: float | None = None
         self.judged = False                                     # the last judge() looked at a new window
+        self.timed = False                                      # the last window's waits came from NCCL's timing
 
     # what the poller asks each node -------------------------------------------------------------------------
     def request(self, node: str, ranks: list[int]) -> tuple[dict, bool]:
@@ -166,10 +167,10 @@ class PaceWatch:
         state.ranks, state.rate, state.unit = times, rate, unit
         busiest = max(times, key=lambda t: t.busy)
         median = statistics.median(t.busy for t in times)
-        slower = busiest.busy / median - 1 if median > 0 else 0.0
+        slower = busiest.busy / median - 1 if median > 0 else 1.0
         if slower >= self.settings.slower and len(times) > 1:
-            state.straggler = Straggler(busiest.rank, busiest.node, self.rank_gpus.get(busiest.rank), round(slower, 2),
-                                        None, now)
+            state.straggler = Straggler(busiest.rank, busiest.node, self.rank_gpus.get(busiest.rank),
+                                        self._told(slower, None), None, now)
             with self._lock:
                 state.straggler.causes = self._causes(state.straggler, now)
         return state
@@ -211,7 +212,7 @@ class PaceWatch:
         state.pace = round(rate / base, 2) if base else None
         busiest = max(times, key=lambda t: t.busy)
         median = statistics.median(t.busy for t in times)
-        slower = busiest.busy / median - 1 if median > 0 else 0.0
+        slower = busiest.busy / median - 1 if median > 0 else 1.0
         straggler = state.straggler
         if straggler is None:
             if slower >= s.slower and len(times) > 1:
@@ -219,25 +220,35 @@ class PaceWatch:
                     self._candidate = (busiest.rank, now)
                 elif now - self._candidate[1] >= s.hold:
                     found = Straggler(busiest.rank, busiest.node, self.rank_gpus.get(busiest.rank),
-                                      round(slower, 2), state.pace, self._candidate[1])
+                                      self._told(slower, state.pace), state.pace, self._candidate[1])
                     with self._lock:
                         found.causes = self._causes(found, now)
                     state.straggler, self._candidate = found, None
                     state.events.append(found)
-                    changes.append(found)
+                    changes.append(replace(found, causes=list(found.causes)))   # as it was when found
             else:
                 self._candidate = None
         else:
             same = busiest.rank == straggler.rank and slower >= s.slower / 2
             if same:
-                straggler.slower, straggler.pace, self._calm_since = round(slower, 2), state.pace, None
+                straggler.slower, straggler.pace = self._told(slower, state.pace), state.pace
+                self._calm_since = None
             elif self._calm_since is None:
                 self._calm_since = now
             elif now - self._calm_since >= s.hold:
                 straggler.ended, state.straggler, self._calm_since = now, None, None
-                changes.append(straggler)
+                changes.append(replace(straggler, causes=list(straggler.causes)))
         changes += self._run_wide(now, state, times)
         return changes
+
+    def _told(self, slower: float, pace: float | None) -> float:
+        """How much slower the straggler is, as told. On GPUs the collectives run beside the compute (FSDP's
+        prefetch) and the host runs ahead of the GPU, so the shares of the window only rank the ranks; there the
+        run's own slowdown, which a lone straggler sets, is the figure (1/pace - 1), once the healthy pace is
+        known."""
+        if (self.timed or self.gpus) and pace:
+            return round(max(0.0, 1 / pace - 1), 2)
+        return round(min(slower, 9.99), 2)
 
     def _run_wide(self, now: float, state: PaceState, times: list[RankTime]) -> list[str]:
         s = self.settings
@@ -280,8 +291,10 @@ class PaceWatch:
             return None
         span = recent[-1][0] - recent[0][0]
         waits = dict.fromkeys(ranks, 0.0)
-        timed = all(set(self._durations.get(key, {})) >= set(ranks) for _, key, _ in recent[1:])
-        for last, key, arrivals in recent[1:]:
+        with_durations = [item for item in recent[1:] if set(self._durations.get(item[1], {})) >= set(ranks)]
+        timed = len(with_durations) >= 0.9 * len(recent[1:])
+        self.timed = timed
+        for last, key, arrivals in (with_durations if timed else recent[1:]):
             if timed:   # NCCL timed each: a rank waited what its collective took beyond the shortest one
                 durations = self._durations[key]
                 shortest = min(durations[r] for r in ranks)

@@ -65,7 +65,8 @@ def test_an_exception_on_one_rank_is_printed_and_ends_the_run_within_seconds(tmp
     reader.join(5)
     ended, err = time.monotonic(), "".join(lines)
     assert proc.returncode == 1, out[-2000:] + err[-3000:]
-    # the ranks start, load the demo model, train two steps and fail: seconds, never a collective's timeout
-    assert ended - seen["started"] < 30, f"the run took {ended - seen['started']:.0f} s to end"
+    # the ranks start, load the demo model, train two steps and fail: seconds (tens on a loaded 2-core machine),
+    # never a collective's 30-minute timeout
+    assert ended - seen["started"] < 90, f"the run took {ended - seen['started']:.0f} s to end"
     assert "rank 1 on node localhost failed (exit code 1)" in err, err[-3000:]
     assert "rank 1 (node rank 0," in err and "RuntimeError: injected fault in the logging all_reduce of rank 1" in err

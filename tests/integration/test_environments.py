@@ -43,6 +43,7 @@ def built_line(output: str) -> str:
     return next(line for line in output.splitlines() if line.startswith("environment venv "))
 
 
+@pytest.mark.timeout(600)   # four launches in a row: 150-220 s alone, over 300 beside another file on 2 cores
 def test_offline_nodes_build_one_venv_reuse_it_and_rebuild_on_change(offline_cluster, tmp_path):
     cluster, env = offline_cluster, offline_cluster.env()
     project = make_project(tmp_path / "project")

@@ -42,6 +42,7 @@ def trainer_pid(run_id: str, rank: int):
     return None
 
 
+@pytest.mark.timeout(600)   # four launches in a row: 150-220 s alone, over 300 beside another file on 2 cores
 def test_kill9_a_rank_then_resume_logs_the_same_losses_and_report(ssh_cluster, tmp_path, demo_cache):
     project = tmp_path / "project"
     project.mkdir()

@@ -1,0 +1,128 @@
+"""The pace verdict (nodectl/pace.py) on simulated synchronous training: ranks that compute, meet at an all-reduce
+and go on together. Each rank reaches collective k when its compute after collective k-1 ends; the others wait for
+the last. What the watch is given is what the nodes' polls carry: the arrival times on each node's clock (and, for
+NCCL, each collective's duration)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from nodectl.pace import PaceSettings, PaceWatch, Straggler, earlier_stragglers, pace_lines, rank_split
+from nodectl.remote.answers import PaceSample, PollAnswer, RankPace, RankState
+
+NODES = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
+
+
+def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: float = 0.003, durations=False,
+             steps_per_beat: int = 0, settings=PaceSettings(), seed: int = 0):
+    """Run `seconds` of training where `compute(rank, t)` is a rank's compute time per step at time t; feed the
+    watch a poll per node per second; return (watch, [(t, change)])."""
+    rng = random.Random(seed)
+    skew = skew or {}
+    watch = PaceWatch(NODES, settings=settings)
+    t, seq, pending, changes = 0.0, 0, {n: [] for n in set(NODES.values())}, []
+    next_poll = 1.0
+    ends = dict.fromkeys(NODES, 0.0)
+    while t < seconds:
+        arrivals = {r: ends[r] + compute(r, t) + rng.uniform(0, jitter) for r in NODES}
+        last = max(arrivals.values())
+        seq += 1
+        for r, at in arrivals.items():
+            took = (last - at + comm) * 1e3 if durations else None
+            pending[NODES[r]].append((r, seq, at, took))
+            ends[r] = last + comm
+        t = last + comm
+        while t >= next_poll:
+            for node, entries in pending.items():
+                ranks = {}
+                for r in (r for r, n in NODES.items() if n == node):
+                    mine = [e for e in entries if e[0] == r]
+                    ranks[str(r)] = RankPace(groups=tuple("0" for _ in mine), seqs=tuple(e[1] for e in mine),
+                                             reached=tuple(int((e[2] + skew.get(node, 0.0)) * 1e9) for e in mine),
+                                             durations=tuple(e[3] for e in mine))
+                step = seq // steps_per_beat if steps_per_beat else None
+                answer = PollAnswer(now=next_poll + skew.get(node, 0.0), node_rank=0, alive=2,
+                                    ranks=tuple(RankState(r, heartbeat={"step": step} if step else None)
+                                                for r in NODES if NODES[r] == node),
+                                    pace=PaceSample(ranks=ranks))
+                watch.feed(node, answer, received=next_poll + 0.004, sent=next_poll - 0.004)
+                entries.clear()
+            changes += [(next_poll, c) for c in watch.judge(now=next_poll)]
+            next_poll += 1.0
+    return watch, changes
+
+
+def found(changes):
+    return [(t, c) for t, c in changes if isinstance(c, Straggler) and c.ended is None]
+
+
+def test_a_healthy_run_gets_no_verdict_and_keeps_pace_one():
+    watch, changes = simulate(lambda r, t: 0.1, 300)
+    assert changes == []
+    assert watch.state.pace == pytest.approx(1.0, abs=0.05)
+    assert max(t.busy for t in watch.state.ranks) - min(t.busy for t in watch.state.ranks) < 0.1
+
+
+def test_a_rank_half_as_fast_is_named_within_60s_with_the_pace_it_costs_and_gone_when_it_recovers():
+    slow = lambda r, t: 0.2 if r == 3 and 100 <= t < 220 else 0.1  # noqa: E731
+    watch, changes = simulate(slow, 320)
+    named = found(changes)
+    assert len(named) == 1
+    at, straggler = named[0]
+    assert straggler.rank == 3 and straggler.node == "node1"
+    assert at - 100 < 60
+    assert straggler.slower >= 0.5          # 2x the compute, with the collective's own time in both
+    assert straggler.pace == pytest.approx(0.55, abs=0.08)   # 0.11 s steps became 0.21 s
+    gone = [(t, c) for t, c in changes if isinstance(c, Straggler) and c.ended is not None]
+    assert gone and gone[0][0] > 220 and watch.state.straggler is None
+    assert "rank 3 on node node1 is" in straggler.describe() and "pace 0.5" in straggler.describe()
+
+
+def test_a_slight_or_brief_slowdown_is_not_a_straggler():
+    slight = lambda r, t: 0.11 if r == 3 else 0.1  # noqa: E731   # 10% slower: under the 15% line
+    brief = lambda r, t: 0.3 if r == 2 and 100 <= t < 104 else 0.1  # noqa: E731   # 4 s: under the hold
+    for compute in (slight, brief):
+        _, changes = simulate(compute, 200)
+        assert found(changes) == []
+
+
+def test_every_rank_slower_is_a_run_wide_line_not_a_straggler():
+    _, changes = simulate(lambda r, t: 0.3 if t >= 120 else 0.1, 260)
+    assert found(changes) == []
+    lines = [c for _, c in changes if isinstance(c, str)]
+    assert lines and "every rank is slower: pace 0.3" in lines[0] and "no single rank to blame" in lines[0]
+
+
+def test_the_heartbeat_steps_give_the_pace_in_steps():
+    watch, _ = simulate(lambda r, t: 0.1, 120, steps_per_beat=4)
+    assert watch.state.unit == "steps/s"
+    assert watch.state.rate == pytest.approx(1 / 0.11 / 4, rel=0.1)
+
+
+def test_a_node_clock_proven_off_is_corrected_one_within_the_poll_is_not():
+    # node1's clock 2 s ahead: beyond what the poll's 8 ms can hide, so it is taken off; 3 ms is left alone
+    for skew in (2.0, 0.003):
+        _, changes = simulate(lambda r, t: 0.2 if r == 1 and t >= 100 else 0.1, 220, skew={"node1": skew})
+        named = found(changes)
+        assert [c.rank for _, c in named] == [1], (skew, named)
+
+
+def test_nccl_durations_need_no_clock_at_all():
+    # node1's clock 40 ms off, inside nothing the poll proves: arrivals alone would blame node1; durations do not
+    slow = lambda r, t: 0.2 if r == 0 and t >= 100 else 0.1  # noqa: E731
+    _, changes = simulate(slow, 220, skew={"node1": 0.0}, durations=True)
+    assert [c.rank for _, c in found(changes)] == [0]
+
+
+def test_a_hostile_or_old_record_reads_as_nothing():
+    for record in (None, [], "x", {"events": "no"}, {"events": [{"rank": "3"}, 7, None]},
+                   {"straggler": {"rank": True, "node": 3}, "ranks": [{"rank": 1, "busy": "a"}]}):
+        assert earlier_stragglers(record) == []
+        pace_lines(record)
+        assert rank_split(record) == {}
+    lines = pace_lines({"events": [{"rank": 2, "node": "n1", "slower": 0.4, "since": 10, "ended": 70,
+                                    "causes": ["its cgroup's CPU quota held it back 50% of the time", 5]}]},
+                       live=False)
+    assert lines == ["had a straggler for 60s: rank 2 on node n1, 40% slower (its cgroup's CPU quota held it back "
+                     "50% of the time)"]
