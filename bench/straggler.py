@@ -39,6 +39,7 @@ class Launch:
 
     def __init__(self, project: Path, inventory: Path, args: list[str]) -> None:
         self.lines: list[tuple[float, str]] = []
+        self.before = {p.name for p in (project / "runs").glob("2*")} if (project / "runs").exists() else set()
         self.proc = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", str(inventory), "launch",
                                       "--skip-preflight", "--gpus", "2", *args], cwd=project, env=ENV,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -52,7 +53,8 @@ class Launch:
         for _ in range(600):
             if self.proc.poll() is not None:
                 break
-            runs = [p for p in (self.project / "runs").glob("2*") if (p / "manifest.json").exists()]
+            runs = [p for p in (self.project / "runs").glob("2*") if (p / "manifest.json").exists()
+                    and p.name not in self.before]
             if runs:
                 return max(runs).name
             time.sleep(0.2)

@@ -9,6 +9,7 @@ import subprocess
 
 import runlayout as layout
 from runctl.common import read_json
+from runctl.processes import cgroups_of
 
 NEW_ENTRIES_MAX = 2000   # entries one answer carries per rank (the pace file holds fewer)
 
@@ -52,20 +53,11 @@ def _sched(pid: int) -> dict:
 
 def _throttled(pid: int) -> float | None:
     """Seconds the process's cgroup was held back by its CPU quota (cgroup v2 throttled_usec, v1 throttled_time)."""
-    try:
-        with open(f"/proc/{pid}/cgroup", encoding="ascii") as handle:
-            lines = handle.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        controllers, path = parts[1].split(","), parts[2]
-        if parts[1] == "":
+    for keys, path in cgroups_of(pid) or ():
+        if keys == "":
             candidates = [f"/sys/fs/cgroup{path}/cpu.stat", f"/sys/fs/cgroup/unified{path}/cpu.stat"]
-        elif "cpu" in controllers:
-            candidates = [f"/sys/fs/cgroup/{parts[1]}{path}/cpu.stat", f"/sys/fs/cgroup/cpu{path}/cpu.stat",
+        elif "cpu" in keys.split(","):
+            candidates = [f"/sys/fs/cgroup/{keys}{path}/cpu.stat", f"/sys/fs/cgroup/cpu{path}/cpu.stat",
                           f"/sys/fs/cgroup/cpu,cpuacct{path}/cpu.stat"]
         else:
             continue

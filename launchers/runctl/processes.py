@@ -74,15 +74,19 @@ def join_group(group: dict) -> None:
         pass
 
 
-def in_group(pid: int, group: dict) -> bool:
-    """Whether a process is in the run's group (or below it), by its own /proc/PID/cgroup."""
+def cgroups_of(pid: int) -> list[tuple[str, str]] | None:
+    """(controllers, path) of each line of the process's /proc/PID/cgroup ("" for cgroup v2); None when gone."""
     try:
         with open(f"/proc/{pid}/cgroup", encoding="utf-8") as handle:
             lines = handle.read().splitlines()
     except OSError:
-        return False
-    for line in lines:
-        _, keys, path = (line.split(":", 2) + ["", ""])[:3]
+        return None
+    return [tuple((line.split(":", 2) + ["", ""])[1:3]) for line in lines]
+
+
+def in_group(pid: int, group: dict) -> bool:
+    """Whether a process is in the run's group (or below it), by its own /proc/PID/cgroup."""
+    for keys, path in cgroups_of(pid) or ():
         if (keys == group["key"] or (group["key"] and group["key"] in keys.split(","))) and \
                 (path == group["path"] or path.startswith(group["path"] + "/")):
             return True

@@ -11,7 +11,7 @@ from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
 from nodectl.cli.preflight_table import print_report
 from nodectl.preflight.collective_job import DEFAULT_DEADLINE_S, add_collectives
-from nodectl.preflight.history import DRIFT_FAIL, DRIFT_WARN, History
+from nodectl.preflight.history import DRIFT_FAIL, DRIFT_WARN, History, judge_stragglers
 from nodectl.preflight.run import compare_with_history, run_preflight, save
 from nodectl.cli.preflight_table import show_history
 from nodectl.runs import state_dir
@@ -53,7 +53,9 @@ def command(app: AppContext, inventory_path, nodes, exclude, gpus, quick, full, 
                                on_probe=advance)
         add_collectives(report, inventory, session, gpus=gpus, full=depth == "full", deadline=collective_timeout,
                         phase=advance.phase)
-    drift = compare_with_history(report, History(state_dir()), drift_warn / 100, drift_fail / 100)
+    history = History(state_dir())
+    drift = compare_with_history(report, history, drift_warn / 100, drift_fail / 100)
+    report.results += judge_stragglers(report.nodes, history.entries())
     path = save(report, inventory, gpus)
     if app.json:
         app.emit_json({**report.to_json(), "saved": str(path)})

@@ -68,6 +68,8 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
     def paced(changes: list, watch: PaceWatch) -> Straggler | None:
         for change in changes:
             notify(StragglerSeen(change) if isinstance(change, Straggler) else RunPace(change))
+            if isinstance(change, Straggler) and change.ended is None:
+                _remember(run.run_id, change)
         if changes or time.time() - recorded[0] >= PACE_RECORD_EVERY:
             recorded[0] = time.time()
             try:
@@ -114,6 +116,17 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
 
 
 PACE_RECORD_EVERY = 15.0   # seconds between writes of the pace to the run's record while nothing changes
+
+
+def _remember(run_id: str, straggler: Straggler) -> None:
+    """The verdict kept in the preflight history too: the next preflight names a node that held back its runs."""
+    from nodectl.preflight.history import History
+    from nodectl.runs import state_dir
+
+    try:
+        History(state_dir()).add_straggler(run_id, straggler.to_json())
+    except OSError:
+        pass   # the registry is a convenience: a read-only home must not end the watch
 
 
 def _culprit(stall: Failure, verdict: dict, run_nodes: list[RunNode]) -> Failure:

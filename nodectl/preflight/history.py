@@ -136,6 +136,45 @@ def judge_history(today: list[Figure], past: list[dict], warn: float = DRIFT_WAR
     return Drift(tuple(results), summary)
 
 
+STRAGGLER_DAYS = 14       # a node named a straggler in runs of the last STRAGGLER_DAYS...
+STRAGGLER_RUNS = 2        # ...at least this many of them is warned of before the next run
+
+
+@check("stragglers", "cluster", scope="job",
+       doc=(("stragglers",
+             "the straggler verdicts of the runs an attached launch watched (kept in the same registry): the nodes "
+             f"a verdict named in at least {STRAGGLER_RUNS} runs of the last {STRAGGLER_DAYS} days",
+             "warn, naming the node, its runs, how much slower and the causes seen",
+             "a node that held back its last runs will hold back the next: a shared GPU, a throttled CPU or a "
+             "slow link stays where it is"),))
+def judge_stragglers(nodes: list[str], past: list[dict], now: float | None = None) -> list[CheckResult]:
+    """The nodes of `nodes` that straggler verdicts named in STRAGGLER_RUNS runs or more lately."""
+    since = (now or time.time()) - STRAGGLER_DAYS * 86400
+    named: dict[str, list[dict]] = {}
+    for entry in past:
+        verdict = entry.get("straggler")
+        if isinstance(verdict, dict) and isinstance(verdict.get("node"), str) and verdict["node"] in nodes \
+                and isinstance(entry.get("time"), (int, float)) and entry["time"] >= since:
+            named.setdefault(verdict["node"], []).append({**verdict, "time": entry["time"]})
+    results = []
+    for node, verdicts in sorted(named.items()):
+        runs = sorted({str(v.get("run")) for v in verdicts})
+        if len(runs) < STRAGGLER_RUNS:
+            continue
+        last = verdicts[-1]
+        slower = last.get("slower") if isinstance(last.get("slower"), (int, float)) else None
+        causes = [c for c in last.get("causes") or [] if isinstance(c, str)]
+        results.append(CheckResult(
+            "stragglers", node, WARN,
+            f"{node} held back {len(runs)} runs in the last {STRAGGLER_DAYS} days (the last {_when(last['time'])}, "
+            f"run {last.get('run')}: rank {last.get('rank')}"
+            + (f", {slower:.0%} slower" if slower is not None else "")
+            + (f"; {'; '.join(causes)}" if causes else "; no cause seen") + ")",
+            "find what slows it (another process on its GPUs, a CPU quota, its clocks, its link) before the next "
+            "run, or leave it out (--exclude); `launch --on-straggler exclude` does it during a run"))
+    return results
+
+
 def _when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
 
@@ -162,8 +201,10 @@ class History:
         return out
 
     def add(self, figures: Iterable[Figure], versions: Mapping, nodes: list[str], when: float | None = None) -> None:
-        entry = {"time": when or time.time(), "nodes": nodes, "versions": dict(versions),
-                 "figures": [f.to_json() for f in figures]}
+        self._append({"time": when or time.time(), "nodes": nodes, "versions": dict(versions),
+                      "figures": [f.to_json() for f in figures]})
+
+    def _append(self, entry: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         with os.fdopen(fd, "a", encoding="utf-8") as handle:
@@ -173,6 +214,12 @@ class History:
             tmp = self.path.with_name(f"{self.path.name}.{os.getpid()}.tmp")
             tmp.write_text("".join(json.dumps(e) + "\n" for e in entries[-KEPT:]))
             os.replace(tmp, self.path)
+
+    def add_straggler(self, run_id: str, straggler: Mapping, when: float | None = None) -> None:
+        """A straggler verdict of a run (nodectl.pace.Straggler's JSON): its node, rank, how much slower, causes."""
+        kept = {k: straggler.get(k) for k in ("node", "rank", "gpu", "slower", "pace", "causes")}
+        self._append({"time": when or time.time(), "nodes": [straggler.get("node")], "versions": {}, "figures": [],
+                      "straggler": {"run": run_id, **kept}})
 
     def rows(self, node: str | None = None) -> list[dict]:
         """Every recorded figure (of `node`'s GPUs, its pairs and the all-reduces it took part in), oldest first."""

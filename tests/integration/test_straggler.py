@@ -24,9 +24,9 @@ pytestmark = [pytest.mark.slow,
 DDP = Path(__file__).resolve().parents[2] / "bench" / "scripts" / "ddp_plain.py"
 
 
-def test_a_quota_held_rank_is_named_shown_by_status_and_left_out(ssh_cluster, project):
+def test_a_quota_held_rank_is_named_shown_by_status_and_left_out(ssh_cluster, project, tmp_path):
     (project / "ddp_plain.py").write_text(DDP.read_text())
-    env = ssh_cluster.env()
+    env = ssh_cluster.env(NODECTL_STATE_DIR=str(tmp_path / "state"))
     inventory = str(ssh_cluster.inventory(count=2))
     launch = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", inventory, "launch", "--skip-preflight",
                                "--gpus", "2", "--max-restarts", "1", "--on-straggler", "exclude",
@@ -74,6 +74,17 @@ def test_a_quota_held_rank_is_named_shown_by_status_and_left_out(ssh_cluster, pr
         assert [n["node"]["name"] for n in record["plan"]["nodes"]] == ["node0"]
         print(f"straggler named {noticed:.1f}s after the quota")
         assert noticed < 60
+
+        # the verdict is in the preflight history: with an earlier run's, the next preflight warns of node1
+        kept = [json.loads(line) for line in (tmp_path / "state" / "preflight-history.jsonl").read_text().splitlines()]
+        assert [(e["straggler"]["run"], e["straggler"]["node"]) for e in kept] == [(run_id, "node1")]
+        earlier = dict(kept[0], time=kept[0]["time"] - 86400, straggler=dict(kept[0]["straggler"], run="earlier"))
+        with open(tmp_path / "state" / "preflight-history.jsonl", "a") as history:
+            history.write(json.dumps(earlier) + "\n")
+        checked = run_nodectl(["-i", inventory, "--json", "preflight", "--quick"], env=env, cwd=project)
+        warned = [r for r in checked.json()["results"] if r["check"] == "stragglers"]
+        assert [(r["node"], r["verdict"]) for r in warned] == [("node1", "warn")], checked.output[-2000:]
+        assert "node1 held back 2 runs in the last 14 days" in warned[0]["detail"]
     finally:
         run_nodectl(["stop", "--grace", "1"], env=env, cwd=project)
         launch.kill()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from nodectl.preflight.history import History, figures_of, judge_history
+from nodectl.preflight.history import History, figures_of, judge_history, judge_stragglers
 from nodectl.preflight.verdict import FAIL, WARN
 
 REPORTS = {"node0": {"gpus": {"driver": "550.54.15", "devices": [{"index": 0, "uuid": "GPU-aaaa0000"},
@@ -76,3 +76,23 @@ def test_the_history_is_bounded_private_and_survives_a_damaged_line(tmp_path):
     assert {r["label"] for r in rows} == {"node1 GPU 0 (GPU-cccc2222)", "pair node0+node1",
                                           "all-reduce of 1024 MiB over node0+node1"}
     assert json.loads(history.path.read_text().splitlines()[0])["figures"][0]["key"] == "gpu:GPU-aaaa0000"
+
+
+def test_a_node_that_held_back_two_recent_runs_is_warned_of_and_the_figures_are_untouched(tmp_path):
+    history = History(tmp_path)
+    past(history, count=3)
+    now = 1_790_000_000.0 + 20 * 86400
+    verdict = {"node": "node1", "rank": 3, "gpu": "1", "slower": 0.69, "pace": 0.59,
+               "causes": ["another process on GPU 1 (pid 3694, user bob, python3)"]}
+    history.add_straggler("run-a", verdict, when=now - 30 * 86400)   # too old to count
+    history.add_straggler("run-b", verdict, when=now - 3 * 86400)
+    assert judge_stragglers(["node0", "node1"], history.entries(), now=now) == []   # one recent run: not yet
+    history.add_straggler("run-c", {**verdict, "node": "node9"}, when=now - 2 * 86400)   # not in this inventory
+    history.add_straggler("run-d", verdict, when=now - 86400)
+    results = judge_stragglers(["node0", "node1"], history.entries(), now=now)
+    assert [(r.node, r.verdict) for r in results] == [("node1", WARN)]
+    assert "node1 held back 2 runs in the last 14 days" in results[0].detail
+    assert "run run-d: rank 3, 69% slower; another process on GPU 1 (pid 3694, user bob, python3)" in results[0].detail
+    # the straggler lines are no figures: the drift judge and --history's rows see the same as before
+    assert len(history.rows()) == 3 * len(figures_of(REPORTS, jobs(), COLLECTIVE))
+    assert judge_history(figures_of(REPORTS, jobs(), COLLECTIVE), history.entries()).results == ()
