@@ -68,7 +68,7 @@ class Launch:
             if (json.loads(manifest.read_text()).get("pace") or {}).get("pace") is not None:
                 return
             time.sleep(1)
-        raise SystemExit(f"no pace judged in {timeout:.0f}s: {''.join(l for _, l in self.lines)[-2000:]}\n"
+        raise SystemExit(f"no pace judged in {timeout:.0f}s: {''.join(line for _, line in self.lines)[-2000:]}\n"
                          f"record: {json.dumps(json.loads(manifest.read_text()).get('pace'))[:1500]}\n"
                          f"rank 0: {''.join(self.out)[-500:]}")
 
