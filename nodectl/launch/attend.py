@@ -62,7 +62,7 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
     run_nodes = run.nodes()
     stream = stream_for(run_nodes)
     verdicts: list[dict] = []
-    pace = for_run(run, run_nodes)
+    pace = for_run(run, run_nodes) if run.kind != "preflight" else None   # not preflight's own short jobs
     recorded = [0.0]
 
     def paced(changes: list, watch: PaceWatch) -> Straggler | None:
