@@ -50,14 +50,21 @@ STATE = "state/upload.json"      # what `nodectl status` shows: last round, tota
 SECRET_NAMES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
 
 
+class NoBoto3(Exception):
+    """This Python has no boto3: what the node's owner installs, said in the message."""
+
+    def __init__(self) -> None:
+        super().__init__(f"boto3 is not installed for {sys.executable} on this node: "
+                         f"{sys.executable} -m pip install boto3")
+
+
 def _import_boto3():
     try:
         import boto3
         from boto3.s3.transfer import TransferConfig
         from botocore.config import Config
     except ImportError:
-        raise SystemExit(_answer({"error": f"boto3 is not installed for {sys.executable} on this node: "
-                                           f"{sys.executable} -m pip install boto3"}))
+        raise NoBoto3() from None
     return boto3, TransferConfig, Config
 
 
@@ -77,6 +84,8 @@ def redact(text: str) -> str:
 
 def describe(exc: BaseException) -> str:
     """What went wrong, in words a user acts on (botocore's class names mean little)."""
+    if isinstance(exc, NoBoto3):
+        return str(exc)
     name = type(exc).__name__
     response = getattr(exc, "response", None) or {}
     code = (response.get("Error") or {}).get("Code")
@@ -175,7 +184,7 @@ class Uploader:
     def __init__(self, run_dir: str, config: dict) -> None:
         self.run_dir, self.config = run_dir, config
         self.every = max(1.0, float(config.get("every") or 600))
-        self.store = Store(config, config["run_id"], config["node"])
+        self.store: Store | None = None   # made in run(): a node without boto3 still records why it sends nothing
         self.wake, self.final = threading.Event(), threading.Event()
         self.index: dict = {}      # relative -> {"size", "mtime_ns"}: what the store holds consistently
         self.borrowed = _borrowed(run_dir)   # node 0's files a resume brought here: node 0's uploader's to send
@@ -263,6 +272,12 @@ class Uploader:
         # checkpoint, so the last round waits for launch.sh's SIGUSR1, sent once torchrun has ended.
         signal.signal(signal.SIGTERM, lambda *_: self.wake.set())
         self._save_state()   # its pid: `status` tells an uploader that was killed from one between rounds
+        try:
+            self.store = Store(self.config, self.config["run_id"], self.config["node"])
+        except NoBoto3 as exc:   # nothing can be sent this run: said where `status` and the launch look, then out
+            self.state.update(error=str(exc), error_time=time.time(), ended=True)
+            self._save_state()
+            return _answer({"error": str(exc)})
         try:
             stored = self.store.read_index()
             if stored:   # a resumed attempt: what the store already holds is not sent again
@@ -357,8 +372,6 @@ def check(request: dict) -> dict:
         key = f"{store.base}/.nodectl-probe-{request.get('node', 'node')}-{uuid.uuid4().hex[:8]}".lstrip("/")
         store.client.put_object(Bucket=store.bucket, Key=key, Body=b"nodectl preflight probe\n")
         store.client.delete_object(Bucket=store.bucket, Key=key)
-    except SystemExit:
-        raise
     except Exception as exc:  # noqa: BLE001 - every failure is the check's answer
         return {"ok": False, "error": describe(exc)}
     import boto3
@@ -377,6 +390,10 @@ def main(argv: list) -> int:
         return Uploader(run_dir, config).run()
     if verb == "once":   # one last round and out: what a launch's end does (bench/outputs_upload.py times it)
         uploader = Uploader(run_dir, config)
+        try:
+            uploader.store = Store(config, config["run_id"], config["node"])
+        except NoBoto3 as exc:
+            return _answer({"error": str(exc)})
         stored = uploader.store.read_index()
         uploader.index = {rel: facts for rel, facts in ((stored or {}).get("files") or {}).items()
                           if isinstance(facts, dict)}
@@ -386,8 +403,6 @@ def main(argv: list) -> int:
         request = json.loads(sys.stdin.read() or "{}")
         try:
             return _answer(pull(run_dir, {**request, "outputs": config, "run_id": config["run_id"]}))
-        except SystemExit:
-            raise
         except Exception as exc:  # noqa: BLE001 - the launch says which node could not get its outputs and why
             return _answer({"error": f"pulling the run's outputs from {config['url']}: {describe(exc)}"})
     return _answer({"error": f"unknown verb {verb!r}"})

@@ -270,7 +270,8 @@ class LogStream:
 def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream | None, *, interval: float = 1.0,
                  lost_after: float = 15.0, stall_after: float | None = None,
                  on_stall: Callable[[Failure], bool] | None = None, pace: PaceWatch | None = None,
-                 on_pace: Callable[[list, PaceWatch], Straggler | None] | None = None
+                 on_pace: Callable[[list, PaceWatch], Straggler | None] | None = None,
+                 on_answers: Callable[[dict[str, NodeResult]], None] | None = None
                  ) -> tuple[RunState, Failure | None]:
     """Watch until the run succeeds (SUCCEEDED) or something fails (FAILED with the first failure).
 
@@ -279,7 +280,8 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
     for `lost_after` seconds (unreachable, erroring, or hanging) is lost. A stall is told to `on_stall` first
     (once per stalled rank and step), which says whether it ends the watch (True) or the run is kept. With `pace`,
     each of its judgements (nodectl/pace.py) is told to `on_pace` with what changed; a straggler it gives back
-    ends the watch as the failure (--on-straggler exclude)."""
+    ends the watch as the failure (--on-straggler exclude). `on_answers` sees each node's fresh answers (the
+    uploader's state rides on them)."""
     offsets = (lambda: dict(stream.offsets)) if stream else dict
     seen: dict[str, int] = {}
     last_good: dict[str, float] = {}
@@ -296,6 +298,8 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
                     last_good[name] = a.at
             if stream:
                 stream.feed(fresh)
+            if on_answers:
+                on_answers(fresh)
             latest = {name: a.result for name, a in answers.items()}
             outcome = _judge(latest, len(run_nodes))
             if pace and outcome is None:

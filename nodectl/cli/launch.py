@@ -228,6 +228,9 @@ def _attended(app: AppContext, event: ev.Event) -> None:
                           f"{straggler.ended - straggler.since:.0f}s)")
     elif isinstance(event, ev.RunPace):
         app.err.print(f"[yellow]{escape(event.line)}[/]")
+    elif isinstance(event, ev.UploadTrouble):
+        app.err.print(f"[yellow]outputs: node {escape(event.node)} could not upload[/]: {escape(event.error)} (the run "
+                      f"goes on; nodectl status shows the uploader's state)")
     elif isinstance(event, ev.AttemptRecorded):
         app.info(f"run {event.run_id}: attempt {event.attempt} on {event.nnodes} node(s)")
 

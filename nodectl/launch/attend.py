@@ -12,7 +12,7 @@ from typing import Callable
 
 from nodectl.errors import RunFailed
 from nodectl.launch.events import (CheckingNodes, Diagnosed, Event, LeavingOut, NotAnswering,
-                                   Restarting, RunPace, Stopping, StragglerSeen)
+                                   Restarting, RunPace, Stopping, StragglerSeen, UploadTrouble)
 from nodectl.pace import PaceWatch, Straggler, for_run
 from nodectl.launch.job import Job, next_attempt, stop_run
 from nodectl.progress import Progress, no_progress
@@ -81,6 +81,15 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
             return straggler
         return None
 
+    told: dict[str, str] = {}
+
+    def uploads(fresh: dict) -> None:   # an uploader that cannot send is said once per node and message
+        for name, result in fresh.items():
+            upload = result.value.upload if result.ok and result.value else None
+            if upload is not None and upload.error and told.get(name) != upload.error:
+                told[name] = upload.error
+                notify(UploadTrouble(name, upload.error))
+
     def stalled(failure: Failure) -> bool:
         if stream:
             stream.flush()
@@ -89,7 +98,7 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
 
     try:
         outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=lost_after, stall_after=stall_after,
-                                        on_stall=stalled, pace=pace, on_pace=paced)
+                                        on_stall=stalled, pace=pace, on_pace=paced, on_answers=uploads)
     finally:
         if stream:
             stream.flush()

@@ -126,6 +126,13 @@ class StragglerSeen:
 
 
 @dataclass(frozen=True)
+class UploadTrouble:
+    """A node's uploader (outputs:) says it could not send: told once per node and message; the run goes on."""
+    node: str
+    error: str
+
+
+@dataclass(frozen=True)
 class RunPace:
     """Every rank is slower than the run's own healthy pace, no single rank to blame."""
     line: str
@@ -147,7 +154,7 @@ class Interrupted:
 
 Event = (EnvironmentsReady | PreflightReused | PreflightProbing | PreflightFailed | Planned | SharedWorkdirs
          | Recorded | CodeReady | Started | Stopping | NotAnswering | Restarting | CheckingNodes | LeavingOut
-         | AttemptRecorded | Diagnosed | StragglerSeen | RunPace | Interrupting | Interrupted)
+         | AttemptRecorded | Diagnosed | StragglerSeen | RunPace | UploadTrouble | Interrupting | Interrupted)
 Listener = Callable[[Event], None]
 
 

@@ -126,6 +126,28 @@ def test_installed_local_demo_launch(installed, tmp_path, demo_cache):
     assert heartbeat["step"] == last["step"] == 80 and heartbeat["loss"] == last["loss"]
 
 
+def test_outputs_without_boto3_are_named_by_the_launch_status_and_collect(installed, tmp_path):
+    """A plain `pip install nodectl` has no boto3: a run given a bucket says so while it runs (its uploader on the
+    node cannot send) and in status, and `collect --from-store` says what to install, never a raw answer."""
+    env = _user_env(tmp_path / "home")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "job.py").write_text("import time\ntime.sleep(4)\nprint('done')\n")
+    assert subprocess.run([str(installed / "python"), "-c", "import boto3"], env=env).returncode == 1
+    done = _nodectl(installed, ["launch", "--nodes", "1", "--gpus", "1", "--skip-preflight", "--outputs",
+                                "s3://team-ckpts/run", "job.py"], project, env)
+    said = done.stdout + done.stderr
+    assert done.returncode == 0 and "done" in done.stdout, said[-3000:]
+    assert f"could not upload: boto3 is not installed for {installed / 'python'}" in said, said[-3000:]
+    status = _nodectl(installed, ["status"], project, env)
+    assert "upload error" in status.stdout and "boto3 is not installed" in status.stdout, status.stdout
+    collect = _nodectl(installed, ["collect", "--from-store"], project, env)
+    assert collect.returncode == 1 and "Traceback" not in collect.stderr, collect.stderr
+    assert collect.stderr.strip().splitlines()[-1] == (
+        f"Error: collect --from-store reads the bucket from this machine, which has no boto3 for "
+        f"{installed / 'python'}: pip install 'nodectl[s3]' (or boto3)")
+
+
 def test_installed_ssh_launch_on_nodes_without_nodectl(installed, tmp_path_factory, tmp_path, demo_cache):
     """Two isolated SSH nodes whose Python has torch but no nodectl: the built-in trainer travels with the run,
     under a name that the project's own `trainer/` folder does not shadow."""
