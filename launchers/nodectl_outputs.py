@@ -184,7 +184,10 @@ class Uploader:
     def __init__(self, run_dir: str, config: dict) -> None:
         self.run_dir, self.config = run_dir, config
         self.every = max(1.0, float(config.get("every") or 600))
-        self.store: Store | None = None   # made in run(): a node without boto3 still records why it sends nothing
+        try:
+            self.store, self.missing = Store(config, config["run_id"], config["node"]), None
+        except NoBoto3 as exc:   # a node without boto3 still records why it sends nothing (run())
+            self.store, self.missing = None, str(exc)
         self.wake, self.final = threading.Event(), threading.Event()
         self.index: dict = {}      # relative -> {"size", "mtime_ns"}: what the store holds consistently
         self.borrowed = _borrowed(run_dir)   # node 0's files a resume brought here: node 0's uploader's to send
@@ -272,12 +275,10 @@ class Uploader:
         # checkpoint, so the last round waits for launch.sh's SIGUSR1, sent once torchrun has ended.
         signal.signal(signal.SIGTERM, lambda *_: self.wake.set())
         self._save_state()   # its pid: `status` tells an uploader that was killed from one between rounds
-        try:
-            self.store = Store(self.config, self.config["run_id"], self.config["node"])
-        except NoBoto3 as exc:   # nothing can be sent this run: said where `status` and the launch look, then out
-            self.state.update(error=str(exc), error_time=time.time(), ended=True)
+        if self.missing:   # nothing can be sent this run: said where `status` and the launch look, then out
+            self.state.update(error=self.missing, error_time=time.time(), ended=True)
             self._save_state()
-            return _answer({"error": str(exc)})
+            return _answer({"error": self.missing})
         try:
             stored = self.store.read_index()
             if stored:   # a resumed attempt: what the store already holds is not sent again
@@ -390,10 +391,8 @@ def main(argv: list) -> int:
         return Uploader(run_dir, config).run()
     if verb == "once":   # one last round and out: what a launch's end does (bench/outputs_upload.py times it)
         uploader = Uploader(run_dir, config)
-        try:
-            uploader.store = Store(config, config["run_id"], config["node"])
-        except NoBoto3 as exc:
-            return _answer({"error": str(exc)})
+        if uploader.missing:
+            return _answer({"error": uploader.missing})
         stored = uploader.store.read_index()
         uploader.index = {rel: facts for rel, facts in ((stored or {}).get("files") or {}).items()
                           if isinstance(facts, dict)}

@@ -35,6 +35,7 @@ def module(store, monkeypatch):
         monkeypatch.setenv(name, value)
     import importlib.util
 
+    monkeypatch.syspath_prepend(str(UPLOADER.parent))   # runlayout and nodeio beside it, as in a node's lib/
     spec = importlib.util.spec_from_file_location("nodectl_outputs_under_test", UPLOADER)
     loaded = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(loaded)
