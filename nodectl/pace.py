@@ -46,6 +46,7 @@ class RankTime:
     node: str
     busy: float               # share of the window not waiting in collectives (computing, data, launches)
     wait: float               # share of the window spent waiting in collectives for other ranks
+    data: float | None = None   # share of it getting batches ready (the built-in trainer's heartbeat data_s)
 
 
 @dataclass
@@ -82,10 +83,34 @@ class PaceState:
     events: list[Straggler] = field(default_factory=list)
     run_wide: str = ""
 
+    @property
+    def split(self) -> str:
+        """Where the median rank's time goes, in words (see split_line)."""
+        return split_line([asdict(r) for r in self.ranks])
+
     def to_json(self) -> dict:
         return {"pace": self.pace, "rate": self.rate, "unit": self.unit,
                 "ranks": [asdict(r) for r in self.ranks], "straggler": self.straggler and self.straggler.to_json(),
-                "events": [e.to_json() for e in self.events], "run_wide": self.run_wide, "time": time.time()}
+                "events": [e.to_json() for e in self.events], "run_wide": self.run_wide, "split": self.split,
+                "time": time.time()}
+
+
+def split_line(ranks: list) -> str:
+    """"where the time goes: 71% computing, 5% getting data, 24% waiting for other ranks in collectives" over the
+    ranks' shares (median of each); "" without shares. Computing includes the collectives' own transfers (the
+    part no rank waits for) and anything else the rank does between them."""
+    waits = [_number(r.get("wait")) for r in ranks if isinstance(r, dict)]
+    waits = [w for w in waits if w is not None]
+    if not waits:
+        return ""
+    data = [_number(r.get("data")) for r in ranks if isinstance(r, dict)]
+    data = [d for d in data if d is not None]
+    wait = statistics.median(waits)
+    fed = statistics.median(data) if len(data) == len(waits) else None
+    computing = max(0.0, 1 - wait - (fed or 0.0))
+    parts = [f"{computing * 100:.0f}% computing"] + ([f"{fed * 100:.0f}% getting data"] if fed is not None else []) \
+        + [f"{wait * 100:.0f}% waiting for other ranks in collectives"]
+    return "where the time goes (median rank): " + ", ".join(parts)
 
 
 class PaceWatch:
@@ -103,6 +128,7 @@ class PaceWatch:
         self._durations: dict[tuple, dict[int, float]] = defaultdict(dict)
         self._offsets: dict[str, float] = {}                   # node/low, node/high: its clock minus ours
         self._counters: dict[int, list[tuple]] = defaultdict(list)   # rank -> [(time, cpu, runqueue, throttled)]
+        self._data: dict[int, list[tuple]] = defaultdict(list)       # rank -> [(time, seconds getting data)]
         self._node_cpu: dict[str, list[tuple]] = defaultdict(list)   # node -> [(time, steal, load, cpus)]
         self._gpu_detail: dict[str, dict] = {}
         self._steps: list[tuple[float, float]] = []            # (time, step) of the slowest rank's heartbeat
@@ -149,6 +175,13 @@ class PaceWatch:
                 del self._node_cpu[node][:-120]
             if pace.gpus:
                 self._gpu_detail[node] = {k: v for k, v in pace.gpus.items()}
+            for rank_state in answer.ranks:
+                waited = _number((rank_state.heartbeat or {}).get("data_s"))
+                if waited is not None and rank_state.rank in self.rank_nodes:
+                    samples = self._data[rank_state.rank]
+                    if not samples or samples[-1][1] != waited:   # a new heartbeat (each step writes one)
+                        samples.append((received, waited))
+                        del samples[:-400]
             steps = [r.step for r in answer.ranks if isinstance(r.step, (int, float)) and not isinstance(r.step, bool)]
             if steps:
                 self._steps.append((received, float(min(steps))))
@@ -304,11 +337,20 @@ class PaceWatch:
                 for r in ranks:
                     waits[r] += last - arrivals[r]
         times = [RankTime(r, self.rank_nodes[r], busy=round(max(0.0, 1 - waits[r] / span), 3),
-                          wait=round(min(1.0, waits[r] / span), 3)) for r in ranks]
+                          wait=round(min(1.0, waits[r] / span), 3), data=self._data_share(r, now - seconds))
+                 for r in ranks]
         steps = [(t, step) for t, step in self._steps if t >= now - seconds]
         if len(steps) >= 2 and steps[-1][1] > steps[0][1]:
             return times, (steps[-1][1] - steps[0][1]) / (steps[-1][0] - steps[0][0]), "steps/s"
         return times, (len(recent) - 1) / span, "collectives/s"
+
+    def _data_share(self, rank: int, since: float) -> float | None:
+        """The share of wall time this rank spent getting data since `since`, from its heartbeats' data_s (the
+        built-in trainer's); None for a script that does not say."""
+        recent = [sample for sample in self._data.get(rank, []) if sample[0] >= since]
+        if len(recent) < 2 or recent[-1][0] - recent[0][0] < 1.0 or recent[-1][1] < recent[0][1]:
+            return None
+        return round(min(1.0, (recent[-1][1] - recent[0][1]) / (recent[-1][0] - recent[0][0])), 3)
 
     def _forget(self, now: float) -> None:
         keep_from = now - max(3 * self.settings.window, self.settings.look)
@@ -335,6 +377,12 @@ class PaceWatch:
                     else ""
                 causes.append(f"its main thread waited for a CPU {min(queue, 1) * 100:.0f}% of the time: another "
                               f"process shares its cores{said}")
+        shares = {t.rank: t.data for t in self.state.ranks if t.data is not None}
+        if found.rank in shares and len(shares) > 1:
+            usual = statistics.median(v for r, v in shares.items() if r != found.rank)
+            if shares[found.rank] >= usual + 0.1:
+                causes.append(f"it waits for its data {shares[found.rank] * 100:.0f}% of the time (the other ranks "
+                              f"{usual * 100:.0f}%): its batches take longer to make or load")
         steal = _steal(self._node_cpu.get(found.node, []), now - window)
         if steal is not None and steal >= 0.05:
             causes.append(f"the hypervisor took {steal * 100:.0f}% of its node's CPU time (steal)")
@@ -419,8 +467,8 @@ def earlier_stragglers(record) -> list[Straggler]:
 RECORD_FRESH = 45.0   # seconds a record's pace stands for the live run (the attached launch writes it every 15)
 
 
-def current(record, look: PaceState | None) -> tuple[dict | None, dict[int, tuple[float, float]]]:
-    """(the pace to tell, {rank: (busy, wait)}) of a live run: the attached launch's verdict from its record while
+def current(record, look: PaceState | None) -> tuple[dict | None, dict[int, tuple]]:
+    """(the pace to tell, {rank: (busy, wait, data)}) of a live run: the attached launch's verdict from its record while
     it is fresh, else what one look at the ranks' pace files says."""
     fresh = isinstance(record, dict) and (_number(record.get("time")) or 0) >= time.time() - RECORD_FRESH
     looked = look.to_json() if look is not None and look.ranks else None
@@ -442,6 +490,9 @@ def pace_lines(record, live: bool = True) -> list[str]:
         lines.append(record["run_wide"])
     elif live and pace is not None:
         lines.append(f"pace {pace:.2f}x of this run's healthy pace; no straggler")
+    split = record.get("split")
+    if isinstance(split, str) and split:
+        lines.append(split if live else split.replace("where the time goes", "where the time went (last window)"))
     if not live:
         for event in earlier_stragglers(record)[-3:]:
             lasted = f" for {event.ended - event.since:.0f}s" if event.ended else ""
@@ -451,8 +502,8 @@ def pace_lines(record, live: bool = True) -> list[str]:
     return lines
 
 
-def rank_split(record) -> dict[int, tuple[float, float]]:
-    """{rank: (busy share, wait share)} from a record's pace."""
+def rank_split(record) -> dict[int, tuple]:
+    """{rank: (busy share, wait share, data share or None)} from a record's pace."""
     if not isinstance(record, dict) or not isinstance(record.get("ranks"), list):
         return {}
     out = {}
@@ -460,5 +511,5 @@ def rank_split(record) -> dict[int, tuple[float, float]]:
         if isinstance(entry, dict) and isinstance(entry.get("rank"), int):
             busy, wait = _number(entry.get("busy")), _number(entry.get("wait"))
             if busy is not None and wait is not None:
-                out[entry["rank"]] = (busy, wait)
+                out[entry["rank"]] = (busy, wait, _number(entry.get("data")))
     return out

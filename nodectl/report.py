@@ -41,7 +41,8 @@ def load_collected(run_folder: Path) -> dict:
             data["timing"][int(timing.stem[4:])] = _jsonl(timing)
     if not data["metrics"]:
         data["metrics"], data["custom"] = _reported(nodes), True
-    if not data["metrics"]:
+    data["pace"] = _jsonl(run_folder / "pace.jsonl")   # the attached launch's judged windows (nodectl/pace.py)
+    if not data["metrics"] and not data["pace"]:
         raise RunFailed(f"run {run_folder.name}: no metrics were collected: the built-in trainer writes them, and "
                          f"your own script can with nodectl_metrics.report(step=..., loss=...) (see the README)")
     return data
@@ -128,7 +129,76 @@ def render(data: dict, out: Path) -> list[Path]:
                 label = f"{node} GPU{rows[0]['gpus'][gpu].get('gpu', gpu)}"
                 util.append((label, [r["time"] - start for r in rows], [r["gpus"][gpu]["util"] for r in rows]))
     figure("gpu_utilisation", "GPU utilisation", "%", util, from_zero=True)
+    if _pace_figure(plt, data.get("pace") or [], out / "pace.png"):
+        written.append(out / "pace.png")
     return written
+
+
+def _pace_figure(plt, windows: list[dict], path: Path) -> bool:
+    """Where each rank's time went over the run (computing, getting data, waiting for other ranks in
+    collectives), the run's pace against its own healthy pace, and the straggler verdicts shaded, from the
+    windows the attached launch judged (runs/<id>/pace.jsonl)."""
+    windows = [w for w in windows if isinstance(w, dict) and isinstance(w.get("time"), (int, float))
+               and isinstance(w.get("ranks"), list)]
+    if len(windows) < 2:
+        return False
+    start = windows[0]["time"]
+    series: dict[str, dict[int, tuple[list, list]]] = {"computing": {}, "getting data": {},
+                                                        "waiting for other ranks": {}}
+    for window in windows:
+        for entry in window["ranks"]:
+            if not isinstance(entry, dict) or not isinstance(entry.get("rank"), int):
+                continue
+            busy, wait, data = (entry.get(k) if isinstance(entry.get(k), (int, float)) else None
+                                for k in ("busy", "wait", "data"))
+            values = {"computing": None if busy is None else busy - (data or 0.0), "getting data": data,
+                      "waiting for other ranks": wait}
+            for name, value in values.items():
+                if value is not None:
+                    xs, ys = series[name].setdefault(entry["rank"], ([], []))
+                    xs.append(window["time"] - start)
+                    ys.append(value * 100)
+    panels = [name for name in series if series[name]]
+    paced = [(w["time"] - start, w["pace"]) for w in windows if isinstance(w.get("pace"), (int, float))]
+    rows = len(panels) + (1 if paced else 0)
+    fig, axes = plt.subplots(rows, 1, figsize=(8, 2.6 * rows), dpi=100, sharex=True, squeeze=False)
+    axes = [a[0] for a in axes]
+    spans, began = [], None   # the straggler verdicts: (from, to, rank)
+    for window in windows:
+        rank = window.get("straggler")
+        if isinstance(rank, int) and began is None:
+            began = (window["time"] - start, rank)
+        elif not isinstance(rank, int) and began is not None:
+            spans.append((began[0], window["time"] - start, began[1]))
+            began = None
+    if began is not None:
+        spans.append((began[0], windows[-1]["time"] - start, began[1]))
+    for axis, name in zip(axes, panels):
+        for rank, (xs, ys) in sorted(series[name].items()):
+            axis.plot(xs, ys, label=f"rank {rank}")
+        axis.set_ylabel(f"% {name}", fontsize=8)
+        axis.set_ylim(0, 100)
+        axis.grid(alpha=0.3)
+        if len(series[name]) <= 16:
+            axis.legend(fontsize=7, ncol=4)
+    if paced:
+        axis = axes[-1]
+        axis.plot([x for x, _ in paced], [y for _, y in paced], color="black", label="pace")
+        axis.axhline(1.0, color="grey", linewidth=0.8)
+        axis.set_ylabel("pace (x healthy)", fontsize=8)
+        axis.set_ylim(bottom=0)
+        axis.grid(alpha=0.3)
+    for axis in axes:
+        for begin, end, rank in spans:
+            axis.axvspan(begin, end, color="red", alpha=0.12)
+    for begin, _, rank in spans:
+        axes[0].annotate(f"straggler: rank {rank}", (begin, 95), fontsize=7, color="red", va="top")
+    axes[0].set_title("where each rank's time goes, and the run's pace (straggler verdicts shaded)")
+    axes[-1].set_xlabel("seconds since the first judged window")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
 
 
 def summarise(data: dict) -> dict:

@@ -319,6 +319,7 @@ class StepBatches:
         self.examples, self.micro, self.accum = examples, micro_batch_size, grad_accum
         self.world, self.rank, self.seed, self.pad_id = world_size, rank, seed, pad_id
         self._orders: dict[int, list[int]] = {}
+        self.waited = 0.0   # seconds this rank spent getting its batches ready (the heartbeat's data_s)
 
     @property
     def global_batch(self) -> int:

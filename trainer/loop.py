@@ -206,7 +206,8 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
                            tokens_per_s_per_gpu=record["tokens_per_s_per_gpu"], mfu=record["mfu"])
             window.zero_()
             window_steps = 0
-        reporter.heartbeat(step + 1)   # after the record: a logging step's heartbeat carries its own loss
+        # after the record: a logging step's heartbeat carries its own loss; data_s: the pace's data-wait share
+        reporter.heartbeat(step + 1, data_s=round(batches.waited, 4))
         evaluates = recipe.train.eval_every and (step + 1) % recipe.train.eval_every == 0
         saves = (recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0) or \
             (recipe.train.save_every and (step + 1) % recipe.train.save_every == 0)
@@ -396,11 +397,13 @@ def _train_step(recipe, ctx, model, optimizer, params, batches, step: int, windo
     Nothing here waits for the GPU: the host prepares the next step while this one runs."""
     for group in optimizer.param_groups:
         group["lr"] = lr_at(step, recipe)
+    started = time.perf_counter()   # the data wait: the step's batches collated and sent to the device
     host_batches = batches.micro_batches(step)
     lengths = [mb["attention_mask"].sum(dim=1) for mb in host_batches]
     real_tokens = sum(int(rows.sum()) for rows in lengths)
     squared_lengths = sum(float((rows.double() ** 2).sum()) for rows in lengths)
     micro_batches = [_to_device(mb, ctx) for mb in host_batches]
+    batches.waited += time.perf_counter() - started
     local_targets = sum((mb["labels"][:, 1:] != IGNORE).sum() for mb in micro_batches)
     global_targets = local_targets.clone().float()
     dist.all_reduce(global_targets)  # the loss is normalised by every target token of the global batch

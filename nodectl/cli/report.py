@@ -17,7 +17,8 @@ from nodectl.runs import open_run
 @click.argument("positional", metavar="[RUN]", required=False)
 @click.pass_obj
 def command(app: AppContext, run_id: str | None, positional: str | None) -> None:
-    """Plot loss, eval loss, tokens/s, MFU, memory, GPU utilisation and step time per rank of a collected run."""
+    """Plot loss, eval loss, tokens/s, MFU, memory, GPU utilisation, step time per rank and the pace (where each
+    rank's time went, straggler verdicts) of a collected run."""
     if run_id and positional and run_id != positional:
         raise UsageError(f"two runs named: --run {run_id} and {positional}; give one")
     run = open_run(run_id or positional)

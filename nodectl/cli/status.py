@@ -108,7 +108,8 @@ def upload_line(name: str, row: dict, now: float) -> str:
 
 
 def share(value) -> str:
-    """A share of the recent window: busy (computing, data, launches) or waiting in collectives for other ranks."""
+    """A share of the recent window: busy (computing, data, launches), of it getting data (the built-in trainer
+    says), or waiting in collectives for other ranks."""
     return "-" if value is None else f"{value * 100:.0f}%"
 
 
@@ -122,10 +123,10 @@ def render(run_id: str, run_state, rows: list[dict]):
         cells.append([escape(row["node"]), str(row["rank"]), f"[{shade}]{escape(state)}[/]",
                       "-" if age is None else f"{max(age, 0):.0f}s ago", escape(str(row.get("step") or "-")),
                       "-" if row.get("loss") is None else f"{row['loss']:.4f}", share(row.get("busy")),
-                      share(row.get("in_collectives")), str(row.get("pid") or "-")])
+                      share(row.get("data")), share(row.get("in_collectives")), str(row.get("pid") or "-")])
     columns = [Column("node", key=True), Column("rank", "right", key=True), Column("state", whole=True),
-               *(Column(name, "right", whole=True) for name in ("heartbeat", "step", "loss", "busy", "waits",
-                                                                "pid"))]
+               *(Column(name, "right", whole=True) for name in ("heartbeat", "step", "loss", "busy", "data",
+                                                                "waits", "pid"))]
     return make_table(columns, cells, title=f"run {run_id} ({run_state})", keep=("node", "rank", "state"))
 
 
@@ -151,7 +152,7 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
     live = run_state == RunState.RUNNING
     told, split = pace.current(manifest.pace, watch.look()) if live else (manifest.pace, {})
     for row in rows:
-        row["busy"], row["in_collectives"] = split.get(row["rank"], (None, None))
+        row["busy"], row["in_collectives"], row["data"] = split.get(row["rank"], (None, None, None))
     pace_said = pace.pace_lines(told, live=live)
     cause = manifest.cause or (first.describe() if first else None)
     if app.json:

@@ -51,7 +51,7 @@ def snapshot(run: Run, cluster, run_nodes, stall_after: float, watch: pace.PaceW
     look = watch.state if watch.state.ranks else watch.look()
     told, split = pace.current(manifest.pace, look) if live else (manifest.pace, {})
     for row in rows:
-        row["busy"], row["in_collectives"] = split.get(row["rank"], (None, None))
+        row["busy"], row["in_collectives"], row["data"] = split.get(row["rank"], (None, None, None))
     return {"run_id": run.run_id, "state": state.value, "attempt": manifest.attempt,
             "elapsed_s": round(time.time() - manifest.started, 1) if manifest.started else None,
             "ranks": rows, "pace": told, "pace_lines": pace.pace_lines(told, live=live)}
@@ -62,7 +62,7 @@ def _cell(value, fmt: str) -> str:
 
 
 COLUMNS = (Column("node", key=True), Column("rank", "right", key=True), Column("state", whole=True),
-           *(Column(name, "right", whole=True) for name in ("step", "loss", "tok/s", "beat", "busy", "waits", "gpu",
+           *(Column(name, "right", whole=True) for name in ("step", "loss", "tok/s", "beat", "busy", "data", "waits", "gpu",
                                                             "util", "mem GiB", "temp", "power")))
 
 
@@ -80,7 +80,7 @@ def render(snap: dict):
         rows.append([escape(row["node"]), str(row["rank"]), f"[{shade}]{escape(row['state'])}[/]",
                      escape(_cell(row.get("step"), "")), _cell(row.get("loss"), ".4f"),
                      _cell(row.get("tokens_per_s"), ",.0f"), _unit(row.get("heartbeat_age"), ".0f", "s"),
-                     share(row.get("busy")), share(row.get("in_collectives")),
+                     share(row.get("busy")), share(row.get("data")), share(row.get("in_collectives")),
                      _cell(gpu.get("index"), ""), _unit(gpu.get("util"), ".0f", "%"), memory,
                      _unit(gpu.get("temp_c"), ".0f", "C"), _unit(gpu.get("power_w"), ".0f", "W")])
     table = make_table(COLUMNS, rows, title=title, keep=("node", "rank", "state"))

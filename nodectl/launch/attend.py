@@ -6,6 +6,7 @@ record and start stages (`restart`).
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import replace
 from typing import Callable
@@ -70,6 +71,7 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
             notify(StragglerSeen(change) if isinstance(change, Straggler) else RunPace(change))
             if isinstance(change, Straggler) and change.ended is None:
                 _remember(run.run_id, change)
+        _keep_window(run, watch)
         if changes or time.time() - recorded[0] >= PACE_RECORD_EVERY:
             recorded[0] = time.time()
             try:
@@ -125,6 +127,20 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
 
 
 PACE_RECORD_EVERY = 15.0   # seconds between writes of the pace to the run's record while nothing changes
+PACE_SERIES = "pace.jsonl"   # beside the record: each judged window, for `report`'s pace plot
+
+
+def _keep_window(run: Run, watch: PaceWatch) -> None:
+    """The window just judged, one line of runs/<id>/pace.jsonl: each rank's shares, the pace, the straggler."""
+    state = watch.state
+    line = {"time": round(time.time(), 2), "pace": state.pace, "rate": state.rate, "unit": state.unit,
+            "straggler": state.straggler.rank if state.straggler else None,
+            "ranks": [{"rank": t.rank, "busy": t.busy, "wait": t.wait, "data": t.data} for t in state.ranks]}
+    try:
+        with open(run.folder / PACE_SERIES, "a", encoding="utf-8") as out:
+            out.write(json.dumps(line) + "\n")
+    except OSError:
+        pass   # a full disk here must not end the watch
 
 
 def _remember(run_id: str, straggler: Straggler) -> None:

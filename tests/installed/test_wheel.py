@@ -124,6 +124,8 @@ def test_installed_local_demo_launch(installed, tmp_path, demo_cache):
     last = [r for r in records if "loss" in r][-1]
     # status and top show the heartbeat: its loss is the last logged step's own, not the window before it
     assert heartbeat["step"] == last["step"] == 80 and heartbeat["loss"] == last["loss"]
+    # the seconds this rank spent making its batches, from which the pace watch takes its data-wait share
+    assert 0 < heartbeat["data_s"] < 60, heartbeat
 
 
 def test_outputs_without_boto3_are_named_by_the_launch_status_and_collect(installed, tmp_path):

@@ -63,6 +63,10 @@ def test_a_quota_held_rank_is_named_shown_by_status_and_left_out(ssh_cluster, pr
             assert busy[3] == max(busy.values()) and busy[3] > sorted(busy.values())[1] + 0.1, status["ranks"]
             shown = run_nodectl(["status"], env=env, cwd=project).stdout
             assert "straggler: rank 3 on node node1" in shown and "busy" in shown
+            # where the time goes: the median rank waits for rank 3 in the all-reduce most of the time
+            split = next(line for line in shown.splitlines() if line.startswith("where the time goes (median rank)"))
+            assert "% computing" in split and "% waiting for other ranks in collectives" in split, shown
+            assert "getting data" not in split   # a plain script does not say its data wait
 
             # --on-straggler exclude: the verdict held 20 s, node1 is left out, attempt 1 runs on node0
             wait_for(lambda: any("attempt 1 on 1 node(s)" in line for _, line in said), timeout=120)
@@ -72,6 +76,9 @@ def test_a_quota_held_rank_is_named_shown_by_status_and_left_out(ssh_cluster, pr
         failure = record["attempts"][0]["failure"]
         assert failure["kind"] == "straggler" and failure["rank"] == 3 and failure["node"] == "node1", failure
         assert [n["node"]["name"] for n in record["plan"]["nodes"]] == ["node0"]
+        # each judged window is kept beside the record for `report`'s pace plot, the verdict's windows marked
+        windows = [json.loads(line) for line in (manifest.parent / "pace.jsonl").read_text().splitlines()]
+        assert {3} <= {w["straggler"] for w in windows} and all(len(w["ranks"]) in (2, 4) for w in windows)
         print(f"straggler named {noticed:.1f}s after the quota")
         assert noticed < 60
 

@@ -5,6 +5,7 @@ NCCL, each collective's duration)."""
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -15,17 +16,21 @@ NODES = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
 
 
 def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: float = 0.003, durations=False,
-             steps_per_beat: int = 0, settings=PaceSettings(), seed: int = 0):
+             steps_per_beat: int = 0, settings=PaceSettings(), seed: int = 0, data=None):
     """Run `seconds` of training where `compute(rank, t)` is a rank's compute time per step at time t; feed the
-    watch a poll per node per second; return (watch, [(t, change)])."""
+    watch a poll per node per second; return (watch, [(t, change)]). With `data(rank, t)`, that much of each step
+    is the rank getting its batch, told in its heartbeat's data_s as the built-in trainer tells it."""
     rng = random.Random(seed)
     skew = skew or {}
     watch = PaceWatch(NODES, settings=settings)
     t, seq, pending, changes = 0.0, 0, {n: [] for n in set(NODES.values())}, []
     next_poll = 1.0
     ends = dict.fromkeys(NODES, 0.0)
+    fed = dict.fromkeys(NODES, 0.0)
     while t < seconds:
-        arrivals = {r: ends[r] + compute(r, t) + rng.uniform(0, jitter) for r in NODES}
+        arrivals = {r: ends[r] + compute(r, t) + (data(r, t) if data else 0.0) + rng.uniform(0, jitter) for r in NODES}
+        for r in NODES:
+            fed[r] += data(r, t) if data else 0.0
         last = max(arrivals.values())
         seq += 1
         for r, at in arrivals.items():
@@ -43,7 +48,7 @@ def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: flo
                                              durations=tuple(e[3] for e in mine))
                 step = seq // steps_per_beat if steps_per_beat else None
                 answer = PollAnswer(now=next_poll + skew.get(node, 0.0), node_rank=0, alive=2,
-                                    ranks=tuple(RankState(r, heartbeat={"step": step} if step else None)
+                                    ranks=tuple(RankState(r, heartbeat=_beat(step, fed[r] if data else None))
                                                 for r in NODES if NODES[r] == node),
                                     pace=PaceSample(ranks=ranks))
                 watch.feed(node, answer, received=next_poll + 0.004, sent=next_poll - 0.004)
@@ -51,6 +56,11 @@ def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: flo
             changes += [(next_poll, c) for c in watch.judge(now=next_poll)]
             next_poll += 1.0
     return watch, changes
+
+
+def _beat(step, data_s):
+    beat = {key: value for key, value in (("step", step), ("data_s", data_s)) if value is not None}
+    return beat or None
 
 
 def found(changes):
@@ -126,3 +136,31 @@ def test_a_hostile_or_old_record_reads_as_nothing():
                        live=False)
     assert lines == ["had a straggler for 60s: rank 2 on node n1, 40% slower (its cgroup's CPU quota held it back "
                      "50% of the time)"]
+
+
+def test_a_rank_starved_of_data_is_named_with_that_cause_and_the_split_says_where_the_time_goes():
+    # every rank computes 0.1 s a step and gets its batch in 0.01 s; from t=60 rank 2's batches take 0.1 s
+    data = lambda r, t: 0.1 if r == 2 and t >= 60 else 0.01  # noqa: E731
+    watch, changes = simulate(lambda r, t: 0.1, 160, data=data, steps_per_beat=1)
+    named = found(changes)
+    assert [c.rank for _, c in named] == [2]
+    assert any(re.match(r"it waits for its data 4[4-9]% of the time \(the other ranks [3-6]%\)", cause)
+               for cause in named[0][1].causes), named[0][1].causes
+    shares = {t.rank: t.data for t in watch.state.ranks}
+    assert shares[2] == pytest.approx(0.47, abs=0.05) and shares[0] == pytest.approx(0.05, abs=0.02)
+    # the median rank: computes ~48%, gets data ~5%, waits ~47% for rank 2 at the all-reduce
+    split = watch.state.split
+    assert split.startswith("where the time goes (median rank): ") and "% getting data" in split, split
+    figures = dict((words, int(number)) for number, words in
+                   (part.split("% ", 1) for part in split.split(": ", 1)[1].split(", ")))
+    assert figures["waiting for other ranks in collectives"] == pytest.approx(47, abs=5), split
+    assert figures["getting data"] == pytest.approx(5, abs=2), split
+    record = watch.state.to_json()
+    assert rank_split(record)[2][2] == pytest.approx(0.47, abs=0.05)
+    assert split in pace_lines(record) and "where the time went (last window)" in pace_lines(record, live=False)[-2]
+
+
+def test_a_script_without_data_timings_has_no_data_share():
+    watch, _ = simulate(lambda r, t: 0.1, 80)
+    assert all(t.data is None for t in watch.state.ranks)
+    assert "getting data" not in watch.state.split and "% waiting for other ranks" in watch.state.split

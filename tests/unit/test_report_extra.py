@@ -45,3 +45,45 @@ def test_plots_carry_a_legend_a_log_loss_axis_and_throughput_from_zero(tmp_path,
     assert {p.stem for p in written} == {"loss", "tokens_per_s"}
     assert seen["loss"][0] == "log" and seen["loss"][2]
     assert seen["tokens_per_s"][1] == 0 and seen["tokens_per_s"][2]
+
+
+def test_the_pace_plot_shows_each_ranks_time_the_pace_and_the_straggler_verdict(tmp_path, monkeypatch):
+    """runs/<id>/pace.jsonl (the windows an attached launch judged) becomes pace.png: a panel per share with a line
+    per rank, the pace, and the straggler verdict shaded where it held; a script with no metrics of its own still
+    gets it."""
+    import json
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.figure
+
+    from nodectl import report
+
+    folder = tmp_path / "20261127-000000-abcd"
+    (folder / "nodes" / "node0").mkdir(parents=True)   # collected, but the script wrote no metrics
+    with open(folder / "pace.jsonl", "w") as out:
+        for i in range(20):
+            slow = 6 <= i < 12
+            ranks = [{"rank": r, "busy": 0.9 if (r == 2 and slow) else 0.5, "wait": 0.1 if (r == 2 and slow) else 0.5,
+                      "data": 0.4 if (r == 2 and slow) else 0.05} for r in range(4)]
+            out.write(json.dumps({"time": 1000.0 + 5 * i, "pace": 0.6 if slow else 1.0, "rate": 2.0,
+                                  "unit": "steps/s", "straggler": 2 if 7 <= i < 13 else None, "ranks": ranks}) + "\n")
+        out.write("{cut by a crash\n")
+    seen = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def remember(fig, path, *args, **kwargs):
+        seen[path.stem] = [(a.get_ylabel(), len(a.get_lines()), len(a.patches)) for a in fig.axes]
+        seen["pace_line"] = fig.axes[-1].get_lines()[0].get_ydata().tolist()
+        return real_savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", remember)
+    data = report.load_collected(folder)
+    written = report.render(data, folder / "report")
+    assert folder / "report" / "pace.png" in written and (folder / "report" / "pace.png").stat().st_size > 0
+    assert [label for label, _, _ in seen["pace"]] == ["% computing", "% getting data", "% waiting for other ranks",
+                                                       "pace (x healthy)"]
+    assert [lines for _, lines, _ in seen["pace"][:3]] == [4, 4, 4]           # a line per rank
+    assert all(patches == 1 for _, _, patches in seen["pace"])               # one verdict, shaded on every panel
+    assert min(seen["pace_line"]) == 0.6 and seen["pace_line"][0] == 1.0
+    assert report.summarise(data)["steps"] == 0
