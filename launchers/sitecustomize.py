@@ -157,12 +157,39 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
                 continue
             duration = entry.get("duration_ms")
             kept.append([str(entry.get("pg_id", (entry.get("process_group") or ("?",))[0])), seq, reached,
-                         round(float(duration), 3) if isinstance(duration, (int, float)) else None])
+                         round(float(duration), 3) if isinstance(duration, (int, float)) else None,
+                         *_moved(entry)])
         if kept:
             try:
                 write_file(path, json.dumps({"time": time.time(), "pid": os.getpid(), "entries": kept}))
             except OSError:
                 return   # the run folder is gone
+
+
+DTYPE_BYTES = {"Double": 8, "Long": 8, "ComplexFloat": 8, "Float": 4, "Int": 4, "BFloat16": 2, "Half": 2,
+               "Short": 2, "Byte": 1, "Char": 1, "Bool": 1}
+
+
+def _moved(entry: dict) -> list:
+    """[bytes, kind] of a collective as nccl-tests counts them (an all-reduce's or reduce-scatter's input, an
+    all-gather's output), kind one of allreduce, gather, scatter, alltoall, other: the controller turns them into
+    bus bandwidth with the group's size."""
+    name = str(entry.get("profiling_name", "")).split(":", 1)[-1]
+    kind = ("allreduce" if "all_reduce" in name or "allreduce" in name else
+            "gather" if "gather" in name else "scatter" if "scatter" in name else
+            "alltoall" if "all_to_all" in name or "alltoall" in name else "other")
+    sizes, dtypes = (entry.get("output_sizes"), entry.get("output_dtypes")) if kind == "gather" else \
+        (entry.get("input_sizes"), entry.get("input_dtypes"))
+    total = 0
+    try:
+        for shape, dtype in zip(sizes or (), dtypes or ()):
+            count = 1
+            for dim in shape:
+                count *= int(dim)
+            total += count * DTYPE_BYTES.get(str(dtype), 1 if str(dtype).startswith("Float8") else 4)
+    except (TypeError, ValueError):
+        return [None, kind]
+    return [total, kind]
 
 
 def _snapshot(folder: str, rank: str) -> dict:

@@ -82,20 +82,24 @@ class PaceState:
     straggler: Straggler | None = None
     events: list[Straggler] = field(default_factory=list)
     run_wide: str = ""
+    busbw_gbs: float | None = None      # the run's collectives' bus bandwidth over the window (NCCL-timed only)
+    collective_mib: float | None = None   # their median size
+    reference: dict | None = None       # preflight's all-reduce on these nodes: {busbw_gbs, mib, time}
 
     @property
     def split(self) -> str:
-        """Where the median rank's time goes, in words (see split_line)."""
-        return split_line([asdict(r) for r in self.ranks])
+        """Where the median rank's time goes, in words (see split_line), and what the collectives move."""
+        return split_line([asdict(r) for r in self.ranks], self.busbw_gbs, self.collective_mib, self.reference)
 
     def to_json(self) -> dict:
         return {"pace": self.pace, "rate": self.rate, "unit": self.unit,
                 "ranks": [asdict(r) for r in self.ranks], "straggler": self.straggler and self.straggler.to_json(),
                 "events": [e.to_json() for e in self.events], "run_wide": self.run_wide, "split": self.split,
-                "time": time.time()}
+                "busbw_gbs": self.busbw_gbs, "collective_mib": self.collective_mib, "time": time.time()}
 
 
-def split_line(ranks: list) -> str:
+def split_line(ranks: list, busbw: float | None = None, mib: float | None = None,
+               reference: dict | None = None) -> str:
     """"where the time goes: 71% computing, 5% getting data, 24% waiting for other ranks in collectives" over the
     ranks' shares (median of each); "" without shares. Computing includes the collectives' own transfers (the
     part no rank waits for) and anything else the rank does between them."""
@@ -110,7 +114,24 @@ def split_line(ranks: list) -> str:
     computing = max(0.0, 1 - wait - (fed or 0.0))
     parts = [f"{computing * 100:.0f}% computing"] + ([f"{fed * 100:.0f}% getting data"] if fed is not None else []) \
         + [f"{wait * 100:.0f}% waiting for other ranks in collectives"]
-    return "where the time goes (median rank): " + ", ".join(parts)
+    said = "where the time goes (median rank): " + ", ".join(parts)
+    if busbw is not None:
+        said += f"; the collectives move {busbw:.1f} GB/s (bus bandwidth, median {mib:.0f} MiB)"
+        if reference and reference.get("busbw_gbs"):
+            share_of = busbw / reference["busbw_gbs"]
+            said += (f", {share_of * 100:.0f}% of the {reference['busbw_gbs']:.1f} GB/s preflight's all-reduce of "
+                     f"{reference.get('mib', 0):.0f} MiB gave on these nodes")
+            if share_of >= 0.8:
+                said += ": the links give no more (where collectives are on the critical path, the network is the " \
+                        "limit)"
+            elif share_of < 0.5:
+                said += ": well under what the links gave (small or latency-bound collectives, or another path)"
+    return said
+
+
+BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "gather": lambda n: (n - 1) / n,
+              "scatter": lambda n: (n - 1) / n, "alltoall": lambda n: (n - 1) / n, "other": lambda n: 1.0}
+BUS_MIN_BYTES = 1 << 20   # smaller collectives measure their latency, not the links
 
 
 class PaceWatch:
@@ -126,6 +147,7 @@ class PaceWatch:
         self._since: dict[int, int] = {}                       # rank -> latest reached ns asked from
         self._reached: dict[tuple, dict[int, float]] = defaultdict(dict)   # (group, seq) -> rank -> controller s
         self._durations: dict[tuple, dict[int, float]] = defaultdict(dict)
+        self._moved: dict[tuple, tuple[int, str]] = {}              # (group, seq) -> (bytes, kind)
         self._offsets: dict[str, float] = {}                   # node/low, node/high: its clock minus ours
         self._counters: dict[int, list[tuple]] = defaultdict(list)   # rank -> [(time, cpu, runqueue, throttled)]
         self._data: dict[int, list[tuple]] = defaultdict(list)       # rank -> [(time, seconds getting data)]
@@ -160,8 +182,12 @@ class PaceWatch:
             shift = self._clock(node, answer.now, sent, received)
             for rank_text, rp in pace.ranks.items():
                 rank = int(rank_text)
-                for group, seq, reached, duration in zip(rp.groups, rp.seqs, rp.reached, rp.durations):
+                moved = list(zip(rp.moved, rp.kinds)) if len(rp.moved) == len(rp.seqs) == len(rp.kinds) else []
+                for index, (group, seq, reached, duration) in enumerate(zip(rp.groups, rp.seqs, rp.reached,
+                                                                             rp.durations)):
                     key = (group, seq)
+                    if moved and isinstance(moved[index][0], int) and moved[index][1] in BUS_FACTOR:
+                        self._moved[key] = moved[index]
                     self._reached[key][rank] = reached / 1e9 - shift
                     if duration is not None:
                         self._durations[key][rank] = duration / 1e3
@@ -336,6 +362,7 @@ class PaceWatch:
             else:
                 for r in ranks:
                     waits[r] += last - arrivals[r]
+        self._bandwidth(with_durations if timed else [], len(ranks))
         times = [RankTime(r, self.rank_nodes[r], busy=round(max(0.0, 1 - waits[r] / span), 3),
                           wait=round(min(1.0, waits[r] / span), 3), data=self._data_share(r, now - seconds))
                  for r in ranks]
@@ -343,6 +370,22 @@ class PaceWatch:
         if len(steps) >= 2 and steps[-1][1] > steps[0][1]:
             return times, (steps[-1][1] - steps[0][1]) / (steps[-1][0] - steps[0][0]), "steps/s"
         return times, (len(recent) - 1) / span, "collectives/s"
+
+    def _bandwidth(self, timed: list, world: int) -> None:
+        """The bus bandwidth the window's NCCL-timed collectives of 1 MiB or more reached: bus bytes over the time
+        each took once every rank was there (its shortest duration: the transfer, no rank's wait)."""
+        moved, seconds, sizes = 0.0, 0.0, []
+        for _, key, _ in timed:
+            size, kind = self._moved.get(key, (None, None))
+            took = min(self._durations.get(key, {}).values(), default=0.0)
+            if size is None or size < BUS_MIN_BYTES or took <= 0 or world < 2:
+                continue
+            moved += size * BUS_FACTOR[kind](world)
+            seconds += took
+            sizes.append(size)
+        if seconds > 0:
+            self.state.busbw_gbs = round(moved / seconds / 1e9, 2)
+            self.state.collective_mib = round(statistics.median(sizes) / (1 << 20), 1)
 
     def _data_share(self, rank: int, since: float) -> float | None:
         """The share of wall time this rank spent getting data since `since`, from its heartbeats' data_s (the
@@ -357,6 +400,7 @@ class PaceWatch:
         for key in [k for k, a in self._reached.items() if max(a.values()) < keep_from]:
             del self._reached[key]
             self._durations.pop(key, None)
+            self._moved.pop(key, None)
 
     # the causes ---------------------------------------------------------------------------------------------
     def _causes(self, found: Straggler, now: float) -> list[str]:

@@ -20,12 +20,14 @@ def rank_pace(run_dir: str, rank: int, pid: int | None, since: int) -> dict:
     entries = []
     if isinstance(recorded, dict) and isinstance(recorded.get("entries"), list):
         entries = [e for e in recorded["entries"]
-                   if isinstance(e, list) and len(e) == 4 and isinstance(e[1], int) and isinstance(e[2], int)
+                   if isinstance(e, list) and 4 <= len(e) <= 6 and isinstance(e[1], int) and isinstance(e[2], int)
                    and e[2] > since]
     entries = entries[-NEW_ENTRIES_MAX:]
     answer = {"groups": [str(e[0]) for e in entries], "seqs": [int(e[1]) for e in entries],
               "reached": [e[2] for e in entries],
-              "durations": [float(e[3]) if isinstance(e[3], (int, float)) else None for e in entries]}
+              "durations": [float(e[3]) if isinstance(e[3], (int, float)) else None for e in entries],
+              "moved": [e[4] if len(e) > 4 and isinstance(e[4], int) and e[4] >= 0 else None for e in entries],
+              "kinds": [str(e[5])[:16] if len(e) > 5 else None for e in entries]}
     if pid:
         answer.update(_sched(pid))
     return answer

@@ -64,6 +64,8 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
     stream = stream_for(run_nodes)
     verdicts: list[dict] = []
     pace = for_run(run, run_nodes) if run.kind != "preflight" else None   # not preflight's own short jobs
+    if pace is not None and pace.gpus:
+        pace.state.reference = _preflight_busbw([rn.node.name for rn in run_nodes])
     recorded = [0.0]
 
     def paced(changes: list, watch: PaceWatch) -> Straggler | None:
@@ -152,6 +154,17 @@ def _remember(run_id: str, straggler: Straggler) -> None:
         History(state_dir()).add_straggler(run_id, straggler.to_json())
     except OSError:
         pass   # the registry is a convenience: a read-only home must not end the watch
+
+
+def _preflight_busbw(nodes: list[str]) -> dict | None:
+    """What preflight's all-reduce gave on these nodes last, for the run's collectives to be set against."""
+    from nodectl.preflight.history import History
+    from nodectl.runs import state_dir
+
+    try:
+        return History(state_dir()).latest_allreduce(nodes)
+    except OSError:
+        return None
 
 
 def _culprit(stall: Failure, verdict: dict, run_nodes: list[RunNode]) -> Failure:

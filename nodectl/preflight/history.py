@@ -221,6 +221,19 @@ class History:
         self._append({"time": when or time.time(), "nodes": [straggler.get("node")], "versions": {}, "figures": [],
                       "straggler": {"run": run_id, **kept}})
 
+    def latest_allreduce(self, nodes: Iterable[str]) -> dict | None:
+        """The newest NCCL all-reduce busbw measured on exactly these nodes ({busbw_gbs, mib, time}), for a run's
+        collectives to be set against (nodectl/pace.py); None without one."""
+        prefix = f"allreduce:{'+'.join(sorted(nodes))}:"
+        for entry in reversed(self.entries()):
+            for figure in entry["figures"]:
+                if isinstance(figure, dict) and str(figure.get("key", "")).startswith(prefix) \
+                        and figure.get("judged") and isinstance(figure.get("value"), (int, float)):
+                    size = figure["key"][len(prefix):]
+                    return {"busbw_gbs": float(figure["value"]), "time": entry.get("time"),
+                            "mib": int(size) / (1 << 20) if size.isdigit() else 0.0}
+        return None
+
     def rows(self, node: str | None = None) -> list[dict]:
         """Every recorded figure (of `node`'s GPUs, its pairs and the all-reduces it took part in), oldest first."""
         out = []

@@ -98,6 +98,8 @@ class RankPace:
     seqs: tuple[int, ...] = ()
     reached: tuple[int, ...] = ()
     durations: tuple[float | None, ...] = ()
+    moved: tuple[int | None, ...] = ()  # bytes as nccl-tests counts them (an all-gather's output, else input)
+    kinds: tuple[str | None, ...] = ()  # allreduce, gather, scatter, alltoall, other: the bus bandwidth's factor
     cpu_s: float | None = None          # CPU the rank's process used (its threads' schedstat), a counter
     runqueue_s: float | None = None     # time its threads were ready but waited for a CPU, a counter
     throttled_s: float | None = None    # time its cgroup's CPU quota held it back, a counter; None: no quota

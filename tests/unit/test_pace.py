@@ -16,13 +16,13 @@ NODES = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
 
 
 def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: float = 0.003, durations=False,
-             steps_per_beat: int = 0, settings=PaceSettings(), seed: int = 0, data=None):
+             steps_per_beat: int = 0, settings=PaceSettings(), seed: int = 0, data=None, moved=None):
     """Run `seconds` of training where `compute(rank, t)` is a rank's compute time per step at time t; feed the
     watch a poll per node per second; return (watch, [(t, change)]). With `data(rank, t)`, that much of each step
     is the rank getting its batch, told in its heartbeat's data_s as the built-in trainer tells it."""
     rng = random.Random(seed)
     skew = skew or {}
-    watch = PaceWatch(NODES, settings=settings)
+    watch = PaceWatch(NODES, settings=settings, gpus=durations)
     t, seq, pending, changes = 0.0, 0, {n: [] for n in set(NODES.values())}, []
     next_poll = 1.0
     ends = dict.fromkeys(NODES, 0.0)
@@ -45,7 +45,9 @@ def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: flo
                     mine = [e for e in entries if e[0] == r]
                     ranks[str(r)] = RankPace(groups=tuple("0" for _ in mine), seqs=tuple(e[1] for e in mine),
                                              reached=tuple(int((e[2] + skew.get(node, 0.0)) * 1e9) for e in mine),
-                                             durations=tuple(e[3] for e in mine))
+                                             durations=tuple(e[3] for e in mine),
+                                             moved=tuple(moved[0] for _ in mine) if moved else (),
+                                             kinds=tuple(moved[1] for _ in mine) if moved else ())
                 step = seq // steps_per_beat if steps_per_beat else None
                 answer = PollAnswer(now=next_poll + skew.get(node, 0.0), node_rank=0, alive=2,
                                     ranks=tuple(RankState(r, heartbeat=_beat(step, fed[r] if data else None))
@@ -164,3 +166,47 @@ def test_a_script_without_data_timings_has_no_data_share():
     watch, _ = simulate(lambda r, t: 0.1, 80)
     assert all(t.data is None for t in watch.state.ranks)
     assert "getting data" not in watch.state.split and "% waiting for other ranks" in watch.state.split
+
+
+def test_nccl_timed_collectives_give_their_bus_bandwidth_against_preflights(tmp_path):
+    from nodectl.preflight.history import Figure, History
+
+    history = History(tmp_path)
+    history.add([Figure("allreduce:node0+node1:1073741824", "busbw_gbs", 12.0, "cluster", "all-reduce")], {},
+                ["node0", "node1"], when=1000.0)
+    history.add([Figure("allreduce:node0+node1+node2:1073741824", "busbw_gbs", 99.0, "cluster", "other nodes")],
+                {}, ["node0", "node1", "node2"], when=2000.0)
+    reference = history.latest_allreduce(["node1", "node0"])
+    assert reference == {"busbw_gbs": 12.0, "time": 1000.0, "mib": 1024.0}
+    # 64 MiB all-reduces over 4 ranks, each 10 ms once the last rank is there: 64 MiB x 2(n-1)/n / 10 ms
+    watch, _ = simulate(lambda r, t: 0.1, 90, durations=True, comm=0.01, moved=(64 << 20, "allreduce"))
+    watch.state.reference = reference
+    assert watch.state.busbw_gbs == pytest.approx((64 << 20) * 1.5 / 0.01 / 1e9, rel=0.02)
+    assert watch.state.collective_mib == 64.0
+    split = watch.state.split
+    assert "the collectives move 10.1 GB/s (bus bandwidth, median 64 MiB), 84% of the 12.0 GB/s preflight's " \
+           "all-reduce of 1024 MiB gave on these nodes: the links give no more" in split, split
+    # small ones measure latency, not links: no figure
+    small, _ = simulate(lambda r, t: 0.1, 90, durations=True, comm=0.01, moved=(4096, "allreduce"))
+    assert small.state.busbw_gbs is None and "GB/s" not in small.state.split
+
+
+def test_the_pace_file_counts_bytes_as_nccl_tests_does(monkeypatch):
+    import importlib.util
+
+    from support import REPO
+
+    monkeypatch.syspath_prepend(str(REPO / "launchers"))   # runlayout beside it, as in a run's lib/
+    monkeypatch.delenv("NODECTL_RUN_DIR", raising=False)
+    spec = importlib.util.spec_from_file_location("listener_under_test", REPO / "launchers" / "sitecustomize.py")
+    listener = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(listener)   # outside a run (no NODECTL_RUN_DIR): defines, starts nothing
+    moved = listener._moved
+    assert moved({"profiling_name": "nccl:all_reduce", "input_sizes": [[1000]], "input_dtypes": ["BFloat16"]}) \
+        == [2000, "allreduce"]
+    assert moved({"profiling_name": "nccl:_allgather_base", "input_sizes": [[1000]], "input_dtypes": ["BFloat16"],
+                  "output_sizes": [[2, 1000]], "output_dtypes": ["BFloat16"]}) == [4000, "gather"]   # its output
+    assert moved({"profiling_name": "nccl:reduce_scatter_tensor_coalesced", "input_sizes": [[4, 8], [2]],
+                  "input_dtypes": ["Float", "Float"]}) == [136, "scatter"]
+    assert moved({"profiling_name": "gloo:all_reduce", "input_sizes": [["x"]], "input_dtypes": ["Float"]}) \
+        == [None, "allreduce"]
