@@ -18,6 +18,7 @@ node: the poller asks what `request` says and hands the answers to `feed`.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import threading
 import time
@@ -117,16 +118,29 @@ def split_line(ranks: list, busbw: float | None = None, mib: float | None = None
     said = "where the time goes (median rank): " + ", ".join(parts)
     if busbw is not None:
         said += f"; the collectives move {busbw:.1f} GB/s (bus bandwidth, median {mib:.0f} MiB)"
-        if reference and reference.get("busbw_gbs"):
-            share_of = busbw / reference["busbw_gbs"]
-            said += (f", {share_of * 100:.0f}% of the {reference['busbw_gbs']:.1f} GB/s preflight's all-reduce of "
-                     f"{reference.get('mib', 0):.0f} MiB gave on these nodes")
+        gave, at_mib = _reference_at(reference, mib)
+        if gave:
+            share_of = busbw / gave
+            said += (f", {share_of * 100:.0f}% of the {gave:.1f} GB/s preflight's all-reduce of "
+                     f"{at_mib:.0f} MiB gave on these nodes")
             if share_of >= 0.8:
                 said += ": the links give no more (where collectives are on the critical path, the network is the " \
                         "limit)"
             elif share_of < 0.5:
                 said += ": well under what the links gave (small or latency-bound collectives, or another path)"
     return said
+
+
+def _reference_at(reference: dict | None, mib: float | None) -> tuple[float | None, float]:
+    """(busbw, MiB) of preflight's all-reduce at the measured size nearest the run's median collective (in
+    log scale: bandwidth grows with size), else at its largest."""
+    if not reference or not reference.get("busbw_gbs"):
+        return None, 0.0
+    curve = reference.get("curve") or []
+    if curve and mib:
+        size, busbw = min(curve, key=lambda point: abs(math.log(max(point[0], 1) / (mib * (1 << 20)))))
+        return busbw, size / (1 << 20)
+    return reference["busbw_gbs"], reference.get("mib", 0.0)
 
 
 BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "gather": lambda n: (n - 1) / n,

@@ -70,6 +70,15 @@ def figures_of(reports: Mapping[str, Mapping], gpu_jobs: Mapping[str, Mapping],
     return out
 
 
+def curve_of(collective: Mapping | None) -> list:
+    """The all-reduce's busbw at every size it measured ([[bytes, GB/s]...]), NCCL only (gloo's is not judged)."""
+    if not collective or collective.get("backend") != "nccl":
+        return []
+    return [[int(s["bytes"]), round(float(s["busbw_gbs"]), 2)] for s in collective.get("sizes") or []
+            if isinstance(s, Mapping) and isinstance(s.get("bytes"), int)
+            and isinstance(s.get("busbw_gbs"), (int, float))]
+
+
 def versions_of(reports: Mapping[str, Mapping]) -> dict:
     return {node: {"torch": (r.get("torch") or {}).get("version"), "nccl": (r.get("torch") or {}).get("nccl"),
                    "driver": (r.get("gpus") or {}).get("driver")} for node, r in reports.items()}
@@ -200,9 +209,13 @@ class History:
                 out.append(entry)
         return out
 
-    def add(self, figures: Iterable[Figure], versions: Mapping, nodes: list[str], when: float | None = None) -> None:
-        self._append({"time": when or time.time(), "nodes": nodes, "versions": dict(versions),
-                      "figures": [f.to_json() for f in figures]})
+    def add(self, figures: Iterable[Figure], versions: Mapping, nodes: list[str], when: float | None = None,
+            curve: list | None = None) -> None:
+        entry = {"time": when or time.time(), "nodes": nodes, "versions": dict(versions),
+                 "figures": [f.to_json() for f in figures]}
+        if curve:
+            entry["allreduce_curve"] = curve   # [[bytes, busbw GB/s]...]: a run's collectives are set against it
+        self._append(entry)
 
     def _append(self, entry: dict) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -222,16 +235,21 @@ class History:
                       "straggler": {"run": run_id, **kept}})
 
     def latest_allreduce(self, nodes: Iterable[str]) -> dict | None:
-        """The newest NCCL all-reduce busbw measured on exactly these nodes ({busbw_gbs, mib, time}), for a run's
-        collectives to be set against (nodectl/pace.py); None without one."""
+        """The newest NCCL all-reduce measured on exactly these nodes, for a run's collectives to be set against
+        (nodectl/pace.py): {busbw_gbs, mib, time} at its largest size, and `curve` ([[bytes, busbw]...]) where the
+        preflight kept every size; None without one."""
         prefix = f"allreduce:{'+'.join(sorted(nodes))}:"
         for entry in reversed(self.entries()):
             for figure in entry["figures"]:
                 if isinstance(figure, dict) and str(figure.get("key", "")).startswith(prefix) \
                         and figure.get("judged") and isinstance(figure.get("value"), (int, float)):
                     size = figure["key"][len(prefix):]
+                    curve = [[int(b), float(v)] for b, v in (entry.get("allreduce_curve") or [])
+                             if isinstance(b, int) and isinstance(v, (int, float))] \
+                        if isinstance(entry.get("allreduce_curve"), list) and all(
+                            isinstance(p, list) and len(p) == 2 for p in entry["allreduce_curve"]) else []
                     return {"busbw_gbs": float(figure["value"]), "time": entry.get("time"),
-                            "mib": int(size) / (1 << 20) if size.isdigit() else 0.0}
+                            "mib": int(size) / (1 << 20) if size.isdigit() else 0.0, "curve": curve}
         return None
 
     def rows(self, node: str | None = None) -> list[dict]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from nodectl.inventory import Inventory
 from nodectl.preflight.gpu import cluster_medians
-from nodectl.preflight.history import Drift, History, figures_of, judge_history, versions_of
+from nodectl.preflight.history import Drift, History, curve_of, figures_of, judge_history, versions_of
 from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge_node
 from nodectl.preflight.storage import judge_store
 from nodectl.preflight.verdict import FAIL, WARN, CheckResult
@@ -212,7 +212,7 @@ def compare_with_history(report: PreflightReport, history: History, warn: float,
     report.history = drift.summary
     if figures:
         try:
-            history.add(figures, versions_of(report.reports), report.nodes)
+            history.add(figures, versions_of(report.reports), report.nodes, curve=curve_of(report.collective))
         except OSError:   # an unwritable registry costs the record, never the preflight
             pass
     return drift

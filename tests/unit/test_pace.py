@@ -177,7 +177,7 @@ def test_nccl_timed_collectives_give_their_bus_bandwidth_against_preflights(tmp_
     history.add([Figure("allreduce:node0+node1+node2:1073741824", "busbw_gbs", 99.0, "cluster", "other nodes")],
                 {}, ["node0", "node1", "node2"], when=2000.0)
     reference = history.latest_allreduce(["node1", "node0"])
-    assert reference == {"busbw_gbs": 12.0, "time": 1000.0, "mib": 1024.0}
+    assert reference == {"busbw_gbs": 12.0, "time": 1000.0, "mib": 1024.0, "curve": []}
     # 64 MiB all-reduces over 4 ranks, each 10 ms once the last rank is there: 64 MiB x 2(n-1)/n / 10 ms
     watch, _ = simulate(lambda r, t: 0.1, 90, durations=True, comm=0.01, moved=(64 << 20, "allreduce"))
     watch.state.reference = reference
@@ -186,6 +186,12 @@ def test_nccl_timed_collectives_give_their_bus_bandwidth_against_preflights(tmp_
     split = watch.state.split
     assert "the collectives move 10.1 GB/s (bus bandwidth, median 64 MiB), 84% of the 12.0 GB/s preflight's " \
            "all-reduce of 1024 MiB gave on these nodes: the links give no more" in split, split
+    # where preflight kept every size, the run's collectives are set against the nearest one
+    history.add([Figure("allreduce:node0+node1:1073741824", "busbw_gbs", 326.0, "cluster", "all-reduce")], {},
+                ["node0", "node1"], when=3000.0, curve=[[1 << 20, 3.0], [32 << 20, 20.0], [1 << 30, 326.0]])
+    watch.state.reference = history.latest_allreduce(["node0", "node1"])
+    assert "50% of the 20.0 GB/s preflight's all-reduce of 32 MiB gave on these nodes" in watch.state.split, \
+        watch.state.split
     # small ones measure latency, not links: no figure
     small, _ = simulate(lambda r, t: 0.1, 90, durations=True, comm=0.01, moved=(4096, "allreduce"))
     assert small.state.busbw_gbs is None and "GB/s" not in small.state.split
