@@ -214,14 +214,30 @@ def probe_python() -> dict:
 
 
 def probe_packages() -> dict:
+    """Every installed distribution's name and version, read from its metadata's header alone: parsing the whole
+    METADATA (long descriptions included) was 190 ms of a 300 ms quick probe."""
     from importlib import metadata
 
     packages = {}
     for dist in metadata.distributions():
-        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        name, version = _name_and_version(dist)
         if name:
-            packages[name] = dist.version
+            packages[name.lower().replace("_", "-")] = version
     return dict(sorted(packages.items()))
+
+
+def _name_and_version(dist) -> tuple:
+    text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
+    found = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        if key in ("Name", "Version") and key not in found:
+            found[key] = value.strip()
+            if len(found) == 2:
+                break
+    if "Name" not in found:   # a metadata file of another shape: the library's own reading
+        return dist.metadata.get("Name"), dist.version
+    return found["Name"], found.get("Version")
 
 
 def _installed(*names: str) -> str | None:

@@ -82,10 +82,13 @@ def cmd_unlisten(args: list, request: dict) -> dict:
 
 
 def cmd_connect(args: list, request: dict) -> dict:
-    host, port = args[0], int(args[1])
+    return _connect(args[0], int(args[1]), float(request.get("timeout", 5)))
+
+
+def _connect(host: str, port: int, timeout: float) -> dict:
     started = time.time()
     try:
-        with socket.create_connection((host, port), timeout=float(request.get("timeout", 5))):
+        with socket.create_connection((host, port), timeout=timeout):
             return {"ok": True, "ms": (time.time() - started) * 1000}
     except OSError as exc:
         return {"ok": False, "error": str(exc) or exc.__class__.__name__}
@@ -93,8 +96,14 @@ def cmd_connect(args: list, request: dict) -> dict:
 
 def cmd_route(args: list, request: dict) -> dict:
     """The interface this node sends to ADDR through (ip route get), or null where ip is missing; with `peers`
-    (the other nodes' addresses), the interface toward each."""
+    (the other nodes' addresses), the interface toward each. With `connect` ({host, port}), a TCP connection to
+    it first (`reach`): preflight asks both of every node in one call."""
+    reach = request.get("connect")
+    reached = _connect(str(reach["host"]), int(reach["port"]), float(request.get("timeout", 5))) \
+        if isinstance(reach, dict) else None
     answer = _route(args[0])
+    if reached is not None:
+        answer["reach"] = reached
     peers = [str(p) for p in (request.get("peers") or [])][:4096]
     if peers:
         answer["peers"] = _routes(peers)

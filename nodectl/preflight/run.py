@@ -111,17 +111,17 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], por
     if chosen is None:
         return extras, None
     listener = cluster.fan_out(lambda t: NodeClient(t).listen(chosen, 30), [master])[0]
-    try:
-        reach = cluster.fan_out(lambda t: NodeClient(t).connect(master.addr, chosen), reachable)
+    try:   # one call per node: the connection to the master's port, then the routes to every other node
         route = cluster.fan_out(lambda t: NodeClient(t).route(
-            master.addr, tuple(n.addr for n in reachable if n.name != t.node.name)), reachable)
+            master.addr, tuple(n.addr for n in reachable if n.name != t.node.name), connect=chosen), reachable)
     finally:
         if listener.ok:
             cluster.fan_out(lambda t: NodeClient(t).unlisten(listener.value.pid), [master])
-    for r in reach:
-        extras[r.node.name]["reach"] = asdict(r.value) if r.ok else {"ok": False, "error": r.error}
     for r in route:
-        extras[r.node.name]["route"] = asdict(r.value) if r.ok else None
+        reach = r.value.reach if r.ok else None
+        extras[r.node.name]["reach"] = asdict(reach) if reach is not None else \
+            {"ok": False, "error": r.error if not r.ok else "no answer to the connection test"}
+        extras[r.node.name]["route"] = {k: v for k, v in asdict(r.value).items() if k != "reach"} if r.ok else None
     return extras, chosen
 
 

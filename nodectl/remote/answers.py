@@ -297,6 +297,7 @@ class RouteAnswer:
     dev: str | None = None
     raw: str | None = None
     peers: dict[str, str | None] = field(default_factory=dict)   # another node's address -> the interface toward it
+    reach: ConnectAnswer | None = None   # with connect=: the TCP connection to the master's port, made first
 
 
 @dataclass(frozen=True)

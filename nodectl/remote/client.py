@@ -66,8 +66,13 @@ class NodeClient:
     def connect(self, addr: str, port: int) -> ConnectAnswer:
         return agent.call(self.transport, "connect", addr, str(port))
 
-    def route(self, addr: str, peers: tuple[str, ...] = ()) -> RouteAnswer:
-        return agent.call(self.transport, "route", addr, request={"peers": list(peers)} if peers else None)
+    def route(self, addr: str, peers: tuple[str, ...] = (), connect: int | None = None) -> RouteAnswer:
+        """The interface toward `addr` (and each of `peers`); with `connect`, a TCP connection to addr:connect
+        first, in the same call (its answer in `reach`)."""
+        request = {"peers": list(peers)} if peers else {}
+        if connect is not None:
+            request["connect"] = {"host": addr, "port": connect}
+        return agent.call(self.transport, "route", addr, request=request or None)
 
     # --- a run -------------------------------------------------------------------------------------------------
 

@@ -109,6 +109,9 @@ def test_every_runctl_answer_parses_into_its_type(local_node):
     try:
         reach = one(cluster, node, lambda t: agent.call(t, "connect", "127.0.0.1", str(listener.port)))
         assert reach.ok and reach.ms is not None
+        both = one(cluster, node, lambda t: agent.call(t, "route", "127.0.0.1", request={
+            "connect": {"host": "127.0.0.1", "port": listener.port}}))   # preflight's one call per node
+        assert isinstance(both, answers.RouteAnswer) and both.reach.ok and both.reach.ms is not None
     finally:
         one(cluster, node, lambda t: agent.call(t, "unlisten", str(listener.pid)))
     route = one(cluster, node, lambda t: agent.call(t, "route", "127.0.0.1"))
