@@ -170,6 +170,7 @@ class PaceWatch:
         self._steps: list[tuple[float, float]] = []            # (time, step) of the slowest rank's heartbeat
         self._first: float | None = None
         self._healthy: list[float] = []
+        self._healthy_busbw: list[float] = []                  # the collectives' bus bandwidth while healthy
         self._candidate: tuple[int, float] | None = None       # (rank, since)
         self._calm_since: float | None = None
         self._last_judged = 0.0
@@ -281,6 +282,9 @@ class PaceWatch:
         if now >= healthy_from and state.straggler is None and not state.run_wide:
             self._healthy.append(rate)
             del self._healthy[:-12]
+            if state.busbw_gbs is not None:
+                self._healthy_busbw.append(state.busbw_gbs)
+                del self._healthy_busbw[:-12]
         base = statistics.median(self._healthy) if len(self._healthy) >= 2 else None
         state.pace = round(rate / base, 2) if base else None
         busiest = max(times, key=lambda t: t.busy)
@@ -338,6 +342,11 @@ class PaceWatch:
                           f"rank to blame (each waits {waits * 100:.0f}% of the time in collectives); "
                           f"{'the collectives themselves' if waits > 0.5 else 'compute or data on every node'} "
                           f"take the time now")
+        healthy = statistics.median(self._healthy_busbw) if len(self._healthy_busbw) >= 2 else None
+        if healthy and state.busbw_gbs is not None and state.busbw_gbs < 0.7 * healthy:
+            state.run_wide += (f"; the collectives move {state.busbw_gbs:.1f} GB/s against {healthy:.1f} GB/s "
+                               f"earlier in this run: the network between the nodes slowed (a link or one node "
+                               f"pair: `nodectl preflight --full` times each pair)")
         return [state.run_wide]
 
     def _window(self, now: float, seconds: float | None = None):

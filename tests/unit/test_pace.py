@@ -16,7 +16,8 @@ NODES = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
 
 
 def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: float = 0.003, durations=False,
-             steps_per_beat: int = 0, settings=PaceSettings(), seed: int = 0, data=None, moved=None):
+             steps_per_beat: int = 0, settings=PaceSettings(), seed: int = 0, data=None, moved=None,
+             comm_of=None):
     """Run `seconds` of training where `compute(rank, t)` is a rank's compute time per step at time t; feed the
     watch a poll per node per second; return (watch, [(t, change)]). With `data(rank, t)`, that much of each step
     is the rank getting its batch, told in its heartbeat's data_s as the built-in trainer tells it."""
@@ -29,6 +30,7 @@ def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: flo
     fed = dict.fromkeys(NODES, 0.0)
     while t < seconds:
         arrivals = {r: ends[r] + compute(r, t) + (data(r, t) if data else 0.0) + rng.uniform(0, jitter) for r in NODES}
+        comm = comm_of(t) if comm_of else comm   # how long the collective itself takes once all are there
         for r in NODES:
             fed[r] += data(r, t) if data else 0.0
         last = max(arrivals.values())
@@ -216,3 +218,19 @@ def test_the_pace_file_counts_bytes_as_nccl_tests_does(monkeypatch):
                   "input_dtypes": ["Float", "Float"]}) == [136, "scatter"]
     assert moved({"profiling_name": "gloo:all_reduce", "input_sizes": [["x"]], "input_dtypes": ["Float"]}) \
         == [None, "allreduce"]
+
+
+def test_collectives_that_slow_everywhere_name_the_network_in_the_run_wide_line():
+    # from t=120 every 64 MiB all-reduce takes 60 ms instead of 10 (a link went bad): every rank waits in it
+    slow_link = {"comm": 0.01}
+
+    def compute(rank, t):
+        slow_link["comm"] = 0.06 if t >= 120 else 0.01
+        return 0.05
+
+    watch, changes = simulate(compute, 260, durations=True, comm=None, moved=(64 << 20, "allreduce"),
+                              comm_of=lambda t: slow_link["comm"])
+    lines = [c for _, c in changes if isinstance(c, str)]
+    assert found(changes) == [] and lines, changes
+    assert "every rank is slower" in lines[0] and "the network between the nodes slowed" in lines[0], lines[0]
+    assert re.search(r"the collectives move 1\.\d GB/s against 10\.\d GB/s earlier in this run", lines[0]), lines[0]
