@@ -23,10 +23,12 @@ from support.sshcluster import SSHCluster  # noqa: E402
 from nodectl.preflight.history import KEPT, History  # noqa: E402
 
 
-def timed(cluster: SSHCluster, args: list[str], cwd: Path, state: Path) -> tuple[float, dict]:
+def timed(cluster: SSHCluster, args: list[str], cwd: Path, state: Path, tree: str | None = None) -> tuple[float, dict]:
+    """Seconds of one nodectl command (this checkout's, or with `tree` another checkout's on PYTHONPATH)."""
     started = time.perf_counter()
+    extra = {"PYTHONPATH": tree} if tree else {}
     proc = subprocess.run([sys.executable, "-m", "nodectl", "--json", *args], env=cluster.env(
-        NODECTL_STATE_DIR=str(state)), cwd=cwd, capture_output=True, text=True, timeout=900)
+        NODECTL_STATE_DIR=str(state), **extra), cwd=cwd, capture_output=True, text=True, timeout=900)
     seconds = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(proc.stdout[-1500:] + proc.stderr[-1500:])
@@ -44,12 +46,30 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compare", metavar="CHECKOUT",
+                        help="another checkout of nodectl (git worktree add /tmp/old REV): its quick tier alternated "
+                             "with this one's, and only the quick tier is timed")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="nodectl-preflight-"))
     cluster = SSHCluster(root, count=args.nodes, first_octet=210).start()
     cluster.trust_host_keys()
     inventory = cluster.inventory(gpus=1)
     empty, full = root / "state-empty", root / "state-full"
+    if args.compare:
+        try:
+            this, other = [], []
+            for _ in range(args.repeats):   # alternated: the machine's drift falls on both alike
+                this.append(timed(cluster, ["-i", str(inventory), "preflight", "--quick"], root, empty)[0])
+                other.append(timed(cluster, ["-i", str(inventory), "preflight", "--quick"], root, empty,
+                                   tree=args.compare)[0])
+                print(f"quick: this tree {this[-1]:.2f} s, {args.compare} {other[-1]:.2f} s", flush=True)
+        finally:
+            cluster.stop()
+            shutil.rmtree(root, ignore_errors=True)
+        a, b = statistics.median(this), statistics.median(other)
+        print(f"{args.nodes} nodes x 1 gloo rank, quick tier: this tree {a:.2f} s, {args.compare} {b:.2f} s "
+              f"({a / b:.3f}x; target < 5 s); medians of {args.repeats}")
+        return
     try:
         _, first = timed(cluster, ["-i", str(inventory), "preflight"], root, full)
         fill_history(full, first)

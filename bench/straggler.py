@@ -129,7 +129,7 @@ def main() -> None:
     parser.add_argument("--scripts", default="ddp,trainer")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="nodectl-straggler-"))
-    cluster = SSHCluster(root, count=2, first_octet=190).start()
+    cluster = SSHCluster(root, count=2, first_octet=230).start()   # no test uses 127.x.0.230
     cluster.trust_host_keys()
     ENV.update(cluster.env())
     project = root / "project"
@@ -146,8 +146,9 @@ def main() -> None:
             launch_args, marker = scripts[name]
             times = [time_to_name(project, inventory, launch_args, marker) for _ in range(args.repeats)]
             named = [t for t in times if t is not None]
-            print(f"{name}: named in {', '.join('never' if t is None else f'{t:.1f}s' for t in times)}; "
-                  f"median {statistics.median(named):.1f}s" if named else f"{name}: never named", flush=True)
+            if args.repeats:   # --repeats 0: the healthy run alone
+                print(f"{name}: named in {', '.join('never' if t is None else f'{t:.1f}s' for t in times)}; "
+                      f"median {statistics.median(named):.1f}s" if named else f"{name}: never named", flush=True)
             if args.healthy:
                 false = healthy(project, inventory, launch_args, args.healthy)
                 print(f"{name}: healthy {args.healthy:.0f}s run: {len(false)} verdict(s) {false[:2]}", flush=True)
