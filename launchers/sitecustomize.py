@@ -31,6 +31,7 @@ from nodeio import write_file
 
 ENTRIES_PER_GROUP = 32      # the latest collectives of each process group kept in the JSON answer
 PACE_ENTRIES = 600          # the latest collectives kept in the pace file
+PACE_SHARE = 0.005          # the most of the wall clock the pace thread's copies may take
 FRAMES_PER_THREAD = 48
 FRAMES_PER_ENTRY = 12
 
@@ -131,14 +132,16 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     path = os.path.join(run_dir, layout.rank_pace(rank))
     timed = os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"
+    pause = every
     while True:
-        time.sleep(every)
+        time.sleep(pause)
         c10d = sys.modules.get("torch._C._distributed_c10d")
         if c10d is None:
             continue
         dump_trace = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)
         if dump_trace is None:
             return
+        began = time.perf_counter()
         try:
             try:
                 raw = dump_trace(True, False, False)
@@ -161,9 +164,13 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
                          *_moved(entry)])
         if kept:
             try:
-                write_file(path, json.dumps({"time": time.time(), "pid": os.getpid(), "entries": kept}))
+                write_file(path, json.dumps({"time": time.time(), "pid": os.getpid(), "entries": kept,
+                                             "copy_ms": round((time.perf_counter() - began) * 1e3, 1)}))
             except OSError:
                 return   # the run folder is gone
+        # the copy holds the GIL and the recorder's lock while the program trains: it takes at most PACE_SHARE of
+        # the wall clock (a copy of 40 ms waits 8 s, not 5)
+        pause = max(every, (time.perf_counter() - began) / PACE_SHARE)
 
 
 DTYPE_BYTES = {"Double": 8, "Long": 8, "ComplexFloat": 8, "Float": 4, "Int": 4, "BFloat16": 2, "Half": 2,
