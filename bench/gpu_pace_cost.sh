@@ -6,34 +6,16 @@
 # difference: cost = geometric mean of the two rounds' on/off. Tokens/s per GPU from the wall clock between
 # metrics records after step 30. Needs nodectl's pure-Python dependencies (carry .whl). Output in $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+source "$(dirname "$0")/gpu_common.sh"
 OUT=${OUT:-$REPO/gpu-pace-cost}; mkdir -p "$OUT"
-export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} COLUMNS=200
 STEPS=${STEPS:-200}; ROUNDS=${ROUNDS:-2}
 ON=${ON:-}   # the "on" side's extra env (e.g. ", TORCH_NCCL_ENABLE_TIMING: '0'": the pace thread alone)
 BOTH=${BOTH:-}   # extra env of both sides (e.g. ", TORCH_FR_BUFFER_SIZE: '400'")
 work=$(mktemp -d); mkdir -p "$work/models"
-python3 "$REPO/bench/make_llama.py" "$work/models/m" --examples 512 --chars 8400 --hidden 2048 --layers 8 \
-  --heads 16 --intermediate 8192 > "$OUT/model.log" 2>&1 || { cat "$OUT/model.log"; exit 1; }
-rate() {
-  python3 - "$1" <<'PY'
-import json, sys
-recs = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
-recs = [r for r in recs if r["step"] >= 30]
-first, last = recs[0], recs[-1]
-per_step = [r["tokens_per_s_per_gpu"] * r["step_time_s"] for r in recs]
-tokens = sum(per_step[1:]) / len(per_step[1:]) * (last["step"] - first["step"])
-print(f"{tokens / (last['time'] - first['time']):.1f}")
-PY
-}
+make_model "$work/models/m"
 start() {  # $1 name, $2 GPUs, $3 env of the node; the run in $work/$1
   mkdir -p "$work/$1"; cd "$work/$1"
-  cat > recipe.yaml <<YAML
-model: {path: $work/models/m, activation_checkpointing: false}
-data: {path: $work/models/m/train.jsonl, max_length: 2048}
-train: {steps: $STEPS, micro_batch_size: 4, log_every: 5}
-YAML
+  write_recipe "$work/models/m" "$STEPS"
   printf 'nodes:\n  - {host: localhost, name: %s, transport: local, device: cuda, gpus: 2, python: python3, workdir: %s/n, env: {CUDA_VISIBLE_DEVICES: "%s"%s}}\n' \
     "$1" "$work/$1" "$2" "$3" > hosts.yaml
   NODECTL_STATE_DIR=$work/state-$1 python3 -m nodectl launch --skip-preflight --config recipe.yaml > "$OUT/$1.out" 2> "$OUT/$1.err" &

@@ -5,20 +5,13 @@
 # says where the median rank's time goes and what its collectives move against preflight's figure. Output in $OUT.
 # Needs nodectl's pure-Python dependencies: pip install --no-index --find-links .whl ... (carry .whl).
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+source "$(dirname "$0")/gpu_common.sh"
 OUT=${OUT:-$REPO/gpu-split}; mkdir -p "$OUT"
-export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} COLUMNS=200
 STEPS=${STEPS:-400}
 work=$(mktemp -d); mkdir -p "$work/models" "$work/proj"; cd "$work/proj"
 export NODECTL_STATE_DIR=$work/state
-python3 "$REPO/bench/make_llama.py" "$work/models/m" --examples 512 --chars 8400 --hidden 2048 --layers 8 \
-  --heads 16 --intermediate 8192 > "$OUT/model.log" 2>&1 || { cat "$OUT/model.log"; exit 1; }
-cat > recipe.yaml <<YAML
-model: {path: $work/models/m, activation_checkpointing: false}
-data: {path: $work/models/m/train.jsonl, max_length: 2048}
-train: {steps: $STEPS, micro_batch_size: 4, log_every: 5}
-YAML
+make_model "$work/models/m"
+write_recipe "$work/models/m" "$STEPS"
 printf 'nodes:\n  - {host: localhost, name: node0, transport: local, device: cuda, gpus: 2, python: python3, workdir: %s/n0}\n' \
   "$work" > hosts.yaml
 python3 -m nodectl --json preflight > "$OUT/preflight.json" 2> "$OUT/preflight.err"

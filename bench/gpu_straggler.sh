@@ -7,34 +7,16 @@
 #     matrices on GPU 1; the seconds until the attached launch names rank 1 and "another process ... on GPU 1".
 # Needs nodectl's pure-Python dependencies: pip install --no-index --find-links .whl ... (carry .whl). Output in $OUT.
 set -uo pipefail
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-REPO=$(cd "$(dirname "$0")/.." && pwd)
+source "$(dirname "$0")/gpu_common.sh"
 OUT=${OUT:-$REPO/gpu-straggler}; mkdir -p "$OUT"
-export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} COLUMNS=200
 STEPS=${STEPS:-160}
 work=$(mktemp -d); mkdir -p "$work/models" "$work/proj"; cd "$work/proj"
 export NODECTL_STATE_DIR=$work/state
-python3 "$REPO/bench/make_llama.py" "$work/models/m" --examples 512 --chars 8400 --hidden 2048 --layers 8 \
-  --heads 16 --intermediate 8192 > "$OUT/model.log" 2>&1 || { cat "$OUT/model.log"; exit 1; }
-cat > recipe.yaml <<YAML
-model: {path: $work/models/m, activation_checkpointing: false}
-data: {path: $work/models/m/train.jsonl, max_length: 2048}
-train: {steps: $STEPS, micro_batch_size: 4, log_every: 5}
-YAML
+make_model "$work/models/m"
+write_recipe "$work/models/m" "$STEPS"
 inventory() {  # $1: extra env of the node
   printf 'nodes:\n  - {host: localhost, name: node0, transport: local, device: cuda, gpus: 2, python: python3, workdir: %s/n0, env: {%s}}\n' \
     "$work" "$1" > hosts.yaml
-}
-rate() {  # tokens/s per GPU from the wall clock between the metrics records after the first 30 steps
-  python3 - "$1" <<'PY'
-import json, sys
-recs = [json.loads(l) for l in open(sys.argv[1]) if '"loss"' in l]
-recs = [r for r in recs if r["step"] >= 30]
-first, last = recs[0], recs[-1]
-per_step = [r["tokens_per_s_per_gpu"] * r["step_time_s"] for r in recs]   # tokens per GPU per step
-tokens = sum(per_step[1:]) / len(per_step[1:]) * (last["step"] - first["step"])
-print(f"{tokens / (last['time'] - first['time']):.1f}")
-PY
 }
 run_once() {  # $1 label, $2 env; prints tokens/s per GPU
   inventory "$2"
