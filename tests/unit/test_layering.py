@@ -71,8 +71,17 @@ def test_only_the_cli_imports_the_cli():
 LAYERS = {   # a layer may import the ones below it, never one above (docs/ARCHITECTURE.md)
     "nodectl.transport": ("nodectl.transport", "nodectl.inventory", "nodectl.progress"),
     "nodectl.remote": ("nodectl.launch", "nodectl.preflight", "nodectl.diagnose", "nodectl.cli", "nodectl.render",
-                       "nodectl.watch", "nodectl.job", "nodectl.attend"),
+                       "nodectl.watch", "nodectl.pace"),
 }
+
+
+def test_the_layer_rules_name_only_modules_that_exist():
+    """A rule about a module that was moved or removed guards nothing: each name above is a module or package."""
+    modules = package_modules("nodectl")
+    for names in LAYERS.values():
+        for name in names:
+            assert any(m == name or m.startswith(name + ".") for m in modules), \
+                f"the layer rules name {name}, which is no module of nodectl"
 
 
 def test_the_transport_knows_only_nodes_and_the_node_client_nothing_of_launches():
