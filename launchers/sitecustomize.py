@@ -31,7 +31,7 @@ from nodeio import write_file
 
 ENTRIES_PER_GROUP = 32      # the latest collectives of each process group kept in the JSON answer
 PACE_ENTRIES = 600          # the latest collectives kept in the pace file
-PACE_SHARE = 0.005          # the most of the wall clock the pace thread's copies may take
+_PACE_STOPPED: list = []     # set by the program's exit: the pace thread reads the recorder no more
 FRAMES_PER_THREAD = 48
 FRAMES_PER_ENTRY = 12
 
@@ -124,17 +124,25 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
     """Every `every` seconds, the latest collectives of this rank as [group, sequence id, reached (ns since the
     epoch), duration in ms or None] in flight/rank<R>.pace.json. Nothing is read before the program has
     imported torch.distributed itself."""
+    import atexit
     import json
     import pickle
     import signal
+    import threading
     import time
 
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     path = os.path.join(run_dir, layout.rank_pace(rank))
     timed = os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"
-    pause = every
+    copying = threading.Lock()   # held while torch's recorder is read: the program's exit waits for it
+
+    def at_exit() -> None:   # never read the recorder while the interpreter (and torch's C++ state) is torn down
+        if copying.acquire(timeout=5):
+            _PACE_STOPPED.append(True)
+            copying.release()
+    atexit.register(at_exit)
     while True:
-        time.sleep(pause)
+        time.sleep(every)
         c10d = sys.modules.get("torch._C._distributed_c10d")
         if c10d is None:
             continue
@@ -142,14 +150,17 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
         if dump_trace is None:
             return
         began = time.perf_counter()
-        try:
+        with copying:
+            if _PACE_STOPPED:
+                return
             try:
-                raw = dump_trace(True, False, False)
-            except TypeError:
-                raw = dump_trace()
-            entries = pickle.loads(raw).get("entries") or []
-        except Exception:  # noqa: BLE001 - a recorder not enabled, an old torch: try again later
-            continue
+                try:
+                    raw = dump_trace(True, False, False)
+                except TypeError:
+                    raw = dump_trace()
+                entries = pickle.loads(raw).get("entries") or []
+            except Exception:  # noqa: BLE001 - a recorder not enabled, an old torch: try again later
+                continue
         kept = []
         for entry in entries[-PACE_ENTRIES:]:
             if timed and str(entry.get("profiling_name", "")).startswith("nccl:") \
@@ -168,9 +179,7 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
                                              "copy_ms": round((time.perf_counter() - began) * 1e3, 1)}))
             except OSError:
                 return   # the run folder is gone
-        # the copy holds the GIL and the recorder's lock while the program trains: it takes at most PACE_SHARE of
-        # the wall clock (a copy of 40 ms waits 8 s, not 5)
-        pause = max(every, (time.perf_counter() - began) / PACE_SHARE)
+
 
 
 DTYPE_BYTES = {"Double": 8, "Long": 8, "ComplexFloat": 8, "Float": 4, "Int": 4, "BFloat16": 2, "Half": 2,
