@@ -71,9 +71,16 @@ def rank_request(rank) -> str:
 
 
 def rank_pace(rank) -> str:
-    """The rank's latest collectives as its flight recorder holds them, rewritten every few seconds by its pace
-    thread (lib/sitecustomize.py): when it reached each one and, on NCCL, how long each took."""
+    """The rank's latest collectives as its flight recorder holds them (lib/flightpace.py): when it reached each one
+    and, on NCCL, how long each took; written by runctl from the rank's worker server when asked, at most every few
+    seconds, or by the rank's pace thread where its torch has no such server."""
     return f"{FLIGHT}/rank{rank}.pace.json"
+
+
+def rank_socket(rank) -> str:
+    """The unix socket of torch's worker server in the rank, which serves its flight recorder to runctl for the
+    pace (lib/flightpace.py); named in the pace file while it is there."""
+    return f"{FLIGHT}/rank{rank}.sock"
 
 
 def rank_answer(rank) -> str:

@@ -30,7 +30,6 @@ import runlayout as layout   # beside this file in lib/: the run folder's names,
 from nodeio import write_file
 
 ENTRIES_PER_GROUP = 32      # the latest collectives of each process group kept in the JSON answer
-PACE_ENTRIES = 600          # the latest collectives kept in the pace file
 _PACE_STOPPED: list = []     # set by the program's exit: the pace thread reads the recorder no more
 FRAMES_PER_THREAD = 48
 FRAMES_PER_ENTRY = 12
@@ -121,9 +120,10 @@ def _serve(fifo: str, run_dir: str, rank: str) -> None:
 
 
 def _keep_pace(run_dir: str, rank: str, every: float) -> None:
-    """Every `every` seconds, the latest collectives of this rank as [group, sequence id, reached (ns since the
-    epoch), duration in ms or None] in flight/rank<R>.pace.json. Nothing is read before the program has
-    imported torch.distributed itself."""
+    """The rank's pace (lib/flightpace.py): once the program has imported torch.distributed itself, its flight
+    recorder is served to runctl through torch's worker server, and this thread ends. Where this torch cannot,
+    every `every` seconds (at wall-clock multiples of it, the same moment on every rank) the latest collectives
+    are copied in-process to flight/rank<R>.pace.json."""
     import atexit
     import json
     import pickle
@@ -131,9 +131,18 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
     import threading
     import time
 
+    import flightpace
+
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     path = os.path.join(run_dir, layout.rank_pace(rank))
     timed = os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"
+    while (c10d := sys.modules.get("torch._C._distributed_c10d")) is None:
+        time.sleep(every)
+    if _serve_recorder(c10d, run_dir, rank, {"every": every, "timed": timed}):
+        return
+    dump_trace = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)
+    if dump_trace is None:
+        return
     copying = threading.Lock()   # held while torch's recorder is read: the program's exit waits for it
 
     def at_exit() -> None:   # never read the recorder while the interpreter (and torch's C++ state) is torn down
@@ -142,13 +151,7 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
             copying.release()
     atexit.register(at_exit)
     while True:
-        time.sleep(every)
-        c10d = sys.modules.get("torch._C._distributed_c10d")
-        if c10d is None:
-            continue
-        dump_trace = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)
-        if dump_trace is None:
-            return
+        time.sleep(every - time.time() % every)
         began = time.perf_counter()
         with copying:
             if _PACE_STOPPED:
@@ -161,51 +164,96 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
                 entries = pickle.loads(raw).get("entries") or []
             except Exception:  # noqa: BLE001 - a recorder not enabled, an old torch: try again later
                 continue
-        kept = []
-        for entry in entries[-PACE_ENTRIES:]:
-            if timed and str(entry.get("profiling_name", "")).startswith("nccl:") \
-                    and entry.get("state") in ("scheduled", "started"):
-                break   # NCCL times it once it completes: it comes in a later copy, with its duration
-            seq, reached = entry.get("collective_seq_id"), entry.get("time_created_ns")
-            if entry.get("is_p2p") or not isinstance(seq, int) or not isinstance(reached, int):
-                continue
-            duration = entry.get("duration_ms")
-            kept.append([str(entry.get("pg_id", (entry.get("process_group") or ("?",))[0])), seq, reached,
-                         round(float(duration), 3) if isinstance(duration, (int, float)) else None,
-                         *_moved(entry)])
-        if kept:
+        rows = flightpace.pace_rows(entries, timed)
+        if rows:
             try:
-                write_file(path, json.dumps({"time": time.time(), "pid": os.getpid(), "entries": kept,
+                write_file(path, json.dumps({"time": time.time(), "pid": os.getpid(), "entries": rows,
                                              "copy_ms": round((time.perf_counter() - began) * 1e3, 1)}))
             except OSError:
                 return   # the run folder is gone
 
 
-
-DTYPE_BYTES = {"Double": 8, "Long": 8, "ComplexFloat": 8, "Float": 4, "Int": 4, "BFloat16": 2, "Half": 2,
-               "Short": 2, "Byte": 1, "Char": 1, "Bool": 1}
+_SERVERS: list = []   # the worker server this process keeps for its life
 
 
-def _moved(entry: dict) -> list:
-    """[bytes, kind] of a collective as nccl-tests counts them (an all-reduce's or reduce-scatter's input, an
-    all-gather's output), kind one of allreduce, gather, scatter, alltoall, other: the controller turns them into
-    bus bandwidth with the group's size."""
-    name = str(entry.get("profiling_name", "")).split(":", 1)[-1]
-    kind = ("allreduce" if "all_reduce" in name or "allreduce" in name else
-            "gather" if "gather" in name else "scatter" if "scatter" in name else
-            "alltoall" if "all_to_all" in name or "alltoall" in name else "other")
-    sizes, dtypes = (entry.get("output_sizes"), entry.get("output_dtypes")) if kind == "gather" else \
-        (entry.get("input_sizes"), entry.get("input_dtypes"))
-    total = 0
+def _serve_recorder(c10d, run_dir: str, rank: str, settings: dict) -> bool:
+    """torch's worker server on flight/rank<R>.sock, its address and JSON dump handlers written to the pace file
+    for runctl; False where this torch has no such server or handler (the caller copies in-process)."""
+    import atexit
+    import json
+    import time
+
+    import flightpace
+
+    server_type = getattr(c10d, "_WorkerServer", None)
+    if server_type is None:
+        return False
+    flight, name = os.path.split(os.path.join(run_dir, layout.rank_socket(rank)))
     try:
-        for shape, dtype in zip(sizes or (), dtypes or ()):
-            count = 1
-            for dim in shape:
-                count *= int(dim)
-            total += count * DTYPE_BYTES.get(str(dtype), 1 if str(dtype).startswith("Float8") else 4)
-    except (TypeError, ValueError):
-        return [None, kind]
-    return [total, kind]
+        dir_fd = os.open(flight, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    _forget(dir_fd, name)   # this rank's earlier process (a restart) left it
+    try:
+        server = _quietly(lambda: server_type(flightpace.socket_address(dir_fd, name)))
+    except Exception:  # noqa: BLE001 - a torch that refuses: copy in-process
+        os.close(dir_fd)
+        return False
+    try:
+        handlers = [h for h in flightpace.HANDLERS if h in flightpace.handler_names(dir_fd, name)]
+    except (OSError, ValueError):
+        handlers = []
+    if not handlers:
+        _quietly(server.shutdown)
+        _forget(dir_fd, name)
+        os.close(dir_fd)
+        return False
+    _SERVERS.append(server)
+
+    def at_exit() -> None:   # before the interpreter's teardown: no request is answered half-way
+        _forget(dir_fd, name)
+        _quietly(server.shutdown)
+    atexit.register(at_exit)
+    try:
+        write_file(os.path.join(run_dir, layout.rank_pace(rank)),
+                   json.dumps(dict(settings, socket=name, handlers=handlers, pid=os.getpid(), time=time.time())))
+    except OSError:
+        pass   # the run folder is gone: nobody will ask
+    return True
+
+
+def _forget(dir_fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
+def _quietly(call):
+    """`call()`, with what is written to stderr meanwhile passed on but for the worker server's own lines
+    ("Server listening to UNIX ...", "Server shutting down"): a healthy run's log stays the program's."""
+    saved = os.dup(2)
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)
+    try:
+        os.dup2(write_end, 2)
+        try:
+            return call()
+        finally:
+            os.dup2(saved, 2)
+            os.close(write_end)
+            written = b""
+            try:
+                while chunk := os.read(read_end, 65536):
+                    written += chunk
+            except BlockingIOError:
+                pass
+            kept = b"".join(line for line in written.splitlines(keepends=True) if b"WorkerServer.cpp" not in line)
+            if kept:
+                os.write(2, kept)
+    finally:
+        os.close(read_end)
+        os.close(saved)
 
 
 def _snapshot(folder: str, rank: str) -> dict:

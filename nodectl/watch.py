@@ -4,6 +4,7 @@ from __future__ import annotations
 import signal
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable
 
 from nodectl.errors import interruptible, uninterruptible
@@ -17,9 +18,21 @@ from nodectl.remote.client import NodeClient
 
 
 
+class FailureKind(str, Enum):
+    """How a run failed: the record's failure `kind`, equal to its name as the records spell it."""
+    RANK = "rank"              # a rank exited with an error
+    LAUNCHER = "launcher"      # torchrun itself (or its processes vanished without an exit code)
+    LOST = "lost"              # a node stopped answering
+    STALLED = "stalled"        # no step for --stall-after
+    STRAGGLER = "straggler"    # --on-straggler exclude acted on a verdict that held
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class Failure:
-    kind: str                # rank | launcher | lost | stalled | straggler
+    kind: FailureKind
     node: str
     rank: int | None = None
     code: int | None = None
@@ -30,17 +43,17 @@ class Failure:
     diagnosed: str = ""      # a stall's diagnosis, naming the rank that holds the others up
 
     def describe(self) -> str:
-        if self.kind == "stalled" and self.diagnosed:
+        if self.kind == FailureKind.STALLED and self.diagnosed:
             return f"stalled: {self.diagnosed}"
-        if self.kind == "rank":
+        if self.kind == FailureKind.RANK:
             how = f"exit code {self.code}" if self.code is not None and self.code >= 0 else \
                 f"killed by {_signal_name(-self.code)}" if self.code is not None else "failed"
             return f"rank {self.rank} on node {self.node} failed ({how})"
-        if self.kind == "lost":
+        if self.kind == FailureKind.LOST:
             return f"node {self.node} was lost: {self.detail}"
-        if self.kind == "stalled":
+        if self.kind == FailureKind.STALLED:
             return f"rank {self.rank} on node {self.node} stalled: {self.detail}"
-        if self.kind == "straggler":
+        if self.kind == FailureKind.STRAGGLER:
             return self.detail
         if self.code is None:
             return f"node {self.node}: {self.detail}"
@@ -146,7 +159,7 @@ def failure_lines(cluster: Cluster, run_nodes: list[RunNode], failure: Failure, 
     (a port in use, a bad argument), its own log on that node."""
     if failure.rank is not None:
         run_node, key = next((rn for rn in run_nodes if failure.rank in rn.ranks), None), failure.rank
-    elif failure.kind == "launcher":
+    elif failure.kind == FailureKind.LAUNCHER:
         run_node, key = next((rn for rn in run_nodes if rn.node.name == failure.node), None), "launcher"
     else:
         return ""
@@ -163,13 +176,13 @@ def rank_failures(states: dict[str, NodeResult]) -> list[Failure]:
         answer = result.value if result.ok else None
         if not answer:
             continue
-        failed_ranks = [Failure("rank", name, rank.rank, rank.exit.code, rank.exit.time)
+        failed_ranks = [Failure(FailureKind.RANK, name, rank.rank, rank.exit.code, rank.exit.time)
                         for rank in answer.ranks if rank.exit and rank.exit.code != 0]
         launcher = answer.launcher_exit
         if failed_ranks:
             failures += failed_ranks
         elif launcher and launcher.code != 0:
-            failures.append(Failure("launcher", name, None, launcher.code, launcher.time,
+            failures.append(Failure(FailureKind.LAUNCHER, name, None, launcher.code, launcher.time,
                                     "(see logs/launcher.log on the node)"))
     return sorted(failures, key=lambda f: (f.time, f.rank if f.rank is not None else 1 << 30))
 
@@ -311,7 +324,7 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
             if outcome is None:
                 outcome = _lost_node(run_nodes, answers, last_good, poller.started, lost_after)
             if outcome:
-                lost = isinstance(outcome, Failure) and outcome.kind == "lost"
+                lost = isinstance(outcome, Failure) and outcome.kind == FailureKind.LOST
                 if stream and not lost:   # what the followed ranks wrote after the answers that decided it
                     followed = [rn for rn in run_nodes if set(rn.ranks) & set(stream.offsets)]
                     stream.feed({name: r for name, r in poll(cluster, followed, offsets()).items() if r.ok})
@@ -327,7 +340,7 @@ def _pace(pace: PaceWatch, answers: dict, fresh: dict, on_pace) -> Failure | Non
     changes = pace.judge()
     acted = on_pace(changes, pace) if on_pace and pace.judged else None
     if acted is not None:
-        return Failure("straggler", acted.node, acted.rank, detail=acted.describe(), time=time.time())
+        return Failure(FailureKind.STRAGGLER, acted.node, acted.rank, detail=acted.describe(), time=time.time())
     return None
 
 
@@ -356,7 +369,7 @@ def _lost_node(run_nodes: list[RunNode], answers: dict, last_good: dict[str, flo
         else:
             reason = answer.result.error
             detail = f"unreachable for {silent:.0f}s ({reason})"
-        return Failure("lost", name, detail=detail, time=time.time() - silent)   # `now` is monotonic
+        return Failure(FailureKind.LOST, name, detail=detail, time=time.time() - silent)   # `now` is monotonic
     return None
 
 
@@ -392,7 +405,7 @@ class StallWatch:
                 key = (rank.rank, rank.step if rank.heartbeat_age is not None else size)
                 if age > self.stall_after and key not in self.told:
                     self.told.add(key)
-                    return Failure("stalled", name, rank.rank, detail=why, time=time.time())
+                    return Failure(FailureKind.STALLED, name, rank.rank, detail=why, time=time.time())
         return None
 
 
@@ -401,7 +414,7 @@ def _vanished(states) -> Failure | None:
     for name, result in states.items():
         answer = result.value if result.ok else None
         if answer and answer.started and answer.alive == 0 and not answer.launcher_exit:
-            return Failure("launcher", name, detail="its processes are gone and torchrun recorded no exit code "
+            return Failure(FailureKind.LAUNCHER, name, detail="its processes are gone and torchrun recorded no exit code "
                                                     "(killed from outside?)",
                            time=time.time())
     return None

@@ -67,7 +67,7 @@ def _pack(run_dir: str, target: str, only, synced: set, request: dict, packed: d
                 names = [] if only else [n for n in names
                                          if n not in layout.SECRET_FILES and not n.startswith(".collect")]
             elif os.path.basename(relative) == layout.FLIGHT:   # flight/, and attempts/<n>/flight/
-                names = [n for n in names if not n.endswith(".request")]   # the listeners' FIFOs are nodectl's
+                names = [n for n in names if not n.endswith((".request", ".sock"))]   # the listeners' FIFOs, the worker servers' sockets
             elif relative == "code" or relative.startswith("code/"):
                 dirs[:] = [d for d in dirs if d != "__pycache__"]
                 inside = relative[len("code/"):] if relative != "code" else ""

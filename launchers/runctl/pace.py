@@ -1,14 +1,19 @@
-"""What the pace verdict reads on a node: each rank's latest collectives (its pace file), and what can slow a rank
-down there: its CPU time and run-queue wait, its cgroup's CPU throttling, the node's load and steal, and on
+"""What the pace verdict reads on a node: each rank's latest collectives (its pace file, refreshed here from the
+rank's flight recorder through torch's worker server when its last copy is older than the rank's pace interval:
+lib/flightpace.py), and what can slow a rank down there: its CPU time and run-queue wait, its cgroup's CPU throttling, the node's load and steal, and on
 request the GPU's other processes, clock event reasons and PCIe link."""
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import subprocess
+import time
 
+import flightpace
 import runlayout as layout
-from runctl.common import read_json
+from nodeio import LinkRefused, walk
+from runctl.common import read_json, write_file
 from runctl.processes import cgroups_of
 
 NEW_ENTRIES_MAX = 2000   # entries one answer carries per rank (the pace file holds fewer)
@@ -16,7 +21,10 @@ NEW_ENTRIES_MAX = 2000   # entries one answer carries per rank (the pace file ho
 
 def rank_pace(run_dir: str, rank: int, pid: int | None, since: int) -> dict:
     """The rank's collectives reached after `since` (ns since the epoch) and its scheduler counters."""
-    recorded = read_json(os.path.join(run_dir, layout.rank_pace(rank)))
+    path = os.path.join(run_dir, layout.rank_pace(rank))
+    recorded = read_json(path)
+    if isinstance(recorded, dict) and recorded.get("socket"):
+        recorded = _served(run_dir, rank, path, recorded)
     entries = []
     if isinstance(recorded, dict) and isinstance(recorded.get("entries"), list):
         entries = [e for e in recorded["entries"]
@@ -31,6 +39,42 @@ def rank_pace(run_dir: str, rank: int, pid: int | None, since: int) -> dict:
     if pid:
         answer.update(_sched(pid))
     return answer
+
+
+FETCH_TIMEOUT = 3.0   # seconds a rank's worker server has to answer
+
+
+def _served(run_dir: str, rank: int, path: str, recorded: dict) -> dict:
+    """The pace record of a rank that serves its recorder, with rows at most its pace interval old: copied now
+    from its worker server when older, and kept for the next poll. A rank that is gone keeps its last rows."""
+    every = recorded.get("every")
+    every = float(every) if isinstance(every, (int, float)) and not isinstance(every, bool) and every > 0 else 5.0
+    copied = recorded.get("copied")
+    if isinstance(copied, (int, float)) and 0 <= time.time() - copied < every:
+        return recorded
+    handlers = [h for h in recorded.get("handlers") or () if h in flightpace.HANDLERS]
+    began = time.perf_counter()
+    try:
+        dir_fd = walk(os.path.dirname(os.path.join(run_dir, layout.rank_socket(rank))))
+    except (OSError, ValueError):
+        return recorded
+    entries: list = []
+    try:
+        for handler in handlers:   # NCCL's recorder first; a gloo run's is the other
+            entries = flightpace.fetch(dir_fd, os.path.basename(layout.rank_socket(rank)), handler, FETCH_TIMEOUT)
+            if entries:
+                break
+    except (OSError, ValueError):   # the rank is gone (or going): its last rows stand
+        return recorded
+    finally:
+        os.close(dir_fd)
+    rows = flightpace.pace_rows(entries, bool(recorded.get("timed")))
+    fresh = dict(recorded, entries=rows, copied=time.time(), copy_ms=round((time.perf_counter() - began) * 1e3, 1))
+    try:
+        write_file(path, json.dumps(fresh))
+    except (OSError, LinkRefused):
+        pass
+    return fresh
 
 
 def _sched(pid: int) -> dict:

@@ -19,9 +19,10 @@ from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.launch import Outcome, launch, launch_request, stages_for
 import nodectl.launch.events as ev
 from nodectl.launch.job import StartFailed, launch_argv, processes_left
+from nodectl.preflight.gate import PreflightGate
 from nodectl.remote import sync
 from nodectl.terminal_text import sized, visible
-from nodectl.watch import LogStream
+from nodectl.watch import FailureKind, LogStream
 
 
 @click.command("launch", context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
@@ -78,7 +79,7 @@ from nodectl.watch import LogStream
 def command(app: AppContext, dry_run: bool, detach: bool, follow: str, **options) -> None:
     """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
     request = launch_request(app.inventory, lambda run_id: opened(app, run_id), argv=launch_argv(), detach=detach,
-                             **options)
+                             gate=PreflightGate(), **options)
     if request.secret_on_command_line:
         app.err.print("[yellow]warning:[/] an argument looks like a secret: it is shown and stored as ***, but on "
                       "the nodes it sits on the command line, visible to every user there (ps); pass it through "
@@ -283,6 +284,6 @@ def _report_failure(app: AppContext, outcome: Outcome) -> None:
             app.err.print(f"last lines of rank {failure.rank}:" if failure.rank is not None else
                           f"last lines of torchrun on {failure.node} (logs/launcher.log):")
             app.err.print(visible(failure.last_lines.rstrip()), markup=False, highlight=False)
-        where = "launcher" if failure.kind == "launcher" else "all"
+        where = "launcher" if failure.kind == FailureKind.LAUNCHER else "all"
         app.err.print(f"all logs: nodectl tail {where} --run {run_id}   (or nodectl collect --run {run_id})")
     raise SystemExit(EXIT_FAILED)

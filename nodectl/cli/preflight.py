@@ -10,9 +10,10 @@ from nodectl.remote.envs import use_built
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.errors import EXIT_FAILED, EXIT_UNREACHABLE
 from nodectl.cli.preflight_table import print_report
-from nodectl.preflight.collective_job import DEFAULT_DEADLINE_S, add_collectives
-from nodectl.preflight.history import DRIFT_FAIL, DRIFT_WARN, History, judge_stragglers
-from nodectl.preflight.run import compare_with_history, run_preflight, save
+from nodectl.preflight.checks import Tier
+from nodectl.preflight.collective_job import DEFAULT_DEADLINE_S
+from nodectl.preflight.history import DRIFT_FAIL, DRIFT_WARN, History
+from nodectl.preflight.sequence import preflight
 from nodectl.cli.preflight_table import show_history
 from nodectl.runs import state_dir
 
@@ -43,20 +44,15 @@ def command(app: AppContext, inventory_path, nodes, exclude, gpus, quick, full, 
         raise click.UsageError("--quick and --full ask for opposite tiers; give one of them")
     if drift_fail <= drift_warn:
         raise click.UsageError(f"--drift-fail ({drift_fail}) must be above --drift-warn ({drift_warn})")
-    depth = "quick" if quick else "full" if full else "default"
+    tier = Tier.QUICK if quick else Tier.FULL if full else Tier.DEFAULT
     inventory = app.inventory(inventory_path).select(nodes, exclude)
     inventory = environments.bind_locks(inventory, ".")   # environment: files are read from the project here
     with app.session() as session, \
             session.progress("probing nodes", len(inventory.nodes)) as advance:
         inventory = use_built(session.cluster(inventory.nodes), inventory)
-        report = run_preflight(inventory, session, gpus=gpus, quick=depth == "quick", full=depth == "full",
-                               on_probe=advance)
-        add_collectives(report, inventory, session, gpus=gpus, full=depth == "full", deadline=collective_timeout,
-                        phase=advance.phase)
-    history = History(state_dir())
-    drift = compare_with_history(report, history, drift_warn / 100, drift_fail / 100)
-    report.results += judge_stragglers(report.nodes, history.entries())
-    path = save(report, inventory, gpus)
+        checked = preflight(inventory, session, tier=tier, gpus=gpus, on_probe=advance, deadline=collective_timeout,
+                            history=History(state_dir()), drift=(drift_warn / 100, drift_fail / 100))
+    report, drift, path = checked.report, checked.drift, checked.saved
     if app.json:
         app.emit_json({**report.to_json(), "saved": str(path)})
     else:

@@ -16,7 +16,7 @@ from nodectl.runs import RunState
 from nodectl.remote.answers import PollAnswer, RankState
 from nodectl.terminal_text import sized, visible
 from nodectl.cli.tables import Column, make_table
-from nodectl.watch import Failure, failure_lines, poll, rank_failures
+from nodectl.watch import Failure, FailureKind, failure_lines, poll, rank_failures
 
 
 def rank_rows(states: dict, run_nodes, stall_after: float) -> list[dict]:
@@ -73,7 +73,7 @@ def _first_failure(manifest, states: dict, run_state: RunState) -> Failure | Non
         return None
     if failure.get("kind") in ("rank", "launcher", "stalled", "lost"):
         rank, node = failure.get("rank"), failure.get("node")
-        return Failure(failure["kind"], node if isinstance(node, str) else "",
+        return Failure(FailureKind(failure["kind"]), node if isinstance(node, str) else "",
                        rank if isinstance(rank, int) and not isinstance(rank, bool) else None)
     if run_state == RunState.STOPPED:
         return None

@@ -15,12 +15,13 @@ from nodectl.errors import RunFailed
 from nodectl.launch.events import (CheckingNodes, Diagnosed, Event, LeavingOut, NotAnswering,
                                    Restarting, RunPace, Stopping, StragglerSeen, UploadTrouble)
 from nodectl.pace import PaceWatch, Straggler, for_run
+from nodectl.launch.gate import NO_GATE, Gate
 from nodectl.launch.job import Job, next_attempt, stop_run
 from nodectl.progress import Progress, no_progress
 from nodectl.secrets import redact_words
 from nodectl.runs import Run, RunNode, RunState
 from nodectl.transport import Cluster, Session
-from nodectl.watch import Failure, LogStream, failure_lines, wait_for_end
+from nodectl.watch import Failure, FailureKind, LogStream, failure_lines, wait_for_end
 
 
 Restart = Callable[[Job, list[dict]], tuple[Job, Run]]
@@ -30,7 +31,8 @@ def attend(job: Job, run: Run, session: Session, *, grace: float, restart: Resta
            keep_stalled: bool = False, exclude_failed: bool = False, on_straggler: str = "warn",
            straggler_hold: float = 60.0,
            stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
-           notify: Callable[[Event], None] = lambda event: None) -> tuple[Job, Run, Failure | None]:
+           notify: Callable[[Event], None] = lambda event: None,
+           gate: Gate = NO_GATE) -> tuple[Job, Run, Failure | None]:
     """Watch the started `job` until it succeeds, or fails with no restart left (`plan.max_restarts`): the last
     attempt's job and run, and its failure (None: it succeeded). A failure stops the run on every node first
     (fail-fast); each restart is the same run's next attempt, started by `restart(job, left_out)`."""
@@ -39,15 +41,15 @@ def attend(job: Job, run: Run, session: Session, *, grace: float, restart: Resta
     while True:
         failure = follow(run, session.cluster(np.node for np in job.plan.nodes), grace=grace, lost_after=lost_after,
                          stall_after=stall_after, keep_stalled=keep_stalled, stream_for=stream_for, notify=notify,
-                         progress=session.progress,
+                         progress=session.progress, gate=gate,
                          exclude_after=straggler_hold if on_straggler == "exclude" and restarts_left > 0 else None)
         if failure is None or not restarts_left:
             return job, run, failure
         restarts_left -= 1
         notify(Restarting(job.run_id, failure, job.plan.attempt + 1, restarts_left))
         left_out, inventory = [], None
-        if exclude_failed or failure.kind == "straggler":
-            inventory, left_out = _passing_nodes(job, failure, session, notify)
+        if exclude_failed or failure.kind == FailureKind.STRAGGLER:
+            inventory, left_out = _passing_nodes(job, failure, session, notify, gate)
         job, run = restart(next_attempt(job, inventory=inventory), left_out)
 
 
@@ -55,24 +57,25 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
            keep_stalled: bool = False,
            stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
            notify: Callable[[Event], None] = lambda event: None, progress: Progress = no_progress,
-           exclude_after: float | None = None) -> Failure | None:
+           gate: Gate = NO_GATE, exclude_after: float | None = None) -> Failure | None:
     """Follow the run to its end: None when it succeeded, else its first failure (the run stopped everywhere,
     the failing rank's last lines kept). A stall is diagnosed first; with `keep_stalled` the run goes on. The
     ranks' pace is judged all along (nodectl/pace.py): its verdicts are told and kept in the run's record; with
-    `exclude_after`, a straggler that keeps its verdict that many seconds ends the run as a failure."""
+    `exclude_after`, a straggler that keeps its verdict that many seconds ends the run as a failure. `gate` holds
+    preflight's history: what its all-reduce gave on these nodes, and where the verdicts are kept too."""
     run_nodes = run.nodes()
     stream = stream_for(run_nodes)
     verdicts: list[dict] = []
     pace = for_run(run, run_nodes) if run.kind != "preflight" else None   # not preflight's own short jobs
     if pace is not None and pace.gpus:
-        pace.state.reference = _preflight_busbw([rn.node.name for rn in run_nodes])
+        pace.state.reference = gate.latest_allreduce([rn.node.name for rn in run_nodes])
     recorded = [0.0]
 
     def paced(changes: list, watch: PaceWatch) -> Straggler | None:
         for change in changes:
             notify(StragglerSeen(change) if isinstance(change, Straggler) else RunPace(change))
             if isinstance(change, Straggler) and change.ended is None:
-                _remember(run.run_id, change)
+                gate.remember_straggler(run.run_id, change.to_json())
         _keep_window(run, watch)
         if changes or time.time() - recorded[0] >= PACE_RECORD_EVERY:
             recorded[0] = time.time()
@@ -109,7 +112,7 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
     if outcome == RunState.SUCCEEDED:
         run.update(state=RunState.SUCCEEDED, ended=time.time())
         return None
-    if failure.kind == "stalled":
+    if failure.kind == FailureKind.STALLED:
         failure = _culprit(failure, verdicts[-1] if verdicts else {}, run_nodes)
         # the stalled rank's lines now: once stopped, its log ends in what the stop did to it, not in the cause
         failure.last_lines = failure_lines(cluster, run_nodes, failure)
@@ -122,7 +125,7 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
     for name, result in stopped.items():
         if not result.ok:
             notify(NotAnswering(name, run.run_id))
-    if failure.kind != "stalled":
+    if failure.kind != FailureKind.STALLED:
         failure.last_lines = failure_lines(cluster, run_nodes, failure)
     failure.processes_left = {name: r.value.left for name, r in stopped.items() if r.ok}
     return failure
@@ -143,28 +146,6 @@ def _keep_window(run: Run, watch: PaceWatch) -> None:
             out.write(json.dumps(line) + "\n")
     except OSError:
         pass   # a full disk here must not end the watch
-
-
-def _remember(run_id: str, straggler: Straggler) -> None:
-    """The verdict kept in the preflight history too: the next preflight names a node that held back its runs."""
-    from nodectl.preflight.history import History
-    from nodectl.runs import state_dir
-
-    try:
-        History(state_dir()).add_straggler(run_id, straggler.to_json())
-    except OSError:
-        pass   # the registry is a convenience: a read-only home must not end the watch
-
-
-def _preflight_busbw(nodes: list[str]) -> dict | None:
-    """What preflight's all-reduce gave on these nodes last, for the run's collectives to be set against."""
-    from nodectl.preflight.history import History
-    from nodectl.runs import state_dir
-
-    try:
-        return History(state_dir()).latest_allreduce(nodes)
-    except OSError:
-        return None
 
 
 def _culprit(stall: Failure, verdict: dict, run_nodes: list[RunNode]) -> Failure:
@@ -192,22 +173,20 @@ def _diagnose_stall(run: Run, cluster: Cluster, failure: Failure, kept: bool, no
     return {**diagnosis.verdict.to_json(), "folder": str(diagnosis.folder)}
 
 
-def _passing_nodes(job: Job, failure: Failure, session: Session, notify):
+def _passing_nodes(job: Job, failure: Failure, session: Session, notify, gate: Gate):
     """(the inventory of the next attempt, the plan entries left out): the run's nodes without those that
     fail the quick preflight now or were lost; node ranks close up in inventory order, and a new master is
     chosen if node 0 went. None when every node passes. The built-in trainer continues from its checkpoint's
     replica on the smaller world."""
-    from nodectl.preflight.run import run_preflight
-
     plan = job.plan
     current = replace(job.spec.inventory, nodes=tuple(np.node for np in plan.nodes))
     notify(CheckingNodes(plan.run_id, len(current.nodes)))
     with session.progress("checking nodes", len(current.nodes)) as advance:
-        report = run_preflight(current, session, gpus=job.spec.gpus, quick=True, full=False, on_probe=advance)
+        report = gate.check(current, session, job.spec.gpus, advance)
     bad = dict(report.unreachable)
     for result in report.failed:
         bad.setdefault(result.node, f"{result.check}: {result.detail}")
-    if failure.kind in ("lost", "straggler"):
+    if failure.kind in (FailureKind.LOST, FailureKind.STRAGGLER):
         bad.setdefault(failure.node, failure.detail)
     if not bad:
         return None, []

@@ -18,7 +18,7 @@ from nodectl.errors import Cancelled, NodectlError, UnreachableError, UsageError
 from nodectl.runs import live_runs_on
 from nodectl.plan import LaunchPlan, NodePlan, with_port
 from nodectl.render import RenderedNode
-from nodectl.transport import Cluster, NodeError, NodeResult, Transport
+from nodectl.transport import Cluster, NodeError, NodeErrorKind, NodeResult, Transport
 from nodectl.remote.client import NodeClient
 
 
@@ -80,7 +80,7 @@ def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None
         detail = "; ".join(r.said for r in failed)
         if any(r.unreachable for r in failed):
             raise UnreachableError(detail)
-        if any(r.failure.kind == "unsafe" for r in failed):
+        if any(r.failure.kind == NodeErrorKind.UNSAFE for r in failed):
             raise UsageError(detail)
         raise NodectlError(f"cannot tell whether the nodes share their workdir: {detail}")
     seen: dict[str, list[str]] = {}

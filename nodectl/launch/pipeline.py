@@ -108,7 +108,7 @@ class _Launch:
                                        exclude_failed=self.request.exclude_failed,
                                        on_straggler=self.request.on_straggler,
                                        straggler_hold=self.request.straggler_hold, stream_for=self.logs,
-                                       notify=self.events)
+                                       notify=self.events, gate=self.request.gate)
             return Outcome(job, run, failure, attended=True)
         except KeyboardInterrupt:
             self.interrupted()
@@ -149,11 +149,8 @@ class _Launch:
 
     def gate(self) -> None:
         """The quick preflight: refuse to start on a failure, reuse a recent passing report."""
-        from nodectl.preflight.host import UNSAFE_FIX
-        from nodectl.preflight.run import reusable, run_preflight, save
-
-        inventory, gpus = self.spec.inventory, self.spec.gpus
-        cached = reusable(inventory, gpus)
+        gate, inventory, gpus = self.request.gate, self.spec.inventory, self.spec.gpus
+        cached = gate.reusable(inventory, gpus)
         if cached:
             self.events(ev.PreflightReused())
             self.preflight = cached
@@ -161,21 +158,19 @@ class _Launch:
             return
         self.events(ev.PreflightProbing(len(inventory.nodes)))
         with self.session.progress("preflight: probing nodes", len(inventory.nodes)) as advance:
-            report = run_preflight(inventory, self.session, gpus=gpus, quick=True, full=False, on_probe=advance)
-        save(report, inventory, gpus)
+            report = gate.check(inventory, self.session, gpus, advance)
+        gate.save(report, inventory, gpus)
         if report.unreachable or report.failed:
             self.events(ev.PreflightFailed(report))
             problem = "; ".join(f"{r.node} {r.check}: {r.detail}" for r in report.failed[:3])
-            unsafe = any(r.check == "workdir" and r.hint == UNSAFE_FIX for r in report.failed)
+            unsafe = any(r.check == "workdir" and r.hint == gate.unsafe_fix for r in report.failed)
             error = UnreachableError if report.unreachable else UsageError if unsafe else RunFailed
             raise error(f"preflight failed, nothing was started ({problem}). Fix it, or --skip-preflight")
         self.preflight = report.to_json()
         self.spec = replace(self.spec, facts=report.reports)
 
     def cached_preflight(self) -> None:
-        from nodectl.preflight.run import reusable
-
-        cached = reusable(self.spec.inventory, self.spec.gpus)
+        cached = self.request.gate.reusable(self.spec.inventory, self.spec.gpus)
         if cached:
             self.spec = replace(self.spec, facts=cached["reports"])
 

@@ -11,6 +11,7 @@ from typing import Callable
 from nodectl import environment as environments, outputs as stores
 from nodectl.errors import UsageError
 from nodectl.inventory import Inventory
+from nodectl.launch.gate import NO_GATE, Gate
 from nodectl.launch.job import JobSpec
 from nodectl.plan import LaunchPlan
 from nodectl.remote import sync
@@ -33,6 +34,7 @@ class LaunchRequest:
     straggler_hold: float = 60.0     # exclude: seconds the verdict holds first
     previous: Run | None = None      # --resume: the run whose next attempt this is
     withheld: tuple[sync.Withheld, ...] = ()   # project files that do not travel (the inventory, secrets)
+    gate: Gate = NO_GATE             # the preflight before a start and for a restart's nodes (launch/gate.py)
 
     @property
     def secret_on_command_line(self) -> bool:
@@ -47,7 +49,7 @@ def launch_request(load_inventory: Callable[[], Inventory], open_run: Callable[[
                    stall_after=None, force=False, on_stall="stop", on_straggler="warn", straggler_hold=60.0,
                    overrides=(), environment=None,
                    outputs_url=None,
-                   resume_run=None, command=(), **_output_options) -> LaunchRequest:
+                   resume_run=None, command=(), gate: Gate = NO_GATE, **_output_options) -> LaunchRequest:
     """The request `nodectl launch` makes of its options; a usage error (exit 2) for any that cannot go together.
     `_output_options` (--dry-run, --follow) change what is shown, not what is launched."""
     for position, argument in enumerate(command, 1):
@@ -106,7 +108,7 @@ def launch_request(load_inventory: Callable[[], Inventory], open_run: Callable[[
     return LaunchRequest(spec, grace=grace, skip_preflight=skip_preflight, stall_after=stall_after,
                          keep_stalled=on_stall == "keep", exclude_failed=exclude_failed, previous=previous,
                          on_straggler=on_straggler, straggler_hold=straggler_hold,
-                         withheld=tuple(withheld))
+                         withheld=tuple(withheld), gate=gate)
 
 
 def _secret_values(inventory: Inventory) -> tuple[str, ...]:

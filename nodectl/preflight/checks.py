@@ -7,12 +7,32 @@ holds the two equal). judge.py imports every subject module, so the registry is 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Callable, Mapping
 
 from nodectl.preflight.verdict import skip_if_unreadable
 
-TIERS = ("quick", "default", "full")
-MEASURED = ("default", "full")     # tiers that run the GPU job and the all-reduce job
+
+
+class Tier(str, Enum):
+    """How deep a preflight goes: `quick` the probe's checks (a launch's gate, `--quick`); `default` adds the GPU
+    job and the all-reduce over every node; `full` (`--full`) all-reduce sizes up to 4 GiB and node pairs. Equal
+    to its name, as the checks' declarations and the records spell it."""
+    QUICK = "quick"
+    DEFAULT = "default"
+    FULL = "full"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def measured(self) -> bool:
+        """It runs the GPU job and the all-reduce job."""
+        return self is not Tier.QUICK
+
+
+TIERS = tuple(t.value for t in Tier)
+MEASURED = tuple(t.value for t in Tier if t.measured)     # tiers that run the GPU job and the all-reduce job
 SCOPES = ("node", "cluster", "job")
 
 

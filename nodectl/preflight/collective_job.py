@@ -9,6 +9,7 @@ from dataclasses import replace
 from nodectl.inventory import Inventory
 from nodectl.launch import LaunchRequest, Stage, launch
 from nodectl.launch.job import JobSpec, StartFailed
+from nodectl.preflight.checks import Tier
 from nodectl.preflight.network import judge_collective, judge_pairs, result_in, transports_in
 from nodectl.remote import sync
 from nodectl.remote.answers import NO_LOG
@@ -70,11 +71,12 @@ def run_collective(inventory: Inventory, session: Session, *, gpus: int | None, 
     return result_in(logs), transports_in(logs), _failure_text(cluster, run_nodes, outcome.failure), outcome.job.run_id
 
 
-def add_collectives(report, inventory: Inventory, session: Session, *, gpus: int | None, full: bool,
+def add_collectives(report, inventory: Inventory, session: Session, *, gpus: int | None, tier: Tier,
                     deadline: float | None, phase=lambda text: None) -> None:
     """The default and full tiers' jobs, after the probe's checks passed everywhere: the all-reduce over every
     node (and, with --full and over two nodes, each neighbour pair), judged into `report`."""
-    if report.quick or report.unreachable or report.failed:
+    full = tier is Tier.FULL
+    if not tier.measured or report.quick or report.unreachable or report.failed:
         return
     reports = report.reports
     ib = any(r.get("infiniband") for r in reports.values())

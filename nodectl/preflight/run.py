@@ -11,6 +11,7 @@ from pathlib import Path
 from nodectl.inventory import Inventory
 from nodectl.preflight.gpu import cluster_medians
 from nodectl.preflight.history import Drift, History, curve_of, figures_of, judge_history, versions_of
+from nodectl.preflight.checks import Tier
 from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge_node
 from nodectl.preflight.storage import judge_store
 from nodectl.preflight.verdict import FAIL, WARN, CheckResult
@@ -165,10 +166,12 @@ def _probe_failure(result: NodeResult) -> CheckResult:
                        PROBE_HINTS.get(check, PROBE_HINTS["probe"]))
 
 
-def run_preflight(inventory: Inventory, session: Session, *, gpus: int | None, quick: bool, full: bool,
+def run_preflight(inventory: Inventory, session: Session, *, gpus: int | None, tier: Tier,
                   on_probe: NodeProgress | None = None) -> PreflightReport:
-    """The probe's checks on every node, and outside --quick the GPU job: what a launch's quick gate and a
-    restart's node check judge. The tiers' collective jobs come after (collective_job.add_collectives)."""
+    """The probe's checks on every node, and at a measured tier the GPU job: what a launch's quick gate and a
+    restart's node check judge. The tiers' collective jobs come after (collective_job.add_collectives); the
+    whole sequence is sequence.preflight."""
+    quick = not tier.measured
     # --quick reads torch's versions from its installed files (importing it is most of a quick preflight on a GPU
     # node: 3-4 s); the default tier imports it and asks CUDA.
     cluster = session.cluster(inventory.nodes)
@@ -182,7 +185,6 @@ def run_preflight(inventory: Inventory, session: Session, *, gpus: int | None, q
     extras, port = _facts(cluster, inventory, reports, inventory.master_port, quick)
     expect = Expectation(gpus=gpus, master_port=port, master_addr=inventory.nodes[0].addr)
     devices = {n.name: n.device for n in inventory.nodes}
-    tier = "quick" if quick else "full" if full else "default"
     jobs = {name: facts.get("p2p") for name, facts in extras.items() if facts.get("p2p")}
     medians = cluster_medians(jobs, reports)
     for node in inventory.nodes:

@@ -14,7 +14,7 @@ from nodectl.resources import resource_dir
 from nodectl.resources.launchers.nodeio import last_json
 from nodectl.remote import answers
 from nodectl.terminal_text import visible
-from nodectl.transport import NodeError, Transport, quote_path
+from nodectl.transport import NodeError, NodeErrorKind, Transport, quote_path
 
 AGENT_TIMEOUT = 120.0
 
@@ -27,7 +27,7 @@ class NoRun(AgentError):
     """The node has no such run: never prepared there, or removed (a NodeResult's `no_run`)."""
 
     def __init__(self, message: str, **kwargs) -> None:
-        super().__init__(message, kind="no_run", **kwargs)
+        super().__init__(message, kind=NodeErrorKind.NO_RUN, **kwargs)
 
 
 MAIN = b"from runctl.dispatch import main\n\nmain()\n"
@@ -36,12 +36,13 @@ MAIN = b"from runctl.dispatch import main\n\nmain()\n"
 @lru_cache(maxsize=1)
 def _runctl() -> tuple[bytes, str, str]:
     """runctl's artifact: the package launchers/runctl/, the run folder's layout (launchers/runlayout.py) and the
-    answers' reader and whole-file writer (launchers/nodeio.py), the last two imported by the controller too, as one zip with a __main__
+    answers' reader and whole-file writer (launchers/nodeio.py), the last two imported by the controller too, and the pace's
+    reading of the flight recorder (launchers/flightpace.py), as one zip with a __main__
     (`python -S FILE` runs it); the short hash that names it on the nodes, and its full sha256. Every controller of one version builds the same bytes: entries in order,
     fixed times and modes, stored uncompressed."""
     launchers = resource_dir("launchers")
     buffer = io.BytesIO()
-    entries = [("__main__.py", MAIN), *((name, (launchers / name).read_bytes()) for name in ("runlayout.py", "nodeio.py")),
+    entries = [("__main__.py", MAIN), *((name, (launchers / name).read_bytes()) for name in ("runlayout.py", "nodeio.py", "flightpace.py")),
                *((f"runctl/{path.name}", path.read_bytes()) for path in sorted((launchers / "runctl").glob("*.py")))]
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
         for name, data in entries:
@@ -93,7 +94,7 @@ def _answer(node, command: str, result):
     answer = last_json(result.stdout)
     what = f"runctl {command}"
     if answer is None:
-        raise AgentError(explain_failure(node, f"`{what}`", result), kind="exited", command=what,
+        raise AgentError(explain_failure(node, f"`{what}`", result), kind=NodeErrorKind.EXITED, command=what,
                          exit_code=result.exit_code, last_lines=_printable(result.tail(8)))
     if answer.get("unsafe"):
         raise unsafe_error(node, answer)
@@ -103,7 +104,7 @@ def _answer(node, command: str, result):
     try:
         return answers.parse(command, answer)
     except answers.AnswerError as exc:
-        raise AgentError(f"{node.name} answered `{what}` malformed: {exc}", kind="malformed", command=what,
+        raise AgentError(f"{node.name} answered `{what}` malformed: {exc}", kind=NodeErrorKind.MALFORMED, command=what,
                          exit_code=result.exit_code) from None
 
 
@@ -218,7 +219,7 @@ def _install(transport: Transport, path: str, timeout: float) -> None:
     if answer and answer.get("unsafe"):
         raise unsafe_error(node, answer)
     if not installed.ok or not answer or "installed" not in answer:
-        raise AgentError(explain_failure(node, "installing runctl", installed), kind="exited",
+        raise AgentError(explain_failure(node, "installing runctl", installed), kind=NodeErrorKind.EXITED,
                          command="installing runctl", exit_code=installed.exit_code,
                          last_lines=_printable(installed.tail(8)))
 
@@ -230,7 +231,7 @@ def unsafe_error(node, answer: dict) -> AgentError:
     return AgentError(f"{node.name}: refusing to use {path}: it is {why}. nodectl keeps its files only in folders "
                       f"the login user owns (mode 0700, no links), under a workdir that is that user's or root's (and "
                       f"sticky where others may write). Remove {path} if it is not yours, or set workdir: in the "
-                      f"inventory to a folder of your own", kind="unsafe")
+                      f"inventory to a folder of your own", kind=NodeErrorKind.UNSAFE)
 
 
 def classify_failure(node, what: str, result) -> tuple[str, str]:

@@ -14,7 +14,7 @@ from typing import Callable
 
 from nodectl.remote import agent
 from nodectl.runs import RunNode
-from nodectl.transport import Cluster, CommandTimeout, NodeResult, failure_of
+from nodectl.transport import Cluster, CommandTimeout, NodeErrorKind, NodeResult, failure_of
 from nodectl.remote.client import NodeClient
 
 
@@ -65,7 +65,7 @@ class Poller:
                 result = NodeResult(run_node.node, failure=failure_of(exc))
             except Exception as exc:  # Unreachable, CommandTimeout, a broken connection: this node's news only
                 failure = failure_of(exc)
-                result = NodeResult(run_node.node, failure=replace(failure, kind="unreachable",
+                result = NodeResult(run_node.node, failure=replace(failure, kind=NodeErrorKind.UNREACHABLE,
                                                                    message=failure.message or exc.__class__.__name__))
                 hung = isinstance(exc, CommandTimeout)
             seq += 1

@@ -3,10 +3,10 @@ one result per node. The bottom layer: it knows nodes (nodectl.inventory.Node) a
 runctl; the node client (nodectl/remote/) is built on it.
 """
 from nodectl.transport.channels import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, CommandResult, CommandTimeout,
-                                        LocalTransport, NodeError, StreamSink, TransferError, Transport,
+                                        LocalTransport, NodeError, NodeErrorKind, StreamSink, TransferError, Transport,
                                         TransportOptions, Unreachable, quote_path)
 from nodectl.transport.fanout import Cluster, NodeFailure, NodeResult, Session, failure_of
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_FANOUT", "Cluster", "CommandResult", "CommandTimeout",
-           "LocalTransport", "NodeError", "NodeFailure", "NodeResult", "Session", "StreamSink", "TransferError",
+           "LocalTransport", "NodeError", "NodeErrorKind", "NodeFailure", "NodeResult", "Session", "StreamSink", "TransferError",
            "Transport", "TransportOptions", "Unreachable", "failure_of", "quote_path"]

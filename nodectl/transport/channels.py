@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import threading
 import time
+from enum import Enum
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +51,27 @@ class CommandResult:
         return "\n".join((self.stdout + self.stderr).rstrip().splitlines()[-lines:])
 
 
+class NodeErrorKind(str, Enum):
+    """Why a node gave no value (NodeError's and NodeFailure's `kind`), equal to its name as answers spell it."""
+    UNREACHABLE = "unreachable"   # connect, authentication, host key, a dropped connection
+    TIMEOUT = "timeout"           # the command outlived its limit
+    ANSWERED = "answered"         # a node-side helper said why it could not
+    EXITED = "exited"             # it ended without answering
+    MALFORMED = "malformed"       # its answer is not what the command answers
+    NO_RUN = "no_run"             # the node has no such run (never prepared there, or removed)
+    UNSAFE = "unsafe"             # a folder the node-side trust rule refused
+    INTERNAL = "internal"         # a bug of nodectl's
+
+    def __str__(self) -> str:
+        return self.value
+
+
 class NodeError(Exception):
     """A node-side failure whose message is already written for the user (it names the node). `kind`: "answered"
     (a node-side helper said why it could not), "exited" (it ended without answering), "malformed" (its answer is
     not what the command answers); with the command, its exit code and last lines where there are."""
 
-    def __init__(self, message: str, *, kind: str = "answered", command: str | None = None,
+    def __init__(self, message: str, *, kind: NodeErrorKind = NodeErrorKind.ANSWERED, command: str | None = None,
                  exit_code: int | None = None, last_lines: str = "") -> None:
         super().__init__(message)
         self.kind, self.command, self.exit_code, self.last_lines = kind, command, exit_code, last_lines

@@ -10,7 +10,7 @@ from typing import Callable, Generic, Iterable, TypeVar
 
 from nodectl.inventory import Node
 from nodectl.progress import Progress, no_progress
-from nodectl.transport.channels import (CommandTimeout, NodeError, Transport, TransportOptions, Unreachable,
+from nodectl.transport.channels import (CommandTimeout, NodeError, NodeErrorKind, Transport, TransportOptions, Unreachable,
                                         make_transport)
 
 T = TypeVar("T")
@@ -23,7 +23,7 @@ class NodeFailure:
     answered, exited, malformed, no_run (the node has no such run: never prepared there, or removed), unsafe;
     internal for a bug of nodectl's."""
 
-    kind: str
+    kind: NodeErrorKind
     message: str
     command: str | None = None
     exit_code: int | None = None
@@ -31,18 +31,18 @@ class NodeFailure:
 
     @property
     def unreachable(self) -> bool:
-        return self.kind == "unreachable"
+        return self.kind == NodeErrorKind.UNREACHABLE
 
 
 def failure_of(exc: BaseException) -> NodeFailure:
     """The one reading of an exception raised by one node's work."""
     if isinstance(exc, Unreachable):
-        return NodeFailure("unreachable", str(exc))
+        return NodeFailure(NodeErrorKind.UNREACHABLE, str(exc))
     if isinstance(exc, CommandTimeout):
-        return NodeFailure("timeout", str(exc) or "the command timed out")
+        return NodeFailure(NodeErrorKind.TIMEOUT, str(exc) or "the command timed out")
     if isinstance(exc, NodeError):
         return NodeFailure(exc.kind, str(exc), exc.command, exc.exit_code, exc.last_lines)
-    return NodeFailure("internal", f"{exc.__class__.__name__}: {exc}")
+    return NodeFailure(NodeErrorKind.INTERNAL, f"{exc.__class__.__name__}: {exc}")
 
 
 @dataclass
@@ -55,7 +55,7 @@ class NodeResult(Generic[T]):
     failure: NodeFailure | None = None
 
     @classmethod
-    def failed(cls, node: Node, message: str, kind: str = "answered") -> "NodeResult":
+    def failed(cls, node: Node, message: str, kind: NodeErrorKind = NodeErrorKind.ANSWERED) -> "NodeResult":
         return cls(node, failure=NodeFailure(kind, message))
 
     @property
@@ -73,7 +73,7 @@ class NodeResult(Generic[T]):
     @property
     def no_run(self) -> bool:
         """The node answered that it has no such run (NoRun): not started there, as opposed to lost."""
-        return self.failure is not None and self.failure.kind == "no_run"
+        return self.failure is not None and self.failure.kind == NodeErrorKind.NO_RUN
 
     @property
     def said(self) -> str:

@@ -101,6 +101,28 @@ def test_two_nodes_two_ranks_run_inside_the_image_and_leave_nothing(cluster, ima
         kill_leftovers(run_id)
 
 
+def test_runctl_reads_the_pace_of_ranks_inside_the_containers(cluster, image, project):
+    """Each rank serves its flight recorder on a socket in its run folder, inside the container; runctl, on the
+    host, reads its collectives through it (issue 51's pace), and `collect` brings the rows home, not the socket."""
+    env = cluster.env()
+    inv = cluster.inventory(count=2, container={"image": image, "runtime": "podman", "options": OPTIONS},
+                            env={"SLEEP": "8"})
+    result = run_nodectl(["-i", str(inv), "launch", "--skip-preflight", "--gpus", "2", "--", "probe.py"], env=env,
+                         cwd=project)
+    run_id = latest_run_id(project)
+    try:
+        assert result.exit_code == 0, result.output
+        assert run_nodectl(["collect"], env=env, cwd=project).exit_code == 0
+        for node, rank in (("node0", 0), ("node1", 3)):
+            flight = project / "runs" / run_id / "nodes" / node / "flight"
+            pace = json.loads((flight / f"rank{rank}.pace.json").read_text())
+            assert pace["socket"] == f"rank{rank}.sock" and pace.get("copied"), pace   # read by the host's runctl
+            assert [row[5] for row in pace["entries"]][:1] == ["allreduce"], pace["entries"]
+            assert not list(flight.glob("*.sock"))
+    finally:
+        kill_leftovers(run_id)
+
+
 def test_stop_fail_fast_and_ctrl_c_remove_the_containers(cluster, image, project):
     env = cluster.env()
     overrides = {0: {"env": {"SLEEP": "120", "MY_TOKEN": "tok-123"}},

@@ -119,6 +119,45 @@ def test_no_import_cycle_among_nodectl_modules():
             visit(name, [name])
 
 
+def package_of(module: str) -> str:
+    """nodectl.launch.attend -> nodectl.launch; a top-level module (nodectl.pace) is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph() -> dict[str, set[str]]:
+    """Which of nodectl's packages imports which (a function's deferred imports too), the root package left out."""
+    modules = package_modules("nodectl")
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        for imported in imports(path):
+            if imported in modules and imported != "nodectl" and package_of(imported) != package_of(name):
+                graph.setdefault(package_of(name), set()).add(package_of(imported))
+    return graph
+
+
+def test_no_import_cycle_among_nodectl_packages():
+    """A cycle between packages is one even where no two modules form it: launch/ imported preflight/ inside
+    functions while preflight/ launched its collective jobs through launch/. The launch gets its preflight as a
+    value (nodectl/launch/gate.py)."""
+    graph = package_graph()
+    assert "nodectl.preflight" not in graph.get("nodectl.launch", set()), \
+        "launch/ imports preflight/: the CLI hands the launch its gate (nodectl/preflight/gate.py)"
+    state: dict[str, int] = {}
+
+    def visit(name: str, trail: list[str]) -> None:
+        state[name] = 1
+        for nxt in sorted(graph.get(name, ())):
+            if state.get(nxt) == 1:
+                raise AssertionError("package cycle: " + " -> ".join(trail[trail.index(nxt):] + [nxt]))
+            if not state.get(nxt):
+                visit(nxt, trail + [nxt])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if not state.get(name):
+            visit(name, [name])
+
+
 def test_no_private_name_is_imported_across_modules():
     for package in ("nodectl", "trainer", "launchers/runctl"):
         for name, path in package_modules(package).items():

@@ -200,16 +200,11 @@ def test_nccl_timed_collectives_give_their_bus_bandwidth_against_preflights(tmp_
 
 
 def test_the_pace_file_counts_bytes_as_nccl_tests_does(monkeypatch):
-    import importlib.util
-
     from support import REPO
 
-    monkeypatch.syspath_prepend(str(REPO / "launchers"))   # runlayout beside it, as in a run's lib/
-    monkeypatch.delenv("NODECTL_RUN_DIR", raising=False)
-    spec = importlib.util.spec_from_file_location("listener_under_test", REPO / "launchers" / "sitecustomize.py")
-    listener = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(listener)   # outside a run (no NODECTL_RUN_DIR): defines, starts nothing
-    moved = listener._moved
+    monkeypatch.syspath_prepend(str(REPO / "launchers"))   # as in a run's lib/
+    from flightpace import moved
+
     assert moved({"profiling_name": "nccl:all_reduce", "input_sizes": [[1000]], "input_dtypes": ["BFloat16"]}) \
         == [2000, "allreduce"]
     assert moved({"profiling_name": "nccl:_allgather_base", "input_sizes": [[1000]], "input_dtypes": ["BFloat16"],

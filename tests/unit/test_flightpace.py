@@ -1,0 +1,163 @@
+"""A rank's pace read out of its process (launchers/flightpace.py): the rank serves its flight recorder through
+torch's worker server, runctl reads it from another process at most every pace interval, nothing about it shows in
+the rank's log, nothing is left behind, and a link planted in its place is never followed. A torch without the
+server keeps the in-process copy."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+from pathlib import Path
+
+import pytest
+
+LAUNCHERS = Path(__file__).resolve().parents[2] / "launchers"
+
+PROGRAM = """\
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+tensor = torch.ones(1000)
+for _ in range(50):
+    dist.all_reduce(tensor)
+print("reduced", flush=True)
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+@pytest.fixture
+def runctl_path(monkeypatch):
+    monkeypatch.syspath_prepend(str(LAUNCHERS))   # runctl, runlayout, nodeio, flightpace: as in runctl's artifact
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def wait_for(predicate, what: str, seconds: float = 60):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"no {what} in {seconds} s")
+
+
+def start_rank(tmp_path: Path, every: str = "1"):
+    run_dir = tmp_path / "run"
+    (run_dir / "flight").mkdir(parents=True)
+    os.mkfifo(run_dir / "flight" / "rank0.request")
+    (tmp_path / "program.py").write_text(PROGRAM)
+    env = {**os.environ, "NODECTL_RANK_HELPER": str(run_dir / "flight" / "rank0.request"),
+           "NODECTL_RUN_DIR": str(run_dir), "RANK": "0", "NODECTL_PACE_EVERY": every,
+           "TORCH_FR_BUFFER_SIZE": "2000", "PYTHONPATH": str(LAUNCHERS)}
+    proc = subprocess.Popen([sys.executable, "-u", str(tmp_path / "program.py"), str(free_port()),
+                             str(tmp_path / "done")], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=tmp_path)
+    return proc, run_dir
+
+
+def served(run_dir: Path):
+    try:
+        record = json.loads((run_dir / "flight" / "rank0.pace.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("socket") else None
+
+
+def test_runctl_reads_the_ranks_recorder_from_outside_and_the_rank_shows_nothing_of_it(tmp_path, runctl_path):
+    from runctl.pace import rank_pace
+
+    proc, run_dir = start_rank(tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "reduced"
+        record = wait_for(lambda: served(run_dir), "served pace record")
+        assert record["socket"] == "rank0.sock" and record["pid"] == proc.pid and record["every"] == 1.0
+        assert "fr_trace_json" in record["handlers"]
+
+        answer = rank_pace(str(run_dir), 0, proc.pid, 0)
+        assert len(answer["seqs"]) == 50 and answer["seqs"] == sorted(answer["seqs"])
+        assert set(answer["kinds"]) == {"allreduce"} and set(answer["moved"]) == {4000}   # 1000 floats
+        kept = json.loads((run_dir / "flight" / "rank0.pace.json").read_text())
+        assert len(kept["entries"]) == 50 and kept["copied"] > record["time"]
+
+        # within the rank's pace interval a second poll reads the kept rows, not the rank
+        (run_dir / "flight" / "rank0.sock").rename(run_dir / "flight" / "away.sock")
+        assert rank_pace(str(run_dir), 0, proc.pid, 0)["seqs"] == answer["seqs"]
+        time.sleep(1.1)   # past it, with no server to ask: the last rows stand
+        assert rank_pace(str(run_dir), 0, proc.pid, answer["reached"][24])["seqs"] == answer["seqs"][25:]
+        (run_dir / "flight" / "away.sock").rename(run_dir / "flight" / "rank0.sock")
+    finally:
+        (tmp_path / "done").touch()
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "WorkerServer" not in err and "Server" not in err, err   # the rank's log is the program's
+    assert not (run_dir / "flight" / "rank0.sock").exists()          # gone with the rank
+
+
+def test_a_link_planted_as_the_ranks_socket_is_not_followed(tmp_path, runctl_path):
+    from runctl.pace import rank_pace
+
+    proc, run_dir = start_rank(tmp_path)
+    decoy_path = tmp_path / "decoy.sock"
+    decoy = socket.socket(socket.AF_UNIX)
+    decoy.bind(str(decoy_path))
+    decoy.listen()
+    decoy.settimeout(0.5)
+    try:
+        assert proc.stdout.readline().strip() == "reduced"
+        wait_for(lambda: served(run_dir), "served pace record")
+        first = rank_pace(str(run_dir), 0, proc.pid, 0)
+        assert len(first["seqs"]) == 50
+        sock = run_dir / "flight" / "rank0.sock"
+        sock.rename(run_dir / "flight" / "real.sock")
+        sock.symlink_to(decoy_path)   # a rank (or a container's root) points it at another program's socket
+        time.sleep(1.1)
+        assert rank_pace(str(run_dir), 0, proc.pid, 0)["seqs"] == first["seqs"]   # the last rows stand
+        with pytest.raises(TimeoutError):
+            decoy.accept()   # runctl never connected to it
+    finally:
+        decoy.close()
+        (tmp_path / "done").touch()
+        proc.communicate(timeout=60)
+
+
+def test_a_torch_without_the_worker_server_copies_in_process_at_shared_ticks(tmp_path, monkeypatch):
+    """torch's surface before the worker server's JSON handlers: only the Python dump (a pickle)."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(LAUNCHERS))
+    monkeypatch.delenv("NODECTL_RUN_DIR", raising=False)
+    spec = importlib.util.spec_from_file_location("listener_under_test", LAUNCHERS / "sitecustomize.py")
+    listener = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(listener)   # outside a run: defines, starts nothing
+    entries = [{"pg_id": 0, "collective_seq_id": n, "time_created_ns": 1_000 + n, "profiling_name": "gloo:all_reduce",
+                "input_sizes": [[10]], "input_dtypes": ["Float"], "state": "completed", "is_p2p": False}
+               for n in range(1, 31)]
+    copies = []
+
+    def dump(*_):
+        copies.append(time.time())
+        return pickle.dumps({"entries": entries})
+    monkeypatch.setitem(sys.modules, "torch._C._distributed_c10d", types.SimpleNamespace(_dump_fr_trace=dump))
+    run_dir = tmp_path / "run"
+    (run_dir / "flight").mkdir(parents=True)
+    threading.Thread(target=listener._keep_pace, args=(str(run_dir), "0", 0.5), daemon=True).start()
+    pace = run_dir / "flight" / "rank0.pace.json"
+    record = wait_for(lambda: pace.exists() and json.loads(pace.read_text()), "pace file", 10)
+    assert "socket" not in record and [row[1] for row in record["entries"]] == list(range(1, 31))
+    assert record["entries"][0][4:] == [40, "allreduce"]
+    wait_for(lambda: len(copies) >= 3, "three copies", 10)
+    listener._PACE_STOPPED.append(True)
+    assert all(abs(at % 0.5) < 0.1 or abs(at % 0.5 - 0.5) < 0.1 for at in copies), copies   # on the ticks
