@@ -99,17 +99,15 @@ def test_the_transport_knows_only_nodes_and_the_node_client_nothing_of_launches(
             assert not bad, f"{name} imports {bad}: the node client sits below launch, preflight and diagnose"
 
 
-def test_no_import_cycle_among_nodectl_modules():
-    modules = package_modules("nodectl")
-    graph = {name: {m for m in imports(path) if m in modules and m != name}
-             for name, path in modules.items()}
+def assert_acyclic(graph: dict[str, set[str]], what: str) -> None:
+    """A depth-first walk of `graph`; the first cycle found fails, spelled out."""
     state: dict[str, int] = {}
 
     def visit(name: str, trail: list[str]) -> None:
         state[name] = 1
-        for nxt in sorted(graph[name]):
+        for nxt in sorted(graph.get(name, ())):
             if state.get(nxt) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(trail[trail.index(nxt):] + [nxt]))
+                raise AssertionError(f"{what} cycle: " + " -> ".join(trail[trail.index(nxt):] + [nxt]))
             if not state.get(nxt):
                 visit(nxt, trail + [nxt])
         state[name] = 2
@@ -117,6 +115,12 @@ def test_no_import_cycle_among_nodectl_modules():
     for name in sorted(graph):
         if not state.get(name):
             visit(name, [name])
+
+
+def test_no_import_cycle_among_nodectl_modules():
+    modules = package_modules("nodectl")
+    assert_acyclic({name: {m for m in imports(path) if m in modules and m != name}
+                    for name, path in modules.items()}, "import")
 
 
 def package_of(module: str) -> str:
@@ -142,20 +146,7 @@ def test_no_import_cycle_among_nodectl_packages():
     graph = package_graph()
     assert "nodectl.preflight" not in graph.get("nodectl.launch", set()), \
         "launch/ imports preflight/: the CLI hands the launch its gate (nodectl/preflight/gate.py)"
-    state: dict[str, int] = {}
-
-    def visit(name: str, trail: list[str]) -> None:
-        state[name] = 1
-        for nxt in sorted(graph.get(name, ())):
-            if state.get(nxt) == 1:
-                raise AssertionError("package cycle: " + " -> ".join(trail[trail.index(nxt):] + [nxt]))
-            if not state.get(nxt):
-                visit(nxt, trail + [nxt])
-        state[name] = 2
-
-    for name in sorted(graph):
-        if not state.get(name):
-            visit(name, [name])
+    assert_acyclic(graph, "package")
 
 
 def test_no_private_name_is_imported_across_modules():
