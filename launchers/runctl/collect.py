@@ -8,6 +8,7 @@ import shutil
 import stat
 import sys
 import tarfile
+import time
 
 import runlayout as layout
 from runctl.common import LinkRefused, is_file, lstat_nofollow, no_run, quiet, read_json, walk
@@ -36,9 +37,43 @@ def cmd_pack(args: list, request: dict) -> dict:
         if os.path.exists(target):
             os.unlink(target)
         sys.exit(1)
+    _reap_later(target)
     return {"archive": target, "entries": packed["count"], "vanished": packed["vanished"],
             "skipped": packed["skipped"][:50], "missing": packed["missing"], "bytes": os.path.getsize(target),
             "code_written": len(packed["code"]), "code_examples": packed["code"][:5], "code_left": len(synced)}
+
+
+REAP_AFTER = 15.0   # seconds the controller has to open the archive (it does at once: collect_node, _fetch_output)
+
+
+def _reap_later(target: str) -> None:
+    """A controller killed (SIGKILL) after the pack but before it opened the archive cannot take it away, and the
+    packing can no longer see it go: a detached child removes the archive after REAP_AFTER seconds unless it is
+    gone by then (the controller's fetch unlinks it as soon as it is open for reading). The child holds none of
+    this call's descriptors, so the answer is not kept waiting for it."""
+    try:
+        info = os.stat(target, follow_symlinks=False)
+        first = os.fork()
+    except OSError:
+        return
+    if first:
+        os.waitpid(first, 0)
+        return
+    try:   # the first child: a session of its own, then gone, leaving the second to init
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.closerange(3, 65536)
+        time.sleep(REAP_AFTER)
+        now = os.stat(target, follow_symlinks=False)
+        if (now.st_dev, now.st_ino, now.st_ctime_ns) == (info.st_dev, info.st_ino, info.st_ctime_ns):
+            os.unlink(target)   # this very archive, untouched since: a later pack's (even on a reused inode) is not
+    except BaseException:  # noqa: BLE001 - gone (fetched) or anything else: the child only ever exits
+        pass
+    os._exit(0)
 
 
 class CallerGone(Exception):
