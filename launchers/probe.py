@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
 """Node-side probe: prints one JSON report of this machine's facts for env-dump and preflight.
 
-Sent by nodectl to the node's configured python over stdin (`python3 - WORKDIR`), so it must stay a single
-self-contained file: standard library first; psutil, pynvml (nvidia-ml-py) and torch only when importable. Each
+Sent by nodectl to the node's configured python over stdin (`python3 - WORKDIR`), as one script: this file with
+launchers/redaction.py's rules in place of its `from redaction import` line (probe_source in
+nodectl/remote/probe_nodes.py), so it imports nothing else of nodectl: standard library first; psutil, pynvml
+(nvidia-ml-py) and torch only when importable. Each
 section runs on its own: a failing section records {"error": ...} under its key and the report still prints.
-The redaction rules at the top are also what the controller uses (docs/REFERENCE.md: secrets never printed or stored).
+The environment it reports goes through those rules (docs/REFERENCE.md: secrets never printed or stored).
 """
 from __future__ import annotations
 
@@ -19,108 +21,7 @@ import tempfile
 import threading
 import time
 
-SECRET_MARKERS = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "PASSPHRASE", "CREDENTIAL", "PRIVATE_KEY", "API_KEY",
-                  "ACCESS_KEY", "CONNECTION_STRING", "APIKEY")
-SECRET_WORDS = {"AUTH", "PAT", "DSN", "COOKIE", "SESSION"}   # whole words of a NAME_LIKE_THIS
-# Words of a name that begin like these mark a secret too: DB_PASS, MYSQL_PWD, SMTP_PASSWORD, WANDB_KEY2, --db-pass
-SECRET_WORD = re.compile(r"^(?:PASS|PWD|SECRET|TOKEN|CREDENTIAL)|^KEYS?\d*$")
-SECRET_PREFIXES = ("AWS_",)
-# A scheme only where a word starts (the lookbehind): each character is then read a bounded number of times, so
-# redaction stays linear on any input (a 200 KB value used to take minutes).
-URL_CREDENTIALS = re.compile(r"(?<![A-Za-z0-9+.\-])(?P<scheme>[A-Za-z][A-Za-z0-9+.\-]{0,31}://)(?P<userinfo>[^/@\s]+)@")
-# Values that are secrets whatever the variable is called: provider token formats, AWS key ids, JWTs, PEM keys.
-SECRET_VALUES = re.compile(
-    r"(gh[pousr]_[A-Za-z0-9]{20,}|github_pat_[A-Za-z0-9_]{20,}|glpat-[A-Za-z0-9_\-]{20,}|hf_[A-Za-z0-9]{20,}"
-    r"|sk-[A-Za-z0-9_\-]{20,}|xox[abposr]-[A-Za-z0-9\-]{10,}|(?:AKIA|ASIA)[A-Z0-9]{16}|AIza[0-9A-Za-z_\-]{35}"
-    r"|eyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}|-----BEGIN [A-Z ]*PRIVATE KEY-----)")
-# key=value secrets inside connection strings and query strings: the value is masked, the rest kept.
-SECRET_PAIRS = re.compile(r"(?i)\b(AccountKey|SharedAccessKey|SharedAccessSignature|password|pwd|passwd|secret|"
-                          r"token|sig|api[_-]?key|access[_-]?token)=([^;&\s]+)")
-REDACTED = "***"
-
-
-def is_secret_name(name: str) -> bool:
-    upper = name.upper()
-    words = [w for w in re.split(r"[^A-Z0-9]+", upper) if w]
-    return (any(marker in upper for marker in SECRET_MARKERS) or upper.endswith("_KEY")
-            or upper.startswith(SECRET_PREFIXES) or bool(SECRET_WORDS & set(words))
-            or any(SECRET_WORD.match(w) for w in words))
-
-
-def redact_text(text: str) -> str:
-    """Any text as it may be shown or stored: a token-shaped value anywhere makes the whole text '***';
-    passwords and keys inside connection strings and URLs are masked."""
-    if SECRET_VALUES.search(text):
-        return REDACTED
-    if "://" in text:
-        text = URL_CREDENTIALS.sub(lambda m: m["scheme"] + REDACTED + "@", text)
-    return SECRET_PAIRS.sub(lambda m: f"{m[1]}={REDACTED}", text)
-
-
-def redact_words(text: str) -> str:
-    """Prose as it may be shown or stored (a stack's source line, a verdict, a log line): each token-shaped value
-    masked where it stands, the rest kept, so the line still says where the program is."""
-    text = SECRET_VALUES.sub(REDACTED, text)
-    if "://" in text:
-        text = URL_CREDENTIALS.sub(lambda m: m["scheme"] + REDACTED + "@", text)
-    return SECRET_PAIRS.sub(lambda m: f"{m[1]}={REDACTED}", text)
-
-
-def redact_value(name: str, value: str) -> str:
-    """The value as it may be shown: '***' for a secret-named variable, else by the value's shape."""
-    if is_secret_name(name):
-        return REDACTED
-    return redact_text(value)
-
-
-def redact_env(env: dict) -> dict:
-    return {name: redact_value(name, str(value)) for name, value in env.items()}
-
-
-def _secret_option(word: str) -> bool:
-    return word.startswith("-") and is_secret_name(word.lstrip("-").replace("-", "_"))
-
-
-def _short_password(arg: str, following) -> bool:
-    """`-p X` / `-pX`: a password to mysql, mysqldump, sshpass and their kind, a port or a count to others. Taken
-    as a password unless X is a number (the value shown; a port shown as *** would cost nothing, but a script's
-    command line recorded with *** cannot be replayed by --resume)."""
-    if arg == "-p":
-        return following is not None and not following.isdigit()
-    return arg.startswith("-p") and len(arg) > 2 and not arg[2:].isdigit() and not arg.startswith("-p=")
-
-
-def redact_args(args) -> list:
-    """A command line as it may be shown or stored: the value of a secret-named option (`--hf-token X`,
-    `--api-key=X`), of `-p` unless a number (`-p X`, `-pX`), and any token-shaped argument become '***'."""
-    args = list(args)
-    out, hide_next = [], False
-    for i, arg in enumerate(args):
-        following = args[i + 1] if i + 1 < len(args) else None
-        if hide_next:
-            out.append(REDACTED)
-            hide_next = False
-        elif ENV_OPTION.match(arg):   # --env=X=.., -eX=..: the name decides, as for `-e X=..`
-            name = ENV_OPTION.match(arg)
-            out.append(name[0] + REDACTED if is_secret_name(name["name"]) else redact_text(arg))
-        elif arg.startswith("-") and "=" in arg and _secret_option(arg.split("=", 1)[0]):
-            out.append(arg.split("=", 1)[0] + "=" + REDACTED)
-        elif _secret_option(arg) or arg == "-p" and _short_password(arg, following):
-            out.append(arg)
-            hide_next = True
-        elif _short_password(arg, following):
-            out.append("-p" + REDACTED)
-        elif ASSIGNMENT.match(arg) and is_secret_name(arg.split("=", 1)[0]):   # `-e WANDB_API_KEY=...`, `env X=..`
-            out.append(arg.split("=", 1)[0] + "=" + REDACTED)
-        else:
-            out.append(redact_text(arg))
-    return out
-
-
-ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-# an environment setting joined to its option: --env=NAME=value (docker, podman, enroot), -eNAME=value,
-# --setenv=NAME=value, --env-NAME=value is not one
-ENV_OPTION = re.compile(r"^(?:--env=|--setenv=|--set-env=|-e)(?P<name>[A-Za-z_][A-Za-z0-9_]*)=")
+from redaction import redact_env   # on a node: replaced by launchers/redaction.py's text (probe_source)
 
 
 def _section(report: dict, key: str, fn) -> None:

@@ -27,8 +27,19 @@ class ProbeFailed(Exception):
         self.check = check
 
 
+RULES_IMPORT = "\nfrom redaction import redact_env"   # the line itself, at a line's start
+
+
 def probe_source() -> str:
-    return (resource_dir("launchers") / "probe.py").read_text(encoding="utf-8")
+    """launchers/probe.py as the one script a node's `python3 -` runs: launchers/redaction.py's rules (but its
+    `from __future__` line, which probe.py has already) in place of probe.py's import of them."""
+    launchers = resource_dir("launchers")
+    probe = (launchers / "probe.py").read_text(encoding="utf-8")
+    rules = (launchers / "redaction.py").read_text(encoding="utf-8").replace("from __future__ import annotations\n", "", 1)
+    head, line, rest = probe.partition(RULES_IMPORT)
+    if not line:
+        raise RuntimeError(f"launchers/probe.py lacks its `{RULES_IMPORT.strip()}` line")
+    return head + "\n" + rules + rest.partition("\n")[2]
 
 
 def run_probe(transport: Transport, source: str | None = None, import_torch: bool | None = None,

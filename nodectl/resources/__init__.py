@@ -2,7 +2,7 @@
 
 They are mapped into this package by setup.py, so the same lookup works from a checkout, an editable install and
 a wheel, and so does an import: the controller imports the node-side modules it shares (`from
-nodectl.resources.launchers import probe`: the redaction rules; `nodectl.resources.trainer.config`: the recipe),
+nodectl.resources.launchers import redaction`: the redaction rules; `nodectl.resources.trainer.config`: the recipe),
 never loads them by path. In a checkout run from its folder without an install (the GPU machine's PYTHONPATH), the
 repository's root is added to this package's path, so the same imports find launchers/ and trainer/ there.
 """

@@ -67,6 +67,8 @@ def test_the_limits_a_run_would_hit_are_named_on_the_node_that_has_them(cluster,
     assert f"NCCL_SOCKET_IFNAME=nclimd0, but the route to {SUBNET}.0.2 through eth0" in route["detail"], route
     assert "(eth0)" in route["hint"]
 
-    for check in ("cache", "overcommit", "hostname", "socket route", "disk"):
+    for check in ("cache", "overcommit", "hostname", "socket route"):
         assert found[("node0" if check in ("hostname", "socket route") else "node1", check)]["verdict"] == "pass", \
             found[("node0" if check in ("hostname", "socket route") else "node1", check)]
+    # node1's bytes free are this machine's disk (a CI runner may hold under 20 GiB): only the inodes are the test's
+    assert "inodes" not in found[("node1", "disk")]["detail"], found[("node1", "disk")]

@@ -99,3 +99,25 @@ def test_short_p_is_a_password_unless_it_is_a_number():
     assert redact_args(["serve.py", "-p", "8080", "--workers", "4"]) == ["serve.py", "-p", "8080", "--workers", "4"]
     assert redact_args(["serve.py", "-p8080"]) == ["serve.py", "-p8080"]
     assert redact_args(["train.py", "-p"]) == ["train.py", "-p"]   # nothing follows: nothing to hide
+
+
+def test_the_probe_a_node_runs_is_one_script_that_masks_its_environment(tmp_path):
+    """What a node's `python3 -` gets: probe.py with redaction.py's rules in place of its import (the node has no
+    nodectl to import them from), run isolated from this tree; the environment it reports holds no secret."""
+    import json
+    import subprocess
+    import sys
+
+    from nodectl.remote.probe_nodes import probe_source
+
+    source = probe_source()
+    assert "\nfrom redaction import" not in source and source.count("def is_secret_name(") == 1
+    token = TOKEN_SHAPES["Hugging Face"]
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_TOKEN": token, "DB_PASS": "hunter2hunter2",
+           "NOTE": f"see {TOKEN_SHAPES['GitHub classic PAT']}", "NCCL_SOCKET_IFNAME": "ens1"}
+    done = subprocess.run([sys.executable, "-I", "-", str(tmp_path), "--no-import-torch"], input=source, env=env,
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert token not in done.stdout and "hunter2hunter2" not in done.stdout and "ghp_" not in done.stdout
+    shown = json.loads(done.stdout.strip().splitlines()[-1])["env"]
+    assert (shown["HF_TOKEN"], shown["DB_PASS"], shown["NOTE"], shown["NCCL_SOCKET_IFNAME"]) == ("***", "***", "***", "ens1")
