@@ -33,7 +33,7 @@ def command(app: AppContext, nodes: int | None, exclude: tuple[str, ...], diff: 
     with app.cluster(inventory) as cluster, app.node_progress("probing nodes", len(inventory.nodes)) as advance:
         inventory = use_built(cluster, inventory)
         results = probe_nodes(cluster, on_done=advance)
-    reports = {r.node.name: r.value for r in results if r.ok and "error" not in r.value}
+    reports = {name: report for name, report in results.succeeded.items() if "error" not in report}
     failed = {r.node.name: r.error or r.value.get("error") for r in results if r.node.name not in reports}
     unreachable = {r.node.name: r.error for r in results if r.unreachable}
     if output:

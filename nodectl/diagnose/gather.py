@@ -57,12 +57,12 @@ def diagnose(run: Run, cluster: Cluster, *, lines: int = 20, on_done=None) -> Di
     views = [view for result in results for view in rank_views(by_name[result.node.name], result, run.run_id)]
     shorten = code_path(run.run_id)
     verdict = judge(views, shorten)
-    gpus = {r.node.name: [dataclasses.asdict(g) for g in r.value.gpu_sample.gpus]
-            for r in results if r.ok and r.value.gpu_sample and r.value.gpu_sample.gpus}
+    gpus = {name: [dataclasses.asdict(g) for g in answer.gpu_sample.gpus]
+            for name, answer in results.succeeded.items() if answer.gpu_sample and answer.gpu_sample.gpus}
     # a run that ended has nothing of a hang to keep: no diagnosis folder for it
     folder = None if verdict.kind == "ended" else _folder(run)
     diagnosis = Diagnosis(run.run_id, verdict, tuple(sorted(views, key=lambda v: v.rank)), folder,
-                          time.monotonic() - started, tuple(r.node.name for r in results if not r.ok), gpus)
+                          time.monotonic() - started, tuple(r.node.name for r in results.failed), gpus)
     if folder is not None:
         for result in results:
             _save_node(folder, result)

@@ -153,9 +153,9 @@ def start_job(job: Job, run: Run, cluster: Cluster, *, grace: float, cancel: thr
                             cancel=cancel, missing=job.missing, on_ready=on_ready)
     if cancel.is_set():
         raise KeyboardInterrupt
-    problems = [r for r in results if not r.ok]
-    started = {r.node.name: {"pgid": r.value.pgid, "files": r.value.files, "bytes_sent": r.value.bytes_sent}
-               for r in results if r.ok}
+    problems = results.failed
+    started = {name: {"pgid": s.pgid, "files": s.files, "bytes_sent": s.bytes_sent}
+               for name, s in results.succeeded.items()}
     if not problems:
         run.set_node_states(started, state=RunState.RUNNING)
         return [r.value for r in results]

@@ -18,7 +18,7 @@ from nodectl.errors import Cancelled, NodectlError, UnreachableError, UsageError
 from nodectl.runs import live_runs_on
 from nodectl.plan import LaunchPlan, NodePlan, with_port
 from nodectl.render import RenderedNode
-from nodectl.transport import Cluster, NodeError, NodeErrorKind, NodeResult, Transport
+from nodectl.transport import Cluster, FanOut, NodeError, NodeErrorKind, NodeResult, Transport
 from nodectl.remote.client import NodeClient
 
 
@@ -72,11 +72,10 @@ def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None
     started."""
     request = sync.have_request(files) if files is not None else None
     ask = lambda t: NodeClient(t).identity(request)  # noqa: E731
-    results = {r.node.name: r for r in cluster.fan_out(ask, [np.node for np in plan.nodes])}
-    again = [results[name].node for name, r in results.items() if not r.ok and not r.unreachable]
-    results.update({r.node.name: r for r in cluster.fan_out(ask, again)})
-    failed = [r for r in results.values() if not r.ok]
-    if failed:
+    first = cluster.fan_out(ask, [np.node for np in plan.nodes])
+    again = cluster.fan_out(ask, [r.node for r in first.failed if not r.unreachable])
+    results = FanOut({**first.by_node(), **again.by_node()}.values())   # node order kept
+    if failed := results.failed:
         detail = "; ".join(r.said for r in failed)
         if any(r.unreachable for r in failed):
             raise UnreachableError(detail)
@@ -84,11 +83,11 @@ def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None
             raise UsageError(detail)
         raise NodectlError(f"cannot tell whether the nodes share their workdir: {detail}")
     seen: dict[str, list[str]] = {}
-    for result in results.values():
-        seen.setdefault(result.value.identity, []).append(result.node.name)
+    for name, answer in results.succeeded.items():
+        seen.setdefault(answer.identity, []).append(name)
     shared = {name for names in seen.values() if len(names) > 1 for name in names}
     run_dirs = [np.run_dir for np in plan.nodes if np.node.name in shared]
-    missing = {name: list(r.value.missing) for name, r in results.items() if r.value.missing is not None}
+    missing = {name: list(answer.missing) for name, answer in results.succeeded.items() if answer.missing is not None}
     return Survey(frozenset(shared) if len(set(run_dirs)) < len(run_dirs) else frozenset(), missing)
 
 
@@ -150,7 +149,7 @@ PULL_TIMEOUT = 6 * 3600.0   # a checkpoint of hundreds of GB over the node's own
 def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, files: list[sync.SyncFile],
               on_done: Callable[[NodeResult], None] | None = None, cancel: threading.Event | None = None,
               missing: dict[str, list[str]] | None = None,
-              on_ready: Callable[[list[NodeResult]], None] | None = None) -> list[NodeResult[NodeStart]]:
+              on_ready: Callable[[list[NodeResult]], None] | None = None) -> FanOut[NodeStart]:
     """Prepare every node, then start every node; one result per node. `missing` (from `survey`) saves asking
     each node again what its store lacks. When any node could not be prepared, or `cancel` was set meanwhile,
     no node starts (their results say why); otherwise `on_ready` hears of the prepared nodes first."""
@@ -161,29 +160,29 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, 
     missing = missing or {}
     prepared = cluster.fan_out(lambda t: prepare_node(t, plan, plans[t.node.name], by_name[t.node.name], files,
                                                       cancel, missing.get(t.node.name)), nodes)
-    failed = [r for r in prepared if not r.ok]
+    failed = prepared.failed
     if failed or cancel.is_set():
         why = "interrupted" if cancel.is_set() else f"{failed[0].node.name} could not be prepared"
-        return [r if not r.ok else NodeResult.failed(r.node, f"not started: {why}") for r in prepared]
+        return FanOut(r if not r.ok else NodeResult.failed(r.node, f"not started: {why}") for r in prepared)
     if plan.attempt and any(np.node.outputs is not None for np in plan.nodes):
         # a resumed (or restarted) run with a bucket: each node takes its outputs back from it (fresh nodes that
         # never saw the run included), and what node 0 stored that it lacks
         pulled = cluster.fan_out(lambda t: pull_outputs(t, plan, plans[t.node.name]),
                                  [np.node for np in plan.nodes if np.node.outputs is not None])
-        unpulled = [r for r in pulled if not r.ok]
+        unpulled = pulled.failed
         if unpulled or cancel.is_set():
             why = "interrupted" if cancel.is_set() else \
                 f"{unpulled[0].node.name} could not take the run's outputs from the store: {unpulled[0].error}"
-            return [NodeResult.failed(r.node, f"not started: {why}") for r in prepared]
+            return FanOut(NodeResult.failed(r.node, f"not started: {why}") for r in prepared)
     elif plan.attempt and not plan.builtin_trainer and plan.nnodes > 1:
         # a resumed (or restarted) script: its $NODECTL_OUTPUT_DIR on every node holds node 0's outputs too
         shared = share_output(cluster, plan.nodes[0], list(plan.nodes[1:]))
-        unshared = [r for r in shared.values() if not r.ok]
+        unshared = shared.failed
         if unshared or cancel.is_set():
             why = "interrupted" if cancel.is_set() else \
                 f"node 0's output/ could not be shared with {unshared[0].node.name}: {unshared[0].error}"
-            return [NodeResult.failed(r.node, f"not started: {why}") for r in prepared]
-    counts = {r.node.name: r.value for r in prepared}
+            return FanOut(NodeResult.failed(r.node, f"not started: {why}") for r in prepared)
+    counts = prepared.succeeded
     if on_ready is not None:
         on_ready(prepared)
 

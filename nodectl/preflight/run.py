@@ -175,9 +175,9 @@ def run_preflight(inventory: Inventory, session: Session, *, gpus: int | None, t
     # --quick reads torch's versions from its installed files (importing it is most of a quick preflight on a GPU
     # node: 3-4 s); the default tier imports it and asks CUDA.
     cluster = session.cluster(inventory.nodes)
-    probed: list[NodeResult[dict]] = probe_nodes(cluster, on_done=on_probe, import_torch=not quick,
-                                                 visible=visible_devices(inventory, gpus), ranks_env=True)
-    reports = {r.node.name: r.value for r in probed if r.ok and "error" not in r.value}
+    probed = probe_nodes(cluster, on_done=on_probe, import_torch=not quick, visible=visible_devices(inventory, gpus),
+                         ranks_env=True)
+    reports = {name: report for name, report in probed.succeeded.items() if "error" not in report}
     unreachable = {r.node.name: r.error for r in probed if r.unreachable}
     results = [_probe_failure(r) for r in probed if r.node.name not in reports]
     phase = on_probe.phase if on_probe is not None else (lambda text: None)

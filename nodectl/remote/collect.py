@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from nodectl.plan import NodePlan
-from nodectl.transport import NodeResult, Transport
+from nodectl.transport import FanOut, NodeResult, Transport
 from nodectl.remote.client import NodeClient
 
 NAME_LIMIT = 1024
@@ -51,7 +51,7 @@ def collect_node(transport: Transport, run_dir: str, target: Path, also: tuple[s
                      packed.code_written, packed.code_examples, packed.code_left)
 
 
-def share_output(cluster, source: NodePlan, others: list[NodePlan]) -> dict[str, NodeResult]:
+def share_output(cluster, source: NodePlan, others: list[NodePlan]) -> FanOut[None]:
     """$NODECTL_OUTPUT_DIR, seen by every rank without a shared file system: what `source` (node 0) holds in its
     run's output/ and another node lacks is added there (runctl fill), before a resumed attempt's ranks start.
     The archive passes through this machine, as collect's does; each node keeps every file it wrote itself."""
@@ -60,8 +60,8 @@ def share_output(cluster, source: NodePlan, others: list[NodePlan]) -> dict[str,
         local = Path(tmp) / "output.tar"
         fetched = cluster.fan_out(lambda t: _fetch_output(t, source.run_dir, local), [source.node])[0]
         if not fetched.ok:
-            return {np.node.name: NodeResult.failed(np.node, f"{source.node.name}'s output could not be read: "
-                                                            f"{fetched.error}") for np in others}
+            return FanOut(NodeResult.failed(np.node, f"{source.node.name}'s output could not be read: {fetched.error}")
+                          for np in others)
         size = local.stat().st_size
 
         def fill(transport: Transport):
@@ -70,7 +70,7 @@ def share_output(cluster, source: NodePlan, others: list[NodePlan]) -> dict[str,
                     sink.send_file(handle, size)
             return NodeClient(transport).fill(run_dirs[transport.node.name], produce)
 
-        return {r.node.name: r for r in cluster.fan_out(fill, [np.node for np in others])}
+        return cluster.fan_out(fill, [np.node for np in others])
 
 
 def _fetch_output(transport: Transport, run_dir: str, local: Path) -> None:

@@ -59,8 +59,9 @@ def provision(cluster: Cluster, inventory, cancel: threading.Event | None = None
     nodes = [n for n in inventory.nodes if n.environment is not None]
     if not nodes:
         return Provisioned(inventory, {}, False)
-    surveyed = {r.node.name: r for r in cluster.fan_out(status, nodes)}
-    _raise_for([r for r in surveyed.values() if not r.ok], "could not be asked about its environment")
+    surveyed = cluster.fan_out(status, nodes)
+    _raise_for(surveyed.failed, "could not be asked about its environment")
+    found = surveyed.succeeded
     sets: dict[tuple, WheelSet] = {}
     sent: dict[str, int] = {}
     lock = threading.Lock()
@@ -74,7 +75,7 @@ def provision(cluster: Cluster, inventory, cancel: threading.Event | None = None
             return sets[ident]
 
     def build(transport: Transport) -> EnvAnswer:
-        node, answer = transport.node, surveyed[transport.node.name].value
+        node, answer = transport.node, found[transport.node.name]
         if answer.present and answer.intact:
             return replace(answer, reused=True)
         request: dict[str, Any] = {"lock_sha": node.environment.lock_sha}
@@ -90,8 +91,8 @@ def provision(cluster: Cluster, inventory, cancel: threading.Event | None = None
         return NodeClient(transport).env_build(request, timeout=BUILD_TIMEOUT)
 
     built = cluster.fan_out(build, nodes, on_done=on_done)
-    _raise_for([r for r in built if not r.ok], "could not build its environment")
-    answers = {r.node.name: r.value for r in built}
+    _raise_for(built.failed, "could not build its environment")
+    answers = built.succeeded
     venvs = tuple(replace(n, python=answers[n.name].python_path) if n.name in answers else n for n in inventory.nodes)
     return Provisioned(replace(inventory, nodes=venvs), answers, any(s.fetched for s in sets.values()),
                        sum(sent.values()))
@@ -114,7 +115,7 @@ def use_built(cluster: Cluster, inventory):
     nodes = [n for n in inventory.nodes if n.environment is not None and n.environment.lock_sha]
     if not nodes:
         return inventory
-    found = {r.node.name: r.value for r in cluster.fan_out(status, nodes) if r.ok}
+    found = cluster.fan_out(status, nodes).succeeded
     ready = {name: a.python_path for name, a in found.items() if a.present and a.intact}
     return replace(inventory, nodes=tuple(replace(n, python=ready[n.name]) if n.name in ready else n
                                           for n in inventory.nodes))

@@ -12,7 +12,7 @@ from nodectl.remote.agent import classify_failure
 from nodectl.remote.answers import AnswerError, parse_probe
 from nodectl.inventory import Node
 from nodectl.resources import resource_dir
-from nodectl.transport import Cluster, NodeError, NodeResult, Transport, quote_path
+from nodectl.transport import Cluster, FanOut, NodeError, Transport, quote_path
 from nodectl.remote.client import NodeClient
 
 PROBE_TIMEOUT = 90.0
@@ -111,7 +111,7 @@ def with_environment(source: str, env: Mapping[str, str]) -> str:
 
 def probe_nodes(cluster: Cluster, nodes: Iterable[Node] | None = None, on_done=None,
                 import_torch: bool | None = None, visible: Mapping[str, str] | None = None,
-                ranks_env: bool = False) -> list[NodeResult[dict]]:
+                ranks_env: bool = False) -> FanOut[dict]:
     """Every node's report; with `ranks_env`, read under the node's inventory env: laid over its login
     environment, as its ranks get it (preflight judges those; env-dump shows the node as it is)."""
     source = probe_source()

@@ -5,8 +5,8 @@ runctl; the node client (nodectl/remote/) is built on it.
 from nodectl.transport.channels import (DEFAULT_CONNECT_TIMEOUT, DEFAULT_FANOUT, CommandResult, CommandTimeout,
                                         LocalTransport, NodeError, NodeErrorKind, StreamSink, TransferError, Transport,
                                         TransportOptions, Unreachable, quote_path)
-from nodectl.transport.fanout import Cluster, NodeFailure, NodeResult, Session, failure_of
+from nodectl.transport.fanout import Cluster, FanOut, NodeFailure, NodeResult, Session, failure_of
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_FANOUT", "Cluster", "CommandResult", "CommandTimeout",
+__all__ = ["DEFAULT_CONNECT_TIMEOUT", "DEFAULT_FANOUT", "Cluster", "FanOut", "CommandResult", "CommandTimeout",
            "LocalTransport", "NodeError", "NodeErrorKind", "NodeFailure", "NodeResult", "Session", "StreamSink", "TransferError",
            "Transport", "TransportOptions", "Unreachable", "failure_of", "quote_path"]

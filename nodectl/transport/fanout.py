@@ -1,6 +1,6 @@
 """Working on many nodes at once: `Cluster.fan_out` runs a function for every node in parallel with a bound and
-returns one `NodeResult` per node instead of stopping at the first failure (fabric's GroupResult); no exception
-escapes it. A `Session` holds one command's connections: each node's is opened lazily and reused by every step.
+returns one `NodeResult` per node instead of stopping at the first failure, as a `FanOut` with fabric GroupResult's
+`succeeded` and `failed`; no exception escapes it. A `Session` holds one command's connections: each node's is opened lazily and reused by every step.
 """
 from __future__ import annotations
 
@@ -82,6 +82,22 @@ class NodeResult(Generic[T]):
         return error if error.startswith(f"{self.node.name}: ") else f"{self.node.name}: {error}"
 
 
+class FanOut(list[NodeResult[T]]):
+    """A fan-out's results, one per node in node order (a list), with fabric GroupResult's two views: `succeeded`
+    (each node's value by name) and `failed` (the results that carry a failure), so no caller filters `ok` by hand."""
+
+    @property
+    def succeeded(self) -> dict[str, T]:
+        return {r.node.name: r.value for r in self if r.ok}
+
+    @property
+    def failed(self) -> list[NodeResult[T]]:
+        return [r for r in self if not r.ok]
+
+    def by_node(self) -> dict[str, NodeResult[T]]:
+        return {r.node.name: r for r in self}
+
+
 def _connection_key(node: Node) -> tuple:
     """What a transport's connection depends on; the rest of a node's settings (its python, env:) may change
     between a command's steps (a built venv) over the same connection."""
@@ -118,7 +134,7 @@ class Cluster:
 
     def fan_out(self, work: Callable[[Transport], T], nodes: Iterable[Node] | None = None,
                 on_done: Callable[[NodeResult[T]], None] | None = None,
-                abandon_on_interrupt: bool = False) -> list[NodeResult[T]]:
+                abandon_on_interrupt: bool = False) -> FanOut[T]:
         """Run `work` for every node in parallel (at most `fanout` at once); results in node order.
 
         On Ctrl-C, work not yet begun is cancelled and the calls in flight are waited for, so that no node is
@@ -136,10 +152,10 @@ class Cluster:
             return result
 
         if not targets:
-            return []
+            return FanOut()
         pool = ThreadPoolExecutor(max_workers=max(1, min(self.options.fanout, len(targets))))
         try:
-            results = list(pool.map(one, targets))
+            results = FanOut(pool.map(one, targets))
         except KeyboardInterrupt:
             pool.shutdown(wait=not abandon_on_interrupt, cancel_futures=True)
             raise

@@ -470,6 +470,8 @@ def test_fan_out_turns_every_failure_into_that_nodes_result(tmp_path):
         results = nodes.fan_out(work)
     assert [r.error for r in results] == ["a: runctl said no", "RuntimeError: surprise", None]
     assert results[2].value == "fine"
+    assert results.succeeded == {"c": "fine"} and [r.node.name for r in results.failed] == ["a", "b"]
+    assert [r.failure.kind for r in results.failed] == ["answered", "internal"]
 
 
 def test_a_node_that_resets_the_connection_is_one_line_not_a_traceback(tmp_path):

@@ -104,9 +104,9 @@ class _AnsweringCluster:
         self.asked = []
 
     def fan_out(self, work, nodes):
-        from nodectl.transport import NodeResult
+        from nodectl.transport import FanOut, NodeResult
 
-        results = []
+        results = FanOut()
         for node in nodes:
             self.asked.append(node.name)
             answer = self.answers[node.name].pop(0)
