@@ -72,7 +72,7 @@ def worker(model_dir: str, mode: str) -> None:
     model = build_skeleton(recipe, path, torch.bfloat16)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = parallelize(model, recipe, init_device_mesh("cpu", (world,)), False)
+    parallelize(model, recipe, init_device_mesh("cpu", (world,)), False)   # wraps the model in place
     before, before_anon = rss_mib(), rss_mib("RssAnon")
     dist.barrier()
     started = time.perf_counter()

@@ -21,8 +21,8 @@ from .config import ConfigError, Recipe
 from .data import IGNORE, StepBatches, load_examples
 from .metrics import Reporter, peak_flops, window_flops
 from .telemetry import Telemetry
-from .model import (build_skeleton, inactive_expert_params, materialise, materialise_random, materialise_sliced,
-                    parallelize, parameter_counts)
+from .model import (Parallel, build_skeleton, inactive_expert_params, materialise, materialise_random,
+                    materialise_sliced, parallelize, parameter_counts)
 from .weights import checkpoint_files
 
 
@@ -103,13 +103,13 @@ def train(recipe: Recipe) -> dict:
                             timeout=timedelta(seconds=recipe.train.collective_timeout_s))
     mesh = layouts.mesh(chosen, ctx.device.type)
     torch.manual_seed(recipe.train.seed)
-    model = parallelize(model, recipe, mesh, dtype == torch.bfloat16, chosen, layouts.expert_group(chosen, mesh))
-    model.layout, model.layout_shape = chosen, shape
+    parallel = parallelize(model, recipe, mesh, dtype == torch.bfloat16, chosen, layouts.expert_group(chosen, mesh),
+                           shape)
     loading = time.perf_counter()
     if recipe.model.init == "random":
-        materialise_random(model, ctx.device, recipe.train.seed)
+        materialise_random(model, ctx.device, recipe.train.seed, parallel.experts)
     elif recipe.model.load == "sliced":
-        materialise_sliced(model, model_path, ctx.device, recipe.train.seed)
+        materialise_sliced(model, model_path, ctx.device, recipe.train.seed, parallel.experts)
     else:
         materialise(model, model_path, ctx.device, ctx.rank, recipe.train.seed)
     if ctx.rank == 0:
@@ -117,7 +117,7 @@ def train(recipe: Recipe) -> dict:
               f"{time.perf_counter() - loading:.1f}s", flush=True)
     out_dir = recipe.output_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    return _loop(recipe, ctx, model, examples, tokenizer, out_dir)
+    return _loop(recipe, ctx, model, parallel, examples, tokenizer, out_dir)
 
 
 class EarlyStop:
@@ -146,7 +146,7 @@ def _eval_set(recipe: Recipe, examples, tokenizer):
     return train_examples, evaluate.eval_subset(held, recipe.data.eval_samples, recipe.data.seed) if held else []
 
 
-def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Path) -> dict:
+def _loop(recipe: Recipe, ctx: Context, model, parallel: Parallel, examples, tokenizer, out_dir: Path) -> dict:
     examples, eval_set = _eval_set(recipe, examples, tokenizer)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=recipe.train.lr, weight_decay=recipe.train.weight_decay,
@@ -154,13 +154,13 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
     batches = StepBatches(examples, micro_batch_size=recipe.train.micro_batch_size,
                           grad_accum=recipe.train.grad_accum, world_size=ctx.world, rank=ctx.rank,
                           seed=recipe.data.seed, pad_id=tokenizer.pad_token_id or 0)
-    start_step = _resume(recipe, ctx, model, optimizer, out_dir)
+    start_step = _resume(recipe, ctx, model, parallel, optimizer, out_dir)
     reporter = Reporter(out_dir, ctx.rank, recipe, per="gpu" if ctx.on_gpu else "rank")
     telemetry = Telemetry(Path(os.environ["NODECTL_RUN_DIR"]) / "metrics" if os.environ.get("NODECTL_RUN_DIR")
                           else Path(out_dir)).start()   # metrics/: a folder the ranks may write in a container
     config = model.base_model.model.config
-    trainable, frozen = parameter_counts(model)
-    idle_frozen, idle_trainable = inactive_expert_params(model)
+    trainable, frozen = parameter_counts(model, parallel.experts)
+    idle_frozen, idle_trainable = inactive_expert_params(model, parallel.experts)
     matmul_params = trainable + frozen - model.get_input_embeddings().weight.numel() - idle_frozen - idle_trainable
     flops = functools.partial(window_flops, trainable - idle_trainable, matmul_params, config.num_hidden_layers,
                               config.hidden_size)
@@ -173,7 +173,7 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
     saved_at = start_step
     summary: dict = {"trainable_params": trainable, "frozen_params": frozen, "resumed_from": start_step or None,
                      "end_reason": f"completed {recipe.train.steps} steps"}
-    covered, skipped = getattr(model, "grouped_experts", (0, []))
+    covered, skipped = parallel.grouped, parallel.peft_path
     if ctx.rank == 0 and (covered or skipped):
         print(f"routed experts: grouped LoRA path in {covered} layer(s)"
               + (f"; peft's path in {len(skipped)} ({skipped[0]}, ...)" if skipped else ""), flush=True)
@@ -190,7 +190,7 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
         if recipe.train.profile_at == step + 1:
             profiler = _start_profile(ctx)
         if recipe.train.traffic_at == step + 1:
-            _counted_step(recipe, ctx, model, optimizer, params, batches, step, window, reporter)
+            _counted_step(recipe, ctx, model, parallel, optimizer, params, batches, step, window, reporter)
         else:
             _train_step(recipe, ctx, model, optimizer, params, batches, step, window)
         if profiler is not None and (step + 1 == recipe.train.profile_at + 1 or last):
@@ -220,7 +220,7 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
             reason = stopper.update(step + 1, run_eval(step + 1))
         every = recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0
         if every or due or (stopping and step + 1 > saved_at):
-            _checkpoint(recipe, ctx, model, optimizer, step + 1, out_dir, reporter if every else None)
+            _checkpoint(recipe, ctx, model, parallel, optimizer, step + 1, out_dir, reporter if every else None)
             saved_at, timed = step + 1, Deadline(recipe.train.checkpoint_minutes, ctx)
         if stopping and not last:
             telemetry.stop()
@@ -243,7 +243,7 @@ def _loop(recipe: Recipe, ctx: Context, model, examples, tokenizer, out_dir: Pat
     if step > saved_at and (recipe.train.checkpoint_minutes or recipe.train.checkpoint_every):
         # the end too: a finished run can be trained further (launch --resume RUN --set train.steps=MORE), and a
         # restart after a failure past the last timed checkpoint loses nothing
-        _checkpoint(recipe, ctx, model, optimizer, step, out_dir, None)
+        _checkpoint(recipe, ctx, model, parallel, optimizer, step, out_dir, None)
     telemetry.stop()
     if recipe.train.save_probe_logits:
         _save_probe(model, batches.micro_batches(0)[0], ctx, out_dir)
@@ -289,10 +289,11 @@ class Deadline:
         return bool(flags[0].item()), bool(flags[1].item())
 
 
-def _checkpoint(recipe: Recipe, ctx: Context, model, optimizer, step: int, out_dir: Path, reporter) -> None:
+def _checkpoint(recipe: Recipe, ctx: Context, model, parallel: Parallel, optimizer, step: int, out_dir: Path,
+                reporter) -> None:
     started = time.perf_counter()
     saved_to = resume.save(model, optimizer, step, out_dir / "checkpoints", ctx.device, recipe.train.keep_checkpoints,
-                           extra={"schedule_steps": recipe.train.steps})
+                           extra={"schedule_steps": recipe.train.steps}, layout=parallel.layout)
     size = sum(f.stat().st_size for f in saved_to.glob("rank*.pt"))
     seconds = round(time.perf_counter() - started, 3)
     if reporter is not None:   # checkpoint_every's: an event in metrics.jsonl, as always
@@ -301,7 +302,7 @@ def _checkpoint(recipe: Recipe, ctx: Context, model, optimizer, step: int, out_d
         print(f"checkpoint at step {step} in {seconds:.2f}s: {saved_to}", flush=True)
 
 
-def _resume(recipe: Recipe, ctx: Context, model, optimizer, out_dir: Path) -> int:
+def _resume(recipe: Recipe, ctx: Context, model, parallel: Parallel, optimizer, out_dir: Path) -> int:
     choice = recipe.train.resume
     attempt = int(os.environ.get("NODECTL_ATTEMPT", "0") or 0)
     if choice == "none":
@@ -317,7 +318,7 @@ def _resume(recipe: Recipe, ctx: Context, model, optimizer, out_dir: Path) -> in
     if not (found / resume.COMPLETE).exists():
         raise ConfigError(f"train.resume: {found} is not a complete checkpoint")
     try:
-        step = resume.load(model, optimizer, found, ctx.device)
+        step = resume.load(model, optimizer, found, ctx.device, parallel.layout)
     except resume.ResumeError as exc:
         raise ConfigError(f"train.resume: {exc}") from None
     before = json.loads((found / resume.COMPLETE).read_text()).get("schedule_steps")
@@ -341,7 +342,8 @@ def _evaluator(recipe, ctx, model, eval_set, tokenizer, reporter, summary):
     return run
 
 
-def _counted_step(recipe, ctx, model, optimizer, params, batches, step: int, window, reporter) -> None:
+def _counted_step(recipe, ctx, model, parallel: Parallel, optimizer, params, batches, step: int, window,
+                  reporter) -> None:
     """One step with its collectives counted (trainer/traffic.py), summed over the ranks, and logged per GPU
     beside what the layout says it sends (layout.traffic)."""
     from . import traffic
@@ -350,15 +352,15 @@ def _counted_step(recipe, ctx, model, optimizer, params, batches, step: int, win
         _train_step(recipe, ctx, model, optimizer, params, batches, step, window)
     sent = torch.tensor([counter.intra, counter.inter, float(counter.calls)], dtype=torch.float64, device=ctx.device)
     dist.all_reduce(sent)
-    layout, shape = model.layout, model.layout_shape
+    layout, shape = parallel.layout, parallel.shape
     expected = layouts.traffic(layout, shape, recipe.model.reshard_after_forward)
     whole_world = layouts.traffic(layouts.Layout("fsdp", layout.world, layout.nodes, layout.per_node, ""), shape,
                                   recipe.model.reshard_after_forward)
     expected["fsdp_inter_node_bytes"] = whole_world["inter_node_bytes"]   # what sharding over every rank would send
     if recipe.train.grad_accum != 1:
         expected = {key: None for key in expected}   # the layout's figures are for one micro-batch per step
-    reporter.event({"event": "traffic", "step": step + 1, "layout": model.layout.name,
-                    "nodes": model.layout.nodes, "gpus_per_node": model.layout.per_node,
+    reporter.event({"event": "traffic", "step": step + 1, "layout": layout.name,
+                    "nodes": layout.nodes, "gpus_per_node": layout.per_node,
                     "counted_intra_node_bytes": sent[0].item() / ctx.world,
                     "counted_inter_node_bytes": sent[1].item() / ctx.world,
                     "collectives_per_rank": sent[2].item() / ctx.world,

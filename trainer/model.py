@@ -6,13 +6,18 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
 
 import torch
 from torch import nn
 
 from .config import ConfigError, Recipe
 from .weights import Checkpoint, hf_name
+
+NO_EXPERTS: Mapping = MappingProxyType({})   # no expert layout: every rank holds every expert
 
 
 def build_skeleton(recipe: Recipe, model_path: Path, dtype: torch.dtype) -> nn.Module:
@@ -112,7 +117,7 @@ def expert_targets(model: nn.Module, setting: tuple[str, ...]) -> list[str]:
     return list(setting)
 
 
-def inactive_expert_params(model: nn.Module) -> tuple[int, int]:
+def inactive_expert_params(model: nn.Module, experts: Mapping = NO_EXPERTS) -> tuple[int, int]:
     """(frozen, trainable) expert weights a token is not multiplied by: of E experts, each token goes through
     top-k (the config's num_experts_per_tok), so (1 - k/E) of every fused expert weight, and of the per-expert
     LoRA factors peft keeps beside it, is idle for it. Subtracted from the parameters that model FLOPs (and MFU)
@@ -124,7 +129,7 @@ def inactive_expert_params(model: nn.Module) -> tuple[int, int]:
     frozen = trainable = 0
     if not top_k:
         return 0, 0
-    shapes = _full_shapes(model)
+    shapes = _full_shapes(model, experts)
     for module_name, module in model.named_modules():
         experts = getattr(module, "num_experts", 0) if isinstance(module, ParamWrapper) else 0
         if "Expert" in type(module).__name__:
@@ -215,10 +220,25 @@ def _left_out(model: nn.Module, mesh, sharded: list[nn.Parameter], replicated: b
     return {"ignored_params": left} if left else {}
 
 
-def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool, layout=None, experts_over=None) -> nn.Module:
+@dataclass(frozen=True)
+class Parallel:
+    """What `parallelize` decided, handed to the code after it (loading, parameter counts, checkpoints, the traffic
+    count) as a value: nothing of it is kept on the model."""
+
+    layout: Any = None         # the layout it was wrapped for (trainer/layout.py: Layout); None without one
+    shape: Any = None          # the model's shape that layout was chosen for (layout.Shape)
+    grouped: int = 0           # fused experts modules on the grouped LoRA path
+    peft_path: tuple[str, ...] = ()   # those left on peft's path, and why
+    # expert layouts: a fused expert weight's name -> (first expert held, last + 1, full shape)
+    experts: Mapping[str, tuple[int, int, tuple[int, ...]]] = field(default_factory=dict)
+
+
+def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool, layout=None, experts_over=None,
+                shape=None) -> Parallel:
     """The wrapping order, in one place: LoRA (already applied), the routed experts' grouped path
     (model.moe_kernel) and their split over `experts_over` (group, rank in it, size: the layout's expert group),
-    activation checkpointing, compile, FSDP2 over `mesh` (1-D, or 2-D replicate x shard: HSDP).
+    activation checkpointing, compile, FSDP2 over `mesh` (1-D, or 2-D replicate x shard: HSDP). The model is
+    wrapped in place; what was decided comes back.
 
     Compilation covers each decoder layer's forward and nothing else: FSDP's hooks stay outside the compiled
     code and parameter names stay as they are. One FSDP unit per decoder layer, then the root; with torch < 2.8
@@ -227,13 +247,13 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool, layout=None,
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
-    sharded = []
+    sharded, experts, grouped, peft_path = [], {}, 0, []
     if recipe.model.moe_kernel == "grouped":
         from . import moe
 
-        model.grouped_experts = moe.install(model)
+        grouped, peft_path = moe.install(model)
         if experts_over is not None:
-            sharded = moe.shard_experts(model, *experts_over)
+            sharded, experts = moe.shard_experts(model, *experts_over)
     layers = decoder_layers(model)
     for index in checkpointed_layers(len(layers), recipe.model.activation_checkpointing):
         _checkpoint_forward(layers[index])
@@ -257,7 +277,7 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool, layout=None,
     from . import loss
 
     loss.attach(model)
-    return model
+    return Parallel(layout, shape, grouped, tuple(peft_path), experts)
 
 
 def _lora_init(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor | None:
@@ -319,14 +339,14 @@ def _rows(param) -> tuple[int, int]:
     return offset[0], offset[0] + local[0]
 
 
-def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device, seed: int) -> None:
+def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device, seed: int,
+                       experts: Mapping = NO_EXPERTS) -> None:
     """model.load: sliced. Each rank reads only the rows of its own shards, straight from the node's copy of the
     checkpoint (safetensors slices of a memory map; for a fused expert weight, only its own experts' tensors):
     host memory stays near one weight's shard, not the model, and no weight crosses the network. LoRA weights
-    start as on the broadcast path, so both paths give the same model."""
+    start as on the broadcast path, so both paths give the same model. `experts`: Parallel.experts."""
     checkpoint = Checkpoint(model_path, model)
     generator = torch.Generator().manual_seed(seed)
-    experts = getattr(model, "sharded_experts", {})  # expert parallelism: name -> (first, last + 1, full shape)
     model.to_empty(device=device)
     try:
         with torch.no_grad():
@@ -347,14 +367,13 @@ def materialise_sliced(model: nn.Module, model_path: Path, device: torch.device,
     _reset_rotary(model, device)
 
 
-def materialise_random(model: nn.Module, device: torch.device, seed: int) -> None:
+def materialise_random(model: nn.Module, device: torch.device, seed: int, experts: Mapping = NO_EXPERTS) -> None:
     """model.init: random, for benchmarks at any size: each rank fills only its own shards on its device (no
     checkpoint file, no host copy, no broadcast). Base weights N(0, 0.02), norms 1, LoRA A Kaiming-uniform and B
     zeros as peft starts them. Each piece is drawn from a stream seeded by its parameter and its first row, so
     ranks that hold the same piece (a replicated base, HSDP's replicas, the same experts on two nodes) hold the
     same values; the model differs with the layout."""
     model.to_empty(device=device)
-    experts = getattr(model, "sharded_experts", {})
     generator = torch.Generator(device=device)
     with torch.no_grad():
         for index, (name, param) in enumerate(model.named_parameters()):
@@ -383,15 +402,14 @@ def _reset_rotary(model: nn.Module, device: torch.device) -> None:
                 setattr(module, name, buffer.to(device))
 
 
-def _full_shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
+def _full_shapes(model: nn.Module, experts: Mapping) -> dict[str, tuple[int, ...]]:
     """Every parameter's shape at full size (a rank's expert-parallel shard counted as its whole stack)."""
-    experts = getattr(model, "sharded_experts", {})
     return {name: experts[name][2] if name in experts else tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def parameter_counts(model: nn.Module) -> tuple[int, int]:
-    """(trainable, frozen) parameters at full size."""
-    shapes = _full_shapes(model)
+def parameter_counts(model: nn.Module, experts: Mapping = NO_EXPERTS) -> tuple[int, int]:
+    """(trainable, frozen) parameters at full size (`experts`: Parallel.experts, where a rank holds a part)."""
+    shapes = _full_shapes(model, experts)
     trainable = sum(math.prod(shapes[n]) for n, p in model.named_parameters() if p.requires_grad)
     frozen = sum(math.prod(shapes[n]) for n, p in model.named_parameters() if not p.requires_grad)
     return trainable, frozen

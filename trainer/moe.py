@@ -220,12 +220,11 @@ class ExpertShard:
         return all_to_all_single(out.new_empty(rows.shape[0], out.shape[1]), out, send, recv, group=self.group)
 
 
-def shard_experts(model: nn.Module, group, rank: int, world: int) -> list[nn.Parameter]:
+def shard_experts(model: nn.Module, group, rank: int, world: int) -> tuple[list[nn.Parameter], dict]:
     """Expert layouts: each covered experts module keeps only this rank's E/world experts of its frozen weights
     (`rank` and `world` within `group`, the layout's expert group; still on the meta device, filled by loading)
-    and gets an ExpertShard exchanging tokens over that group. Returns those weights, which
-    FSDP must leave alone; `model.sharded_experts` maps each one's name to (first expert, last + 1, full shape)
-    for loading and parameter counts."""
+    and gets an ExpertShard exchanging tokens over that group. Returns those weights, which FSDP must leave
+    alone, and each one's name mapped to (first expert, last + 1, full shape), for loading and parameter counts."""
     from peft.tuners.lora.layer import ParamWrapper
 
     from .config import ConfigError
@@ -252,8 +251,7 @@ def shard_experts(model: nn.Module, group, rank: int, world: int) -> list[nn.Par
         raise ConfigError("model.parallelism: the model has no fused experts with LoRA on the grouped path "
                           "(a transformers 5 Mixture-of-Experts model, lora.target_parameters: auto, "
                           "model.moe_kernel: grouped)")
-    model.sharded_experts = layout
-    return held
+    return held, layout
 
 
 def _wrapper_chain(outer: nn.Module, wrapper_type: type) -> tuple[list[nn.Module], nn.Module]:

@@ -75,8 +75,8 @@ def _replica(model: nn.Module, optimizer) -> dict:
 
 
 def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.device, keep_last: int,
-         extra: dict | None = None) -> Path:
-    """Every rank calls this at the same step."""
+         extra: dict | None = None, layout=None) -> Path:
+    """Every rank calls this at the same step. `layout`: the one the model was wrapped for (Parallel.layout)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if hasattr(model, "reshard"):
         model.reshard()  # store shards, never a parameter left unsharded by an eval forward
@@ -109,7 +109,7 @@ def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.dev
                               + (f" ({error})" if error else " (another rank failed)")
                               + "; the previous complete checkpoint is intact: free space, then resume")
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:
-        (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": world, "layout": _layout_key(model),
+        (tmp / COMPLETE).write_text(json.dumps({"step": step, "world_size": world, "layout": layout_key(layout),
                                                 **(extra or {})}))
         os.replace(tmp, final)
         for old in sorted(folder.glob("ckpt-*"))[:-keep_last]:
@@ -118,10 +118,9 @@ def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.dev
     return final
 
 
-def _layout_key(model: nn.Module) -> str | None:
+def layout_key(layout) -> str | None:
     """How this run's trainable state is laid out over its ranks (the layout, its node split): a checkpoint
     of another layout is read through its whole copy."""
-    layout = getattr(model, "layout", None)
     return f"{layout.name} {layout.nodes}x{layout.per_node}" if layout is not None else None
 
 
@@ -142,19 +141,21 @@ def agreed_latest(folder: Path, device: torch.device) -> Path | None:
     return chosen if (chosen / COMPLETE).exists() else None
 
 
-def load(model: nn.Module, optimizer, checkpoint: Path, device: torch.device) -> int:
-    """Restore this rank's shards, optimizer state and RNG; returns the step to continue from."""
+def load(model: nn.Module, optimizer, checkpoint: Path, device: torch.device, layout=None) -> int:
+    """Restore this rank's shards, optimizer state and RNG; returns the step to continue from. `layout`: the
+    one the model was wrapped for (Parallel.layout)."""
     meta = json.loads((checkpoint / COMPLETE).read_text())
     world, rank = dist.get_world_size(), dist.get_rank()
-    if meta["world_size"] != world or meta.get("layout", _layout_key(model)) != _layout_key(model):
+    key = layout_key(layout)
+    if meta["world_size"] != world or meta.get("layout", key) != key:
         if not (checkpoint / REPLICA).is_file():
             raise ResumeError(f"{checkpoint} was written by {meta['world_size']} ranks ({meta.get('layout')}); this "
-                              f"run has {world} ({_layout_key(model)}) and the checkpoint has no {REPLICA} to reshard "
+                              f"run has {world} ({key}) and the checkpoint has no {REPLICA} to reshard "
                               f"from. Resume with the same nodes, --gpus and model.parallelism, or start a new run")
         _load_replica(model, optimizer, checkpoint / REPLICA, device)
         if rank == 0:
             print(f"checkpoint of {meta['world_size']} ranks resharded to {world} from its {REPLICA} (layout "
-                  f"{meta.get('layout') or 'of an older trainer'} -> {_layout_key(model)})", flush=True)
+                  f"{meta.get('layout') or 'of an older trainer'} -> {key})", flush=True)
         return meta["step"]
     saved = torch.load(checkpoint / f"rank{rank}.pt", map_location="cpu", weights_only=False)
     by_name = dict(model.named_parameters())

@@ -5,40 +5,10 @@ import json
 import os
 import sys
 
-from runctl.collect import cmd_cleanup, cmd_fill, cmd_pack, cmd_pull
+import importlib
+
 from runctl.common import NotARun, Unsafe, no_run, trusted_path, trusted_run_dir
-from runctl.containers import cmd_container
-from runctl.diagnose import cmd_diagnose, cmd_stacks
-from runctl.envs import cmd_env_build, cmd_env_status
-from runctl.net import cmd_connect, cmd_listen, cmd_port, cmd_route, cmd_serve, cmd_unlisten
-from runctl.runfolder import cmd_prepare
-from runctl.start import cmd_start
-from runctl.stop import cmd_stop
-from runctl.store import cmd_have, cmd_identity, cmd_receive
-from runctl.watch import cmd_poll, cmd_tail
-
-
-def _guard(name: str, args: list, request: dict) -> None:
-    """Apply the trust rule to the folders `name` is about to use, before it uses them, and hand the command their
-    real paths (what it reaches below them is reached a name at a time, never through a link)."""
-    if name in ("have", "receive"):
-        args[0] = _workdir_of(trusted_path(args[0], (".nodectl", "objects")), 2)
-        if name == "receive" and isinstance(request.get("prepare"), dict):   # the run folder, in the same call
-            _guard("prepare", [], request["prepare"])
-    elif name == "prepare":
-        request["workdir"] = _workdir_of(trusted_path(request["workdir"], (".nodectl", "objects")), 2)
-        request["run_dir"] = trusted_run_dir(request["run_dir"], create=True)
-    elif name in ("identity", "env_status"):
-        args[0] = _workdir_of(trusted_path(args[0], (".nodectl",)), 1)
-    elif name == "env_build":
-        args[0] = _workdir_of(trusted_path(args[0], (".nodectl", "envs")), 2)
-    elif name in ("start", "poll", "tail", "stop", "stacks", "diagnose", "pack", "fill", "pull"):
-        args[0] = trusted_run_dir(args[0])
-    elif name == "cleanup":   # the archive `pack` left: that file of a run folder, nothing else
-        folder, archive = os.path.split(os.path.expanduser(args[0]))
-        if archive not in (".collect.tar", ".collect.tar.gz"):
-            raise NotARun(args[0])
-        args[0] = os.path.join(trusted_run_dir(folder), archive)
+from verbs import VERBS   # beside runctl/ in the artifact: the one table of verbs
 
 
 def _workdir_of(path: str, depth: int) -> str:
@@ -47,13 +17,48 @@ def _workdir_of(path: str, depth: int) -> str:
     return path
 
 
-COMMANDS = {"have": cmd_have, "prepare": cmd_prepare, "port": cmd_port, "start": cmd_start, "poll": cmd_poll,
-            "tail": cmd_tail, "stop": cmd_stop, "stacks": cmd_stacks, "pack": cmd_pack, "cleanup": cmd_cleanup,
-            "listen": cmd_listen, "_serve": cmd_serve, "unlisten": cmd_unlisten, "connect": cmd_connect,
-            "route": cmd_route, "identity": cmd_identity, "receive": cmd_receive, "diagnose": cmd_diagnose,
-            "container": cmd_container, "env_status": cmd_env_status, "env_build": cmd_env_build,
-            "fill": cmd_fill, "pull": cmd_pull}
-STREAMING = {"receive", "fill"}  # read their stdin themselves
+def _under_workdir(*below: str):
+    """argv[0] is that folder of a workdir (<workdir>/.nodectl/...): trusted, and the workdir handed on."""
+    def guard(args: list, request: dict) -> None:
+        args[0] = _workdir_of(trusted_path(args[0], below), len(below))
+    return guard
+
+
+def _prepare(args: list, request: dict) -> None:
+    request["workdir"] = _workdir_of(trusted_path(request["workdir"], (".nodectl", "objects")), 2)
+    request["run_dir"] = trusted_run_dir(request["run_dir"], create=True)
+
+
+def _store(args: list, request: dict) -> None:
+    _under_workdir(".nodectl", "objects")(args, request)
+    if isinstance(request.get("prepare"), dict):   # the run folder, in the same call
+        _prepare([], request["prepare"])
+
+
+def _run(args: list, request: dict) -> None:
+    args[0] = trusted_run_dir(args[0])
+
+
+def _archive(args: list, request: dict) -> None:
+    """The archive `pack` left: that file of a run folder, nothing else."""
+    folder, archive = os.path.split(os.path.expanduser(args[0]))
+    if archive not in (".collect.tar", ".collect.tar.gz"):
+        raise NotARun(args[0])
+    args[0] = os.path.join(trusted_run_dir(folder), archive)
+
+
+# The trust rule a verb's declaration names (verbs.py), applied to the folders it is about to use before it uses
+# them: the command gets their real paths (what it reaches below them is reached a name at a time, never through
+# a link).
+GUARDS = {"objects": _under_workdir(".nodectl", "objects"), "workdir": _under_workdir(".nodectl"),
+          "envs": _under_workdir(".nodectl", "envs"), "store": _store, "prepare": _prepare, "run": _run,
+          "archive": _archive, "none": lambda args, request: None}
+
+
+def command(name: str):
+    """The function that answers `name`: cmd_<name> of the module its declaration names."""
+    verb = VERBS[name]
+    return getattr(importlib.import_module(f"runctl.{verb.module}"), "cmd_" + name.lstrip("_"))
 
 
 def _read_exactly(fd: int, count: int) -> bytes:
@@ -79,8 +84,12 @@ def _stream_request() -> dict:
 
 def main() -> None:
     name, args = sys.argv[1], sys.argv[2:]
+    if name not in VERBS:
+        sys.stdout.write(json.dumps({"error": f"{name}: no such command (this runctl knows "
+                                              f"{', '.join(v for v in sorted(VERBS) if not VERBS[v].internal)})"}) + "\n")
+        return
     try:
-        if name in STREAMING:
+        if VERBS[name].stream:   # reads its stdin itself, after the request
             request = _stream_request()
         else:
             raw = sys.stdin.read()
@@ -91,8 +100,8 @@ def main() -> None:
         sys.stdout.write(json.dumps({"error": f"{name}: malformed request ({exc.__class__.__name__})"}) + "\n")
         return
     try:
-        _guard(name, args, request)
-        answer = COMMANDS[name](args, request)
+        GUARDS[VERBS[name].guard](args, request)
+        answer = command(name)(args, request)
     except Unsafe as exc:
         answer = {"error": str(exc), "unsafe": {"path": exc.path, "why": exc.why}}
     except NotARun as exc:

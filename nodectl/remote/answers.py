@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Mapping, Union
 
+from nodectl.resources.launchers.verbs import VERBS
 from nodectl.transport import NodeError
 
 
@@ -347,14 +348,8 @@ class Done:
     """An answer that carries nothing but its arrival (serve, unlisten, cleanup)."""
 
 
-ANSWERS: dict[str, type] = {
-    "poll": PollAnswer, "tail": TailAnswer, "stop": StopAnswer, "stacks": StacksAnswer, "pack": PackAnswer,
-    "port": PortAnswer, "prepare": PrepareAnswer, "start": StartAnswer, "have": HaveAnswer,
-    "identity": IdentityAnswer, "receive": ReceiveAnswer, "listen": ListenAnswer, "connect": ConnectAnswer,
-    "route": RouteAnswer, "diagnose": DiagnoseAnswer, "container": ContainerAnswer,
-    "env_status": EnvAnswer, "env_build": EnvAnswer, "serve": Done, "unlisten": Done, "cleanup": Done,
-    "fill": FillAnswer, "pull": PullAnswer,
-}
+# Each verb's answer type, as runctl's table of verbs (launchers/runctl/verbs.py) names it.
+ANSWERS: dict[str, type] = {name: globals()[verb.answer] for name, verb in VERBS.items()}
 
 
 def parse(command: str, raw: Mapping) -> Any:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -215,3 +216,24 @@ def test_no_code_is_loaded_by_path():
     for name, path in package_modules("nodectl").items():
         loads = sorted(_calls(path) & PATH_LOADS)
         assert not loads, f"{name} calls {loads}: import the module instead"
+
+
+def test_every_verb_is_answered_parsed_and_called_as_its_one_declaration_says():
+    """launchers/verbs.py is the one table of runctl's verbs: each declared module answers its verb with
+    cmd_<verb>, each named answer type exists on the controller and parses it, and NodeClient has a method of
+    each public verb's name; runctl answers no verb the table lacks, and the client calls none."""
+    from nodectl.remote import answers
+    from nodectl.remote.client import NodeClient
+    from nodectl.resources.launchers.verbs import VERBS
+
+    runctl = REPO / "launchers" / "runctl"
+    defined = {p.stem: {n.name for n in ast.parse(p.read_text()).body if isinstance(n, ast.FunctionDef)}
+               for p in runctl.glob("*.py")}
+    answered = {name[len("cmd_"):] for functions in defined.values() for name in functions if name.startswith("cmd_")}
+    assert answered == {name.lstrip("_") for name in VERBS}, "a cmd_ function without its verb, or the reverse"
+    for name, verb in VERBS.items():
+        assert "cmd_" + name.lstrip("_") in defined[verb.module], f"{name}: runctl/{verb.module}.py lacks its cmd_"
+        assert verb.guard in ("objects", "workdir", "envs", "store", "prepare", "run", "archive", "none"), name
+        assert answers.ANSWERS[name].__name__ == verb.answer and dataclasses.is_dataclass(answers.ANSWERS[name])
+    methods = {name for name in vars(NodeClient) if not name.startswith("_")} - {"workdir", "script"}
+    assert methods == {name for name, verb in VERBS.items() if not verb.internal}
