@@ -1,16 +1,18 @@
 """Where a preflight check is declared: `@check` on the function that judges it, in its subject's module (host.py,
 gpu.py, network.py, cluster.py, storage.py). The declaration holds all there is to know about the check besides its
-code: its name and subject, the devices and tiers it runs at, what it is handed from the node's facts, the probe
+code: its name (its results are `verdict.result(...)`, named from here as the judge returns) and subject, the
+devices and tiers it runs at, what it is handed from the node's facts, the probe
 section without which it skips, and its row(s) in docs/PREFLIGHT.md's table, which is generated from here (a test
 holds the two equal). judge.py imports every subject module, so the registry is whole there, and runs it.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Mapping
 
-from nodectl.preflight.verdict import skip_if_unreadable
+from nodectl.preflight.verdict import named, skip_if_unreadable
 
 
 
@@ -101,7 +103,11 @@ def check(name: str, subject: str, *, scope: str = "node", given: Callable[[Node
         raise ValueError(f"check {name!r}: scope {scope!r} or tiers {tiers!r} unknown")
 
     def register(fn: Callable) -> Callable:
-        judge = skip_if_unreadable(name, section)(fn) if section else fn
+        @functools.wraps(fn)
+        def judged(*args, **kwargs):
+            return named(fn(*args, **kwargs), name)
+
+        judge = skip_if_unreadable(name, section)(judged) if section else judged
         if any(c.name == name for c in REGISTRY):
             raise ValueError(f"check {name!r} is declared twice")
         REGISTRY.append(Check(name, subject, judge, scope, given, cuda_only, tuple(tiers), needs,

@@ -6,7 +6,7 @@ from typing import Any, Callable, Mapping
 
 from nodectl.preflight.network import ib_ports, ib_rate
 from nodectl.preflight.checks import check
-from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, result
 
 def _version(report: Mapping, what: str) -> str:
     if what == "python":
@@ -155,20 +155,20 @@ def check_distributed_env(reports: Mapping[str, Mapping]) -> CheckResult:
     envs = {node: {k: v for k, v in (r.get("env") or {}).items() if isinstance(k, str) and k.startswith(DISTRIBUTED_ENV)}
             for node, r in reports.items() if isinstance(r.get("env"), Mapping) and "error" not in r["env"]}
     if not envs:
-        return CheckResult("same NCCL/torch env", "cluster", SKIP, "no node reported its environment")
+        return result("cluster", SKIP, "no node reported its environment")
     names = sorted(set().union(*(e.keys() for e in envs.values())))
     differing = [name for name in names if len({str(e.get(name)) for e in envs.values()}) > 1]
     if not differing:
-        return CheckResult("same NCCL/torch env", "cluster", PASS,
-                           f"{len(names)} such variable(s), the same everywhere" if names else "none set")
+        return result("cluster", PASS,
+                      f"{len(names)} such variable(s), the same everywhere" if names else "none set")
     shown = []
     for name in differing[:3]:
         spread = {node: (e[name] if name in e else "unset") for node, e in envs.items()}
         shown.append(f"{name}: {_spread(spread)}")
     more = f" (and {len(differing) - 3} more)" if len(differing) > 3 else ""
-    return CheckResult("same NCCL/torch env", "cluster", WARN, " | ".join(shown) + more,
-                       "set them once for every node in the inventory's env: (defaults:), or remove them from "
-                       "the nodes' shell start-up files and from the env: of the node that differs in hosts.yaml")
+    return result("cluster", WARN, " | ".join(shown) + more,
+                  "set them once for every node in the inventory's env: (defaults:), or remove them from "
+                  "the nodes' shell start-up files and from the env: of the node that differs in hosts.yaml")
 
 
 IGNORED_PACKAGES = {"pip", "setuptools", "wheel", "nodectl"}
@@ -197,10 +197,10 @@ def check_gpu_models(reports: Mapping[str, Mapping]) -> CheckResult:
               for node, r in reports.items()}
     distinct = {tuple(m) for m in models.values() if m}
     if len(distinct) > 1:
-        return CheckResult("one GPU model", "cluster", FAIL,
-                           "; ".join(f"{node}: {', '.join(m)}" for node, m in models.items()),
-                           "a run is as fast as its slowest GPU; exclude the odd nodes with --exclude")
-    return CheckResult("one GPU model", "cluster", PASS, ", ".join(next(iter(distinct), ("none",))))
+        return result("cluster", FAIL,
+                      "; ".join(f"{node}: {', '.join(m)}" for node, m in models.items()),
+                      "a run is as fast as its slowest GPU; exclude the odd nodes with --exclude")
+    return result("cluster", PASS, ", ".join(next(iter(distinct), ("none",))))
 
 
 @check("ib rate", "cluster", scope="cluster", cuda_only=True,
@@ -218,16 +218,16 @@ def check_ib_rates(reports: Mapping[str, Mapping]) -> CheckResult:
             if rate and "ACTIVE" in str(port.get("state") or ""):
                 rates[(node, f"{device['name']}/{port['port']}")] = (port.get("link_layer") or "?", rate)
     if not rates:
-        return CheckResult("ib rate", "cluster", SKIP, "no active InfiniBand/RoCE port")
+        return result("cluster", SKIP, "no active InfiniBand/RoCE port")
     fastest = {}
     for layer, rate in rates.values():
         fastest[layer] = max(fastest.get(layer, 0), rate)
     slow = [f"{node} {port} {rate:g} Gb/s" for (node, port), (layer, rate) in rates.items() if rate < fastest[layer]]
     if slow:
-        return CheckResult("ib rate", "cluster", WARN, "ports below the fastest of their kind ("
-                           + ", ".join(f"{layer} {rate:g} Gb/s" for layer, rate in fastest.items()) + "): "
-                           + "; ".join(slow[:8]),
-                           "ibstat on those nodes; reseat or replace the cable or transceiver, or leave the port "
-                           "out with NCCL_IB_HCA if it is not meant for training")
-    return CheckResult("ib rate", "cluster", PASS, ", ".join(f"{len(rates)} port(s) at {layer} {rate:g} Gb/s"
-                                                              for layer, rate in fastest.items()))
+        return result("cluster", WARN, "ports below the fastest of their kind ("
+                      + ", ".join(f"{layer} {rate:g} Gb/s" for layer, rate in fastest.items()) + "): "
+                      + "; ".join(slow[:8]),
+                      "ibstat on those nodes; reseat or replace the cable or transceiver, or leave the port "
+                      "out with NCCL_IB_HCA if it is not meant for training")
+    return result("cluster", PASS, ", ".join(f"{len(rates)} port(s) at {layer} {rate:g} Gb/s"
+                                              for layer, rate in fastest.items()))

@@ -9,7 +9,7 @@ from typing import Mapping
 
 from nodectl.preflight.network import ib_ports
 from nodectl.preflight.checks import MEASURED, check
-from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, gib, unreadable
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, gib, result, unreadable
 
 GPU_BUSY_BYTES = 1 << 30
 
@@ -94,32 +94,32 @@ def check_gpu_count(node: str, report: Mapping, want: int | None, inventory_gpus
     count = get(report, "gpus", "count", default=0)
     if not get(report, "gpus", "available", default=False):
         reason = str(get(report, "gpus", "reason", default="?"))
-        return CheckResult("gpus", node, FAIL, f"no GPU visible: {reason}", nvml_cure(reason))
+        return result(node, FAIL, f"no GPU visible: {reason}", nvml_cure(reason))
     unresolved = get(report, "gpus", "unresolved", default=[])
     if unresolved:
         total = get(report, "gpus", "count_all", default="?")
-        return CheckResult("gpus", node, FAIL,
-                           f"CUDA_VISIBLE_DEVICES={get(report, 'gpus', 'visible')} names {unresolved[0]!r}, which is "
-                           f"no GPU of this node (it has {total}: indexes 0-{total - 1 if isinstance(total, int) else '?'}"
-                           f" or GPU-<uuid>); CUDA ignores it and every entry after it",
-                           "fix CUDA_VISIBLE_DEVICES in this node's env: (nvidia-smi -L lists the GPUs)")
+        return result(node, FAIL,
+                      f"CUDA_VISIBLE_DEVICES={get(report, 'gpus', 'visible')} names {unresolved[0]!r}, which is "
+                      f"no GPU of this node (it has {total}: indexes 0-{total - 1 if isinstance(total, int) else '?'}"
+                      f" or GPU-<uuid>); CUDA ignores it and every entry after it",
+                      "fix CUDA_VISIBLE_DEVICES in this node's env: (nvidia-smi -L lists the GPUs)")
     asked, source = (want, "--gpus") if want else (inventory_gpus, "gpus: in hosts.yaml")
     if asked and count < asked:
         visible = " visible" if get(report, "gpus", "visible") is not None else ""
-        return CheckResult("gpus", node, FAIL, f"{count}{visible} GPU(s), {asked} asked by {source}",
-                           f"lower {source} to {count} for this node, or make more GPUs visible to it")
+        return result(node, FAIL, f"{count}{visible} GPU(s), {asked} asked by {source}",
+                      f"lower {source} to {count} for this node, or make more GPUs visible to it")
     lost = _unreadable_devices(report)
     if lost:
         named = "; ".join(f"{_gpu(d)}: {d['error']}" for d in lost)
-        return CheckResult("gpus", node, FAIL,
-                           f"{len(lost)} of {count} GPU(s) could not be read ({named}); the other GPUs' checks stand",
-                           "a GPU NVML calls lost has fallen off the bus: look for Xid 79 in dmesg; reset it "
-                           "(nvidia-smi -r -i INDEX) or reboot; if it comes back, drain the node and report it")
+        return result(node, FAIL,
+                      f"{len(lost)} of {count} GPU(s) could not be read ({named}); the other GPUs' checks stand",
+                      "a GPU NVML calls lost has fallen off the bus: look for Xid 79 in dmesg; reset it "
+                      "(nvidia-smi -r -i INDEX) or reboot; if it comes back, drain the node and report it")
     models = {d["name"] for d in _devices(report)}
     if len(models) > 1:
-        return CheckResult("gpus", node, FAIL, f"mixed GPU models on one node: {', '.join(sorted(models))}",
-                           "set CUDA_VISIBLE_DEVICES in this node's env: to GPUs of one model")
-    return CheckResult("gpus", node, PASS, f"{count}x {next(iter(models), '?')}")
+        return result(node, FAIL, f"mixed GPU models on one node: {', '.join(sorted(models))}",
+                      "set CUDA_VISIBLE_DEVICES in this node's env: to GPUs of one model")
+    return result(node, PASS, f"{count}x {next(iter(models), '?')}")
 
 
 @check("gpu idle", "gpu", cuda_only=True, section="gpus",
@@ -137,14 +137,14 @@ def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = froze
         if used > GPU_BUSY_BYTES:
             notes.append(f"GPU{device['index']} has {gib(used)} in use")
     if busy:
-        return CheckResult("gpu idle", node, FAIL, "; ".join(busy),
-                           "stop those processes (a stray rank of an earlier run? `nodectl stop --run RUN`), "
-                           "or leave those GPUs out with CUDA_VISIBLE_DEVICES")
+        return result(node, FAIL, "; ".join(busy),
+                      "stop those processes (a stray rank of an earlier run? `nodectl stop --run RUN`), "
+                      "or leave those GPUs out with CUDA_VISIBLE_DEVICES")
     if notes:
-        return CheckResult("gpu idle", node, FAIL, "; ".join(notes),
-                           "memory is held with no compute process listed: another container or a zombie; "
-                           "check nvidia-smi on the node")
-    return CheckResult("gpu idle", node, PASS, "no foreign compute process")
+        return result(node, FAIL, "; ".join(notes),
+                      "memory is held with no compute process listed: another container or a zombie; "
+                      "check nvidia-smi on the node")
+    return result(node, PASS, "no foreign compute process")
 
 
 @check("ecc", "gpu", cuda_only=True, section="gpus",
@@ -163,12 +163,12 @@ def check_ecc(node: str, report: Mapping) -> CheckResult:
         if d.get("remapped_rows_pending") or d.get("remapped_rows_failed"):
             bad.append(f"GPU{d['index']}: row remapping {'failed' if d.get('remapped_rows_failed') else 'pending'}")
     if bad:
-        return CheckResult("ecc", node, FAIL, "; ".join(bad),
-                           "reset the GPU when idle (pending retirements/remaps apply at reset) or drain the node")
+        return result(node, FAIL, "; ".join(bad),
+                      "reset the GPU when idle (pending retirements/remaps apply at reset) or drain the node")
     counted = ("ecc_volatile_uncorrected", "retired_pages_pending", "remapped_rows_pending", "remapped_rows_failed")
     if _devices(report) and not any(d.get(key) is not None for d in _devices(report) for key in counted):
-        return CheckResult("ecc", node, SKIP, "NVML gives no ECC or row-remap counts here (ECC off?)")
-    return CheckResult("ecc", node, PASS, "no uncorrectable errors or pending retirements")
+        return result(node, SKIP, "NVML gives no ECC or row-remap counts here (ECC off?)")
+    return result(node, PASS, "no uncorrectable errors or pending retirements")
 
 
 @check("persistence", "gpu", cuda_only=True, section="gpus",
@@ -179,9 +179,9 @@ def check_ecc(node: str, report: Mapping) -> CheckResult:
 def check_persistence(node: str, report: Mapping) -> CheckResult:
     off = [str(d["index"]) for d in _devices(report) if not d.get("persistence_mode")]
     if off:
-        return CheckResult("persistence", node, WARN, f"persistence mode off on GPU {','.join(off)}",
-                           "sudo nvidia-smi -pm 1 (or enable nvidia-persistenced) to avoid slow first CUDA calls")
-    return CheckResult("persistence", node, PASS, "on")
+        return result(node, WARN, f"persistence mode off on GPU {','.join(off)}",
+                      "sudo nvidia-smi -pm 1 (or enable nvidia-persistenced) to avoid slow first CUDA calls")
+    return result(node, PASS, "on")
 
 
 @check("p2p", "gpu", given=lambda f: (f.extras.get("p2p"),), cuda_only=True, tiers=MEASURED,
@@ -191,25 +191,25 @@ def check_persistence(node: str, report: Mapping) -> CheckResult:
             "the \"P2P reports available then fails\" case (ACS/IOMMU)"),))
 def check_p2p(node: str, p2p: Mapping | None) -> CheckResult:
     if not p2p:
-        return CheckResult("p2p", node, SKIP, "not measured (--quick)")
+        return result(node, SKIP, "not measured (--quick)")
     if "error" in p2p:
-        return CheckResult("p2p", node, FAIL, f"P2P test failed: {p2p['error']}",
-                           "NCCL_P2P_DISABLE=1 for this node; check ACS/IOMMU settings in BIOS and kernel",
-                           {"NCCL_P2P_DISABLE": "1"})
+        return result(node, FAIL, f"P2P test failed: {p2p['error']}",
+                      "NCCL_P2P_DISABLE=1 for this node; check ACS/IOMMU settings in BIOS and kernel",
+                      {"NCCL_P2P_DISABLE": "1"})
     broken = [f"{p['src']}->{p['dst']}: {p.get('error') or 'wrong data'}" for p in p2p.get("pairs", [])
               if not p.get("ok")]
     if broken:
-        return CheckResult("p2p", node, FAIL, "; ".join(broken[:4]),
-                           "GPU peer copies fail or corrupt data: set NCCL_P2P_DISABLE=1 for this node; usually "
-                           "PCIe ACS or the IOMMU blocks peer traffic (disable ACS, or iommu=pt)",
-                           {"NCCL_P2P_DISABLE": "1"})
+        return result(node, FAIL, "; ".join(broken[:4]),
+                      "GPU peer copies fail or corrupt data: set NCCL_P2P_DISABLE=1 for this node; usually "
+                      "PCIe ACS or the IOMMU blocks peer traffic (disable ACS, or iommu=pt)",
+                      {"NCCL_P2P_DISABLE": "1"})
     pairs = p2p.get("pairs", [])
     if not pairs:
-        return CheckResult("p2p", node, SKIP, "fewer than 2 GPUs")
+        return result(node, SKIP, "fewer than 2 GPUs")
     slowest = min((p["gbps"] for p in pairs), default=0)
     peer = sum(1 for p in pairs if p.get("peer_access"))
-    return CheckResult("p2p", node, PASS, f"{len(pairs)} pairs correct, {peer} with peer access, "
-                                          f"slowest {slowest:.0f} GB/s")
+    return result(node, PASS, f"{len(pairs)} pairs correct, {peer} with peer access, "
+                              f"slowest {slowest:.0f} GB/s")
 
 
 @check("nvlink", "gpu", cuda_only=True, section="gpus",
@@ -222,16 +222,16 @@ def check_nvlink(node: str, report: Mapping) -> CheckResult:
     traffic at its pace, or falls back to PCIe."""
     devices = _devices(report)
     if len(devices) < 2:
-        return CheckResult("nvlink", node, SKIP, "fewer than 2 GPUs")
+        return result(node, SKIP, "fewer than 2 GPUs")
     most = max(d.get("nvlinks_active") or 0 for d in devices)
     if not most:
-        return CheckResult("nvlink", node, PASS, "no NVLink (PCIe only)")
+        return result(node, PASS, "no NVLink (PCIe only)")
     fewer = [f"{_gpu(d)} {d.get('nvlinks_active') or 0} of {most} links active" for d in devices
              if (d.get("nvlinks_active") or 0) < most]
     if fewer:
-        return CheckResult("nvlink", node, FAIL, "; ".join(fewer),
-                           "a link is down: nvidia-smi nvlink -s; reset the GPU, else the baseboard needs service")
-    return CheckResult("nvlink", node, PASS, f"{most} active links per GPU")
+        return result(node, FAIL, "; ".join(fewer),
+                      "a link is down: nvidia-smi nvlink -s; reset the GPU, else the baseboard needs service")
+    return result(node, PASS, f"{most} active links per GPU")
 
 
 @check("nvlink errors", "gpu", cuda_only=True, section="gpus",
@@ -244,17 +244,17 @@ def check_nvlink_errors(node: str, report: Mapping) -> CheckResult:
     are up is check_nvlink's."""
     devices = [d for d in _devices(report) if d.get("nvlinks_active")]
     if not devices:
-        return CheckResult("nvlink errors", node, SKIP, "no active NVLink")
+        return result(node, SKIP, "no active NVLink")
     counted = [(d, d.get("nvlink_errors")) for d in devices if isinstance(d.get("nvlink_errors"), Mapping)]
     errors = [f"{_gpu(d)} " + ", ".join(f"{k} {v}" for k, v in e.items() if v) for d, e in counted
               if any(e.values())]
     if errors:
-        return CheckResult("nvlink errors", node, WARN, "NVLink error counters: " + "; ".join(errors),
-                           "counts since the driver loaded: nvidia-smi nvlink -e; rising replay or recovery "
-                           "counts mean a marginal link")
+        return result(node, WARN, "NVLink error counters: " + "; ".join(errors),
+                      "counts since the driver loaded: nvidia-smi nvlink -e; rising replay or recovery "
+                      "counts mean a marginal link")
     if not counted:   # could not look: said as such, never a pass
-        return CheckResult("nvlink errors", node, SKIP, "NVML gives no NVLink error counters here")
-    return CheckResult("nvlink errors", node, PASS, "no errors counted")
+        return result(node, SKIP, "NVML gives no NVLink error counters here")
+    return result(node, PASS, "no errors counted")
 
 
 @check("pcie link", "gpu", cuda_only=True, section="gpus",
@@ -267,14 +267,14 @@ def check_pcie_link(node: str, report: Mapping) -> CheckResult:
     to save power, so it is judged under load, by the GPU job."""
     devices = [d for d in _devices(report) if d.get("pcie_width") and d.get("pcie_width_max")]
     if not devices:
-        return CheckResult("pcie link", node, SKIP, "NVML gives no PCIe link width here")
+        return result(node, SKIP, "NVML gives no PCIe link width here")
     narrow = [f"{_gpu(d)} x{d['pcie_width']} of x{d['pcie_width_max']}" for d in devices
               if d["pcie_width"] < d["pcie_width_max"]]
     if narrow:
-        return CheckResult("pcie link", node, FAIL, "PCIe link narrower than it can be: " + "; ".join(narrow),
-                           "reseat the GPU or its riser; nvidia-smi -q -d PCIE shows current and max")
+        return result(node, FAIL, "PCIe link narrower than it can be: " + "; ".join(narrow),
+                      "reseat the GPU or its riser; nvidia-smi -q -d PCIE shows current and max")
     widths = sorted({d["pcie_width"] for d in devices})
-    return CheckResult("pcie link", node, PASS, f"x{'/x'.join(map(str, widths))} on {len(devices)} GPU(s)")
+    return result(node, PASS, f"x{'/x'.join(map(str, widths))} on {len(devices)} GPU(s)")
 
 
 @check("thermal", "gpu", cuda_only=True, section="gpus",
@@ -292,15 +292,15 @@ def check_thermal(node: str, report: Mapping) -> CheckResult:
            if d.get("temperature_c") is not None and d.get("slowdown_c")
            and d["temperature_c"] >= d["slowdown_c"] - HOT_MARGIN_C]
     if bad:
-        return CheckResult("thermal", node, FAIL, "clocks slowed at rest: " + "; ".join(bad) +
-                           (f"; {'; '.join(hot)}" if hot else ""),
-                           "check cooling, fans and the power supply (nvidia-smi -q -d PERFORMANCE,TEMPERATURE)")
+        return result(node, FAIL, "clocks slowed at rest: " + "; ".join(bad) +
+                      (f"; {'; '.join(hot)}" if hot else ""),
+                      "check cooling, fans and the power supply (nvidia-smi -q -d PERFORMANCE,TEMPERATURE)")
     if hot:
-        return CheckResult("thermal", node, WARN, "; ".join(hot), "check cooling before a long run")
+        return result(node, WARN, "; ".join(hot), "check cooling before a long run")
     temps = [d["temperature_c"] for d in devices if d.get("temperature_c") is not None]
     if not temps:
-        return CheckResult("thermal", node, SKIP, "NVML gives no temperature here")
-    return CheckResult("thermal", node, PASS, f"{min(temps)}-{max(temps)} C, no slowdown")
+        return result(node, SKIP, "NVML gives no temperature here")
+    return result(node, PASS, f"{min(temps)}-{max(temps)} C, no slowdown")
 
 
 @check("mig", "gpu", cuda_only=True, section="gpus",
@@ -323,15 +323,15 @@ def check_mig_compute_mode(node: str, report: Mapping) -> CheckResult:
         elif d.get("compute_mode") in (1, 3):
             notes.append(f"{_gpu(d)} compute mode is {COMPUTE_MODES[d['compute_mode']]}")
     if problems:
-        return CheckResult("mig", node, FAIL, "; ".join(problems),
-                           "sudo nvidia-smi -i N -mig 0 and reset the GPU; sudo nvidia-smi -i N -c DEFAULT")
+        return result(node, FAIL, "; ".join(problems),
+                      "sudo nvidia-smi -i N -mig 0 and reset the GPU; sudo nvidia-smi -i N -c DEFAULT")
     if notes:
-        return CheckResult("mig", node, WARN, "; ".join(notes),
-                           "one rank per GPU works in exclusive-process mode, but nothing else (a debugger, "
-                           "a second job) can share it; reset the GPU to apply a pending MIG change")
+        return result(node, WARN, "; ".join(notes),
+                      "one rank per GPU works in exclusive-process mode, but nothing else (a debugger, "
+                      "a second job) can share it; reset the GPU to apply a pending MIG change")
     if all(d.get("mig_mode") is None and d.get("compute_mode") is None for d in _devices(report)):
-        return CheckResult("mig", node, SKIP, "NVML gives no MIG or compute mode here")
-    return CheckResult("mig", node, PASS, "MIG off, compute mode default")
+        return result(node, SKIP, "NVML gives no MIG or compute mode here")
+    return result(node, PASS, "MIG off, compute mode default")
 
 
 @check("fabric manager", "gpu", cuda_only=True, section="gpus",
@@ -346,15 +346,15 @@ def check_fabric(node: str, report: Mapping) -> CheckResult:
     fabric = [(d, d.get("fabric")) for d in _devices(report)]
     known = [(d, f) for d, f in fabric if isinstance(f, Mapping) and f.get("state") not in (None, 0)]
     if not known:
-        return CheckResult("fabric manager", node, SKIP, "no NVSwitch fabric (or a driver without the query)")
+        return result(node, SKIP, "no NVSwitch fabric (or a driver without the query)")
     bad = [f"{_gpu(d)} {FABRIC_STATES.get(f['state'], f['state'])}" + (f" status {f.get('status')}"
                                                                       if f.get("status") else "")
            for d, f in known if f["state"] != 3 or f.get("status")]
     if bad:
-        return CheckResult("fabric manager", node, FAIL, "NVSwitch fabric not ready: " + "; ".join(bad),
-                           "systemctl status nvidia-fabricmanager (its version must equal the driver's); "
-                           "journalctl -u nvidia-fabricmanager")
-    return CheckResult("fabric manager", node, PASS, f"{len(known)} GPU(s) registered with the NVSwitch fabric")
+        return result(node, FAIL, "NVSwitch fabric not ready: " + "; ".join(bad),
+                      "systemctl status nvidia-fabricmanager (its version must equal the driver's); "
+                      "journalctl -u nvidia-fabricmanager")
+    return result(node, PASS, f"{len(known)} GPU(s) registered with the NVSwitch fabric")
 
 
 @check("xid", "gpu", cuda_only=True,
@@ -369,16 +369,16 @@ def check_xid(node: str, report: Mapping) -> CheckResult:
     """Xid (GPU) and SXid (NVSwitch) events in the kernel log since boot."""
     reason = unreadable(report, "kernel_events")
     if reason:
-        return CheckResult("xid", node, SKIP, reason)
+        return result(node, SKIP, reason)
     log = report["kernel_events"]
     if not log.get("readable"):   # a GPU that fell off the bus shows only there: not looking is no pass
-        return CheckResult("xid", node, WARN, f"the kernel log could not be read, so Xid errors (a GPU fallen off "
-                                              f"the bus, ECC, NVLink) were not checked: {log.get('reason')}",
-                           "let the login user read it: sysctl kernel.dmesg_restrict=0, or add it to group adm "
-                           "(journalctl -k), or log in as root")
+        return result(node, WARN, f"the kernel log could not be read, so Xid errors (a GPU fallen off "
+                                  f"the bus, ECC, NVLink) were not checked: {log.get('reason')}",
+                      "let the login user read it: sysctl kernel.dmesg_restrict=0, or add it to group adm "
+                      "(journalctl -k), or log in as root")
     events = log.get("events") or []
     if not events:
-        return CheckResult("xid", node, PASS, "no Xid or SXid since boot")
+        return result(node, PASS, "no Xid or SXid since boot")
     gpu_at = {str(d.get("pci_bus_id") or "").lower()[-12:]: _gpu(d) for d in _devices(report)}
 
     def where(event):
@@ -389,13 +389,13 @@ def check_xid(node: str, report: Mapping) -> CheckResult:
     others = [e for e in events if e not in fatal]
     if fatal:
         named = sorted({f"Xid {e['code']} ({RESET_XIDS[e['code']]}) on {where(e)}" for e in fatal})
-        return CheckResult("xid", node, FAIL, "; ".join(named[:6]) + f"; last: {fatal[-1].get('text', '')[-120:]}",
-                           "reset the GPU (nvidia-smi -r) or reboot, and drain the node if it comes back")
+        return result(node, FAIL, "; ".join(named[:6]) + f"; last: {fatal[-1].get('text', '')[-120:]}",
+                      "reset the GPU (nvidia-smi -r) or reboot, and drain the node if it comes back")
     named = sorted({f"{e.get('kind', 'xid').upper().replace('SXID', 'SXid').replace('XID', 'Xid')} {e.get('code')}"
                     f" on {where(e)}" for e in others})
-    return CheckResult("xid", node, WARN, f"{len(others)} event(s) since boot: " + "; ".join(named[:6]),
-                       "application-caused codes (13, 31, 43, 45) follow a crashed job; repeated ones, or any "
-                       "SXid, deserve a look at dmesg")
+    return result(node, WARN, f"{len(others)} event(s) since boot: " + "; ".join(named[:6]),
+                  "application-caused codes (13, 31, 43, 45) follow a crashed job; repeated ones, or any "
+                  "SXid, deserve a look at dmesg")
 
 
 @check("gpudirect", "gpu", cuda_only=True,
@@ -407,16 +407,16 @@ def check_gpudirect(node: str, report: Mapping) -> CheckResult:
     """GPUDirect RDMA lets the NIC read GPU memory directly; without it NCCL stages every message through host
     memory. It needs nvidia_peermem (or, with NCCL 2.19+ and the open kernel modules, DMA-BUF)."""
     if not ib_ports(report) or not _devices(report):
-        return CheckResult("gpudirect", node, SKIP, "needs both GPUs and an InfiniBand/RoCE port")
+        return result(node, SKIP, "needs both GPUs and an InfiniBand/RoCE port")
     modules = report.get("modules") or {}
     if unreadable(report, "modules"):
-        return CheckResult("gpudirect", node, SKIP, unreadable(report, "modules"))
+        return result(node, SKIP, unreadable(report, "modules"))
     if modules.get("nvidia_peermem") or modules.get("nv_peer_mem"):
-        return CheckResult("gpudirect", node, PASS, "nvidia_peermem loaded")
-    return CheckResult("gpudirect", node, WARN, "nvidia_peermem is not loaded",
-                       "sudo modprobe nvidia_peermem (and add it to /etc/modules-load.d); without it NCCL uses "
-                       "GPUDirect RDMA only through DMA-BUF (open kernel modules, NCCL 2.19+): check for GDRDMA in "
-                       "the collective's NCCL transports")
+        return result(node, PASS, "nvidia_peermem loaded")
+    return result(node, WARN, "nvidia_peermem is not loaded",
+                  "sudo modprobe nvidia_peermem (and add it to /etc/modules-load.d); without it NCCL uses "
+                  "GPUDirect RDMA only through DMA-BUF (open kernel modules, NCCL 2.19+): check for GDRDMA in "
+                  "the collective's NCCL transports")
 
 
 @check("numa", "gpu", cuda_only=True,
@@ -431,14 +431,14 @@ def check_numa(node: str, report: Mapping) -> CheckResult:
             and d.get("numa_node") >= 0}
     gpus = [d for d in _devices(report) if d.get("numa_node") is not None and d["numa_node"] >= 0]
     if not nics or not gpus:
-        return CheckResult("numa", node, SKIP, "NUMA nodes of GPUs and NICs not known (one socket, a VM, or no NIC)")
+        return result(node, SKIP, "NUMA nodes of GPUs and NICs not known (one socket, a VM, or no NIC)")
     far = [f"{_gpu(d)} (NUMA {d['numa_node']})" for d in gpus if d["numa_node"] not in nics]
     if far:
-        return CheckResult("numa", node, WARN, f"no NIC on the NUMA node of {', '.join(far)}; NICs on NUMA "
-                                               f"{', '.join(map(str, sorted(nics)))}",
-                           "check the board's GPU/NIC layout (nvidia-smi topo -m); NCCL picks the nearest NIC, "
-                           "but these GPUs cross the socket link")
-    return CheckResult("numa", node, PASS, f"every GPU has a NIC on its NUMA node ({len(nics)} NUMA node(s))")
+        return result(node, WARN, f"no NIC on the NUMA node of {', '.join(far)}; NICs on NUMA "
+                                  f"{', '.join(map(str, sorted(nics)))}",
+                      "check the board's GPU/NIC layout (nvidia-smi topo -m); NCCL picks the nearest NIC, "
+                      "but these GPUs cross the socket link")
+    return result(node, PASS, f"every GPU has a NIC on its NUMA node ({len(nics)} NUMA node(s))")
 
 
 def cluster_medians(jobs: Mapping[str, Mapping | None], reports: Mapping[str, Mapping]) -> dict:

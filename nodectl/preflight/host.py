@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from nodectl.preflight.checks import check
-from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, gib, unreadable
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, gib, result, unreadable
 
 SHM_MIN = 1 << 30
 
@@ -30,15 +30,15 @@ def check_torch(node: str, report: Mapping, device: str) -> CheckResult:
     torch = report.get("torch") or {}
     python = get(report, "python", "executable", default="python3")
     if "error" in torch:
-        return CheckResult("torch", node, FAIL, f"torch does not import for {python}: {torch['error']}",
-                           f"install it into that interpreter: {python} -m pip install torch (the CUDA build "
-                           f"your driver supports), or set python: in hosts.yaml to one that has it")
+        return result(node, FAIL, f"torch does not import for {python}: {torch['error']}",
+                      f"install it into that interpreter: {python} -m pip install torch (the CUDA build "
+                      f"your driver supports), or set python: in hosts.yaml to one that has it")
     if device == "cuda" and torch.get("imported") and not torch.get("cuda_available"):
-        return CheckResult("torch", node, FAIL, f"torch {torch.get('version')} sees no CUDA device",
-                           "install a CUDA build of torch (not +cpu), check the driver with nvidia-smi, or use "
-                           "device: cpu for this node")
-    return CheckResult("torch", node, PASS, f"torch {torch.get('version')} (CUDA {torch.get('cuda') or '-'}, "
-                                            f"NCCL {torch.get('nccl') or '-'})")
+        return result(node, FAIL, f"torch {torch.get('version')} sees no CUDA device",
+                      "install a CUDA build of torch (not +cpu), check the driver with nvidia-smi, or use "
+                      "device: cpu for this node")
+    return result(node, PASS, f"torch {torch.get('version')} (CUDA {torch.get('cuda') or '-'}, "
+                              f"NCCL {torch.get('nccl') or '-'})")
 
 
 @check("container", "host",
@@ -58,19 +58,19 @@ def check_container(node: str, report: Mapping) -> CheckResult | list[CheckResul
         return []
     runtime, image = facts.get("runtime"), facts.get("image")
     if facts.get("installed") is False:
-        return CheckResult("container", node, FAIL, f"{runtime} is not installed",
-                           f"install {runtime} on the node (NODE_SETUP.md, Containers), or set container.runtime: "
-                           f"to the one it has")
+        return result(node, FAIL, f"{runtime} is not installed",
+                      f"install {runtime} on the node (NODE_SETUP.md, Containers), or set container.runtime: "
+                      f"to the one it has")
     if not facts.get("usable"):
-        return CheckResult("container", node, FAIL, f"{runtime} cannot be used by the login user: "
-                           f"{_last_line(facts.get('usable_output'))}",
-                           "for docker, add the user to the docker group (or run rootless docker); for podman, "
-                           "check `podman info` as that user")
+        return result(node, FAIL, f"{runtime} cannot be used by the login user: "
+                      f"{_last_line(facts.get('usable_output'))}",
+                      "for docker, add the user to the docker group (or run rootless docker); for podman, "
+                      "check `podman info` as that user")
     if facts.get("image_present") is False:
         why = _last_line(facts.get("pull_output")) or "not on the node"
-        return CheckResult("container", node, FAIL, f"image {image} is not on the node and could not be pulled: {why}",
-                           f"{runtime} pull {image} on the node (or load it: {runtime} load -i IMAGE.tar); check the "
-                           f"name and the registry login")
+        return result(node, FAIL, f"image {image} is not on the node and could not be pulled: {why}",
+                      f"{runtime} pull {image} on the node (or load it: {runtime} load -i IMAGE.tar); check the "
+                      f"name and the registry login")
     if facts.get("probe_error"):
         error = _last_line(facts["probe_error"])
         hint = (f"container.python: must name the image's interpreter; try {runtime} run --rm {image} python3 -c "
@@ -79,12 +79,12 @@ def check_container(node: str, report: Mapping) -> CheckResult | list[CheckResul
             hint = ("the runtime could not set a resource limit in the container (rlimit type 6 is processes, 7 open "
                     "files, 8 locked memory); give one the node allows in container.options, e.g. "
                     "[--ulimit, 'nproc=32768:32768']")
-        return CheckResult("container", node, FAIL, f"the probe did not run in image {image}: {error}", hint)
+        return result(node, FAIL, f"the probe did not run in image {image}: {error}", hint)
     pulled = ", pulled now" if facts.get("pulled") else ""
     ident = str(facts.get("image_id") or "")
     ident = ident.split(":")[-1][:12] if ident else "?"
-    return CheckResult("container", node, PASS, f"{runtime} {facts.get('version') or '?'}, image {image} ({ident}"
-                                                f"{pulled})")
+    return result(node, PASS, f"{runtime} {facts.get('version') or '?'}, image {image} ({ident}"
+                              f"{pulled})")
 
 
 @check("environment", "host",
@@ -100,18 +100,18 @@ def check_environment(node: str, report: Mapping) -> CheckResult | list[CheckRes
         return []
     key, file = facts.get("key"), facts.get("file")
     if not facts.get("present"):
-        return CheckResult("environment", node, WARN, f"no venv for {file} yet (key {key}); the ranks would run "
-                           f"{get(report, 'python', 'executable', default='?')}",
-                           "nodectl launch builds it before starting (or reuses it when it is there)")
+        return result(node, WARN, f"no venv for {file} yet (key {key}); the ranks would run "
+                      f"{get(report, 'python', 'executable', default='?')}",
+                      "nodectl launch builds it before starting (or reuses it when it is there)")
     if not facts.get("intact"):
         files = [path for key_ in ("changed", "added", "removed") for path in facts.get(key_) or ()]
-        return CheckResult("environment", node, FAIL, f"venv {key} for {file} changed since it was built: "
-                           f"{facts.get('drift')} file(s) ({', '.join(files[:3])})",
-                           "nodectl launch sets it aside and builds it again from the lock; change the lock, "
-                           "not the venv")
+        return result(node, FAIL, f"venv {key} for {file} changed since it was built: "
+                      f"{facts.get('drift')} file(s) ({', '.join(files[:3])})",
+                      "nodectl launch sets it aside and builds it again from the lock; change the lock, "
+                      "not the venv")
     packages = f"{facts.get('packages')} packages" if facts.get("packages") else "from the node's index"
-    return CheckResult("environment", node, PASS, f"venv {key} for {file} ({packages}, {facts.get('installer')}), "
-                                                  f"unchanged since built")
+    return result(node, PASS, f"venv {key} for {file} ({packages}, {facts.get('installer')}), "
+                              f"unchanged since built")
 
 
 def _last_line(text) -> str:
@@ -127,13 +127,13 @@ def _last_line(text) -> str:
 def check_memlock(node: str, report: Mapping) -> CheckResult:
     soft = get(report, "limits", "memlock_soft")
     if not report.get("infiniband"):
-        return CheckResult("memlock", node, SKIP if soft != "unlimited" else PASS,
-                           f"memlock {soft} (only matters with InfiniBand)")
+        return result(node, SKIP if soft != "unlimited" else PASS,
+                      f"memlock {soft} (only matters with InfiniBand)")
     if soft != "unlimited":
-        return CheckResult("memlock", node, FAIL, f"memlock is {soft} bytes with InfiniBand present",
-                           "add '* soft memlock unlimited' and '* hard memlock unlimited' to "
-                           "/etc/security/limits.conf (LimitMEMLOCK=infinity for services), then log in again")
-    return CheckResult("memlock", node, PASS, "unlimited")
+        return result(node, FAIL, f"memlock is {soft} bytes with InfiniBand present",
+                      "add '* soft memlock unlimited' and '* hard memlock unlimited' to "
+                      "/etc/security/limits.conf (LimitMEMLOCK=infinity for services), then log in again")
+    return result(node, PASS, "unlimited")
 
 
 @check("nofile", "host", section="limits",
@@ -146,14 +146,14 @@ def check_nofile(node: str, report: Mapping) -> CheckResult:
     tensors through descriptors; 1024 is soon spent at scale, a few hundred at once."""
     soft, hard = get(report, "limits", "nofile_soft"), get(report, "limits", "nofile_hard")
     if soft is None:
-        return CheckResult("nofile", node, SKIP, "the probe did not read the open-files limit")
+        return result(node, SKIP, "the probe did not read the open-files limit")
     fix = ("add '* soft nofile 1048576' and '* hard nofile 1048576' to /etc/security/limits.conf "
            "(LimitNOFILE=1048576 for services), then log in again")
     if soft != "unlimited" and soft < NOFILE_FAIL:
-        return CheckResult("nofile", node, FAIL, f"open files limited to {soft} (hard {hard})", fix)
+        return result(node, FAIL, f"open files limited to {soft} (hard {hard})", fix)
     if soft != "unlimited" and soft < NOFILE_WARN:
-        return CheckResult("nofile", node, WARN, f"open files limited to {soft} (hard {hard})", fix)
-    return CheckResult("nofile", node, PASS, f"{soft} open files")
+        return result(node, WARN, f"open files limited to {soft} (hard {hard})", fix)
+    return result(node, PASS, f"{soft} open files")
 
 
 @check("shm", "host", section="disk",
@@ -164,12 +164,12 @@ def check_nofile(node: str, report: Mapping) -> CheckResult:
 def check_shm(node: str, report: Mapping) -> CheckResult:
     shm = get(report, "disk", "shm_bytes")
     if shm is None:
-        return CheckResult("shm", node, FAIL, "/dev/shm is missing", "mount a tmpfs on /dev/shm")
+        return result(node, FAIL, "/dev/shm is missing", "mount a tmpfs on /dev/shm")
     if shm < SHM_MIN:
-        return CheckResult("shm", node, FAIL, f"/dev/shm is {gib(shm)}",
-                           "at least 1 GiB: in docker use --shm-size=16g or --ipc=host; else "
-                           "mount -o remount,size=16G /dev/shm")
-    return CheckResult("shm", node, PASS, gib(shm))
+        return result(node, FAIL, f"/dev/shm is {gib(shm)}",
+                      "at least 1 GiB: in docker use --shm-size=16g or --ipc=host; else "
+                      "mount -o remount,size=16G /dev/shm")
+    return result(node, PASS, gib(shm))
 
 
 @check("disk", "host", section="disk",
@@ -182,15 +182,15 @@ def check_disk(node: str, report: Mapping) -> CheckResult:
     free = get(report, "disk", "free_bytes")
     where = get(report, "disk", "workdir", default="workdir")
     if free is None:
-        return CheckResult("disk", node, SKIP, "free space could not be read")
+        return result(node, SKIP, "free space could not be read")
     inodes = inode_verdict("disk", node, get(report, "disk") or {}, where)
     if inodes is not None and (inodes.verdict == FAIL or free >= DISK_WARN):
         return inodes
     if free < DISK_FAIL:
-        return CheckResult("disk", node, FAIL, f"{gib(free)} free in {where}", "free space or move workdir:")
+        return result(node, FAIL, f"{gib(free)} free in {where}", "free space or move workdir:")
     if free < DISK_WARN:
-        return CheckResult("disk", node, WARN, f"{gib(free)} free in {where}", "checkpoints may not fit")
-    return CheckResult("disk", node, PASS, f"{gib(free)} free")
+        return result(node, WARN, f"{gib(free)} free in {where}", "checkpoints may not fit")
+    return result(node, PASS, f"{gib(free)} free")
 
 
 INODES_FAIL, INODES_WARN_SHARE = 1000, 0.05
@@ -280,10 +280,10 @@ def check_cgroup(node: str, report: Mapping, ranks: int) -> CheckResult:
            "without it")
     limit = memory.get("limit")
     if isinstance(limit, int) and limit < RANK_MEMORY_FLOOR * ranks:
-        return CheckResult("cgroup limits", node, FAIL,
-                           f"the ranks may use {gib(limit)} of memory ({memory.get('file')}), "
-                           f"{ranks} rank(s) here: loading torch and a model is killed by the OOM killer, silently",
-                           fix)
+        return result(node, FAIL,
+                      f"the ranks may use {gib(limit)} of memory ({memory.get('file')}), "
+                      f"{ranks} rank(s) here: loading torch and a model is killed by the OOM killer, silently",
+                      fix)
     problems = []
     if isinstance(limit, int) and isinstance(machine, int) and limit < machine:
         problems.append(f"memory limited to {gib(limit)} of the machine's {gib(machine)} ({memory.get('file')})")
@@ -291,10 +291,10 @@ def check_cgroup(node: str, report: Mapping, ranks: int) -> CheckResult:
     if isinstance(quota, (int, float)) and quota < ranks:
         problems.append(f"CPU quota of {quota:g} CPU(s) for {ranks} rank(s) ({cpu.get('file')})")
     if problems:
-        return CheckResult("cgroup limits", node, WARN, "; ".join(problems), fix)
+        return result(node, WARN, "; ".join(problems), fix)
     shown = [f"memory {gib(limit)}" if isinstance(limit, int) else None,
              f"{quota:g} CPUs" if isinstance(quota, (int, float)) else None]
-    return CheckResult("cgroup limits", node, PASS, ", ".join(s for s in shown if s) or "none below the machine's")
+    return result(node, PASS, ", ".join(s for s in shown if s) or "none below the machine's")
 
 
 @check("processes", "host",
@@ -309,19 +309,19 @@ def check_processes(node: str, report: Mapping) -> CheckResult:
     session's): a rank starts dozens of threads, torch.compile a worker pool, each data loader worker more."""
     soft, pids = get(report, "limits", "nproc_soft"), get(report, "limits", "pids_max")
     if soft is None and pids is None:
-        return CheckResult("processes", node, SKIP, "the probe did not read the process limits")
+        return result(node, SKIP, "the probe did not read the process limits")
     limits = {name: v for name, v in (("ulimit -u", soft), ("pids cgroup", pids))
               if isinstance(v, int) and not isinstance(v, bool)}
     if not limits:
-        return CheckResult("processes", node, PASS, "no limit on processes and threads")
+        return result(node, PASS, "no limit on processes and threads")
     name, lowest = min(limits.items(), key=lambda item: item[1])
     fix = ("raise it: '* soft nproc 65536' in /etc/security/limits.conf for ulimit -u; TasksMax= (systemd) or the "
            "container's --pids-limit for the pids cgroup")
     if lowest < NPROC_FAIL:
-        return CheckResult("processes", node, FAIL, f"{name} allows {lowest} processes and threads", fix)
+        return result(node, FAIL, f"{name} allows {lowest} processes and threads", fix)
     if lowest < NPROC_WARN:
-        return CheckResult("processes", node, WARN, f"{name} allows {lowest} processes and threads", fix)
-    return CheckResult("processes", node, PASS, f"{lowest} processes and threads ({name})")
+        return result(node, WARN, f"{name} allows {lowest} processes and threads", fix)
+    return result(node, PASS, f"{lowest} processes and threads ({name})")
 
 
 @check("workdir", "host",
@@ -334,17 +334,17 @@ def check_workdir(node: str, report: Mapping) -> CheckResult:
     reason = unreadable(report, "disk")
     disk = report.get("disk") or {}
     if reason or "writable" not in disk:
-        return CheckResult("workdir", node, SKIP, reason or "writability not probed")
+        return result(node, SKIP, reason or "writability not probed")
     where = disk.get("workdir", "workdir")
     if not disk["writable"]:
-        return CheckResult("workdir", node, FAIL, f"{where} cannot be written ({disk.get('write_error')})",
-                           "set workdir: in hosts.yaml to a folder the login user owns (e.g. ~/nodectl or a local "
-                           "scratch disk), or fix its owner and mode")
+        return result(node, FAIL, f"{where} cannot be written ({disk.get('write_error')})",
+                      "set workdir: in hosts.yaml to a folder the login user owns (e.g. ~/nodectl or a local "
+                      "scratch disk), or fix its owner and mode")
     unsafe = disk.get("unsafe")
     if isinstance(unsafe, Mapping):
-        return CheckResult("workdir", node, FAIL, f"{unsafe.get('path')} is {unsafe.get('why')}: runs there could be "
-                           f"steered by another user", UNSAFE_FIX)
-    return CheckResult("workdir", node, PASS, f"{where} writable")
+        return result(node, FAIL, f"{unsafe.get('path')} is {unsafe.get('why')}: runs there could be "
+                      f"steered by another user", UNSAFE_FIX)
+    return result(node, PASS, f"{where} writable")
 
 
 UNSAFE_FIX = ("nodectl keeps its files only in folders the login user owns (mode 0700, no links), under a workdir "
@@ -360,15 +360,15 @@ UNSAFE_FIX = ("nodectl keeps its files only in folders the login user owns (mode
 def check_clock(node: str, report: Mapping) -> CheckResult:
     skew = get(report, "clock", "skew_s")
     if skew is None:
-        return CheckResult("clock", node, SKIP, "no clock reading")
+        return result(node, SKIP, "no clock reading")
     slack = (get(report, "clock", "round_trip_s", default=0) or 0) / 2
     effective = max(0.0, abs(skew) - slack)
     hint = "run chrony or systemd-timesyncd on every node; logs and heartbeats are compared by time"
     if effective > SKEW_FAIL:
-        return CheckResult("clock", node, FAIL, f"{skew:+.1f}s from the controller", hint)
+        return result(node, FAIL, f"{skew:+.1f}s from the controller", hint)
     if effective > SKEW_WARN:
-        return CheckResult("clock", node, WARN, f"{skew:+.1f}s from the controller", hint)
-    return CheckResult("clock", node, PASS, f"{skew:+.2f}s")
+        return result(node, WARN, f"{skew:+.1f}s from the controller", hint)
+    return result(node, PASS, f"{skew:+.2f}s")
 
 
 @check("overcommit", "host", given=lambda f: (f.report, f.device), section="memory",
@@ -380,16 +380,16 @@ def check_clock(node: str, report: Mapping) -> CheckResult:
 def check_overcommit(node: str, report: Mapping, device: str) -> CheckResult:
     mode = get(report, "memory", "overcommit_memory")
     if mode is None:
-        return CheckResult("overcommit", node, SKIP, "vm.overcommit_memory could not be read")
+        return result(node, SKIP, "vm.overcommit_memory could not be read")
     if mode != 2:
-        return CheckResult("overcommit", node, PASS, f"vm.overcommit_memory = {mode}")
+        return result(node, PASS, f"vm.overcommit_memory = {mode}")
     limit, committed = get(report, "memory", "commit_limit_bytes"), get(report, "memory", "committed_bytes")
     accounts = f" (commit limit {gib(limit)}, {gib(committed)} committed)" if limit and committed is not None else ""
-    return CheckResult("overcommit", node, FAIL if device == "cuda" else WARN,
-                       f"vm.overcommit_memory = 2, strict accounting{accounts}: CUDA and PyTorch reserve large "
-                       f"virtual ranges and fail with ENOMEM at init or their first allocation",
-                       f"on {node}: sysctl -w vm.overcommit_memory=0 (heuristic, the default), and the same in "
-                       f"/etc/sysctl.d/ to keep it after a reboot")
+    return result(node, FAIL if device == "cuda" else WARN,
+                  f"vm.overcommit_memory = 2, strict accounting{accounts}: CUDA and PyTorch reserve large "
+                  f"virtual ranges and fail with ENOMEM at init or their first allocation",
+                  f"on {node}: sysctl -w vm.overcommit_memory=0 (heuristic, the default), and the same in "
+                  f"/etc/sysctl.d/ to keep it after a reboot")
 
 
 LOOPBACK_PREFIXES = ("127.", "::1", "0:0:0:0:0:0:0:1")
@@ -406,15 +406,15 @@ LOOPBACK_PREFIXES = ("127.", "::1", "0:0:0:0:0:0:0:1")
 def check_hostname(node: str, report: Mapping, addr: str) -> CheckResult:
     name, found = get(report, "os", "hostname"), get(report, "os", "hostname_resolves")
     if not name or found is None:
-        return CheckResult("hostname", node, SKIP, "the host name was not resolved")
+        return result(node, SKIP, "the host name was not resolved")
     if isinstance(found, Mapping):   # resolves to nothing: nothing to hand out wrongly
-        return CheckResult("hostname", node, PASS, f"{name} does not resolve on the node ({found.get('error')})")
+        return result(node, PASS, f"{name} does not resolve on the node ({found.get('error')})")
     loopback = [a for a in found if str(a).startswith(LOOPBACK_PREFIXES)]
     if not loopback or not addr or addr.startswith(LOOPBACK_PREFIXES) or addr == "localhost":
-        return CheckResult("hostname", node, PASS, f"{name} resolves to {', '.join(map(str, found)) or 'nothing'}")
+        return result(node, PASS, f"{name} resolves to {', '.join(map(str, found)) or 'nothing'}")
     line = get(report, "os", "hosts_line")
     where = f" (/etc/hosts line {line['line']}: {line['text']!r})" if isinstance(line, Mapping) else ""
-    return CheckResult("hostname", node, WARN,
-                       f"{name} resolves to {', '.join(loopback)}{where}, while the other nodes reach {node} at "
-                       f"{addr}: a launcher that finds its own address by host name hands them one they cannot "
-                       f"reach", f"on {node}, map {name} to {addr} in /etc/hosts (or remove the loopback line)")
+    return result(node, WARN,
+                  f"{name} resolves to {', '.join(loopback)}{where}, while the other nodes reach {node} at "
+                  f"{addr}: a launcher that finds its own address by host name hands them one they cannot "
+                  f"reach", f"on {node}, map {name} to {addr} in /etc/hosts (or remove the loopback line)")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from nodectl.preflight.checks import MEASURED, check
-from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, unreadable
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, result, unreadable
 
 SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
@@ -71,20 +71,20 @@ def ib_rate(port: Mapping) -> float | None:
 def check_infiniband(node: str, report: Mapping) -> CheckResult:
     devices = report.get("infiniband") or []
     if isinstance(devices, Mapping):  # {"error": ...}: the devices could not be listed
-        return CheckResult("infiniband", node, SKIP, f"InfiniBand devices could not be read ({devices.get('error')})")
+        return result(node, SKIP, f"InfiniBand devices could not be read ({devices.get('error')})")
     if not devices:
-        return CheckResult("infiniband", node, SKIP, "no InfiniBand/RoCE device")
+        return result(node, SKIP, "no InfiniBand/RoCE device")
     ports = [(d["name"], p) for d in devices for p in d.get("ports", [])]
     down = [f"{name}/{p['port']} {p.get('state')} {p.get('phys_state')}" for name, p in ports
             if "ACTIVE" not in (p.get("state") or "") or "LinkUp" not in (p.get("phys_state") or "")]
     if down:
-        return CheckResult("infiniband", node, FAIL, "ports not ACTIVE/LinkUp: " + "; ".join(down),
-                           "check cables and the subnet manager (ibstat; systemctl status opensm); list only "
-                           "working HCAs with NCCL_IB_HCA")
+        return result(node, FAIL, "ports not ACTIVE/LinkUp: " + "; ".join(down),
+                      "check cables and the subnet manager (ibstat; systemctl status opensm); list only "
+                      "working HCAs with NCCL_IB_HCA")
     rates = sorted({p.get("rate") for _, p in ports})
     layers = sorted({p.get("link_layer") for _, p in ports})
-    return CheckResult("infiniband", node, PASS, f"{len(ports)} port(s) up, {', '.join(map(str, rates))}, "
-                                                 f"{'/'.join(map(str, layers))}")
+    return result(node, PASS, f"{len(ports)} port(s) up, {', '.join(map(str, rates))}, "
+                              f"{'/'.join(map(str, layers))}")
 
 
 @check("ib errors", "network", cuda_only=True,
@@ -96,17 +96,17 @@ def check_infiniband(node: str, report: Mapping) -> CheckResult:
 def check_ib_errors(node: str, report: Mapping) -> CheckResult:
     ports = ib_ports(report)
     if not ports:
-        return CheckResult("ib errors", node, SKIP, "no InfiniBand/RoCE port")
+        return result(node, SKIP, "no InfiniBand/RoCE port")
     counted = [(d, p, p.get("counters")) for d, p in ports if isinstance(p.get("counters"), Mapping)]
     if not any(c for _, _, c in counted):
-        return CheckResult("ib errors", node, SKIP, "port error counters not readable")
+        return result(node, SKIP, "port error counters not readable")
     errors = [f"{d['name']}/{p['port']} " + ", ".join(f"{k} {v}" for k, v in c.items() if v)
               for d, p, c in counted if any(c.values())]
     if errors:
-        return CheckResult("ib errors", node, WARN, "; ".join(errors[:6]),
-                           "counts since the driver loaded: clear them (perfquery -x -R) and check again after a "
-                           "collective; rising symbol or receive errors mean a bad cable or transceiver")
-    return CheckResult("ib errors", node, PASS, f"no errors counted on {len(counted)} port(s)")
+        return result(node, WARN, "; ".join(errors[:6]),
+                      "counts since the driver loaded: clear them (perfquery -x -R) and check again after a "
+                      "collective; rising symbol or receive errors mean a bad cable or transceiver")
+    return result(node, PASS, f"no errors counted on {len(counted)} port(s)")
 
 
 @check("ib hca", "network", given=lambda f: (f.report, f.env), cuda_only=True,
@@ -119,18 +119,18 @@ def check_ib_errors(node: str, report: Mapping) -> CheckResult:
 def check_ib_hca(node: str, report: Mapping, env: Mapping[str, str]) -> CheckResult:
     value = (env or {}).get("NCCL_IB_HCA")
     if not value:
-        return CheckResult("ib hca", node, PASS, "NCCL_IB_HCA not set (NCCL uses every active HCA)")
+        return result(node, PASS, "NCCL_IB_HCA not set (NCCL uses every active HCA)")
     reason = unreadable(report, "infiniband")
     if reason:
-        return CheckResult("ib hca", node, SKIP, reason)
+        return result(node, SKIP, reason)
     ports = {(d["name"], p["port"]): "ACTIVE" in str(p.get("state") or "") for d, p in ib_ports(report)}
     active = sorted({f"{name}:{port}" for (name, port), up in ports.items() if up})
     wanted = parse_name_list(value)
     if wanted.exclude:
         if not any(up for (name, port), up in ports.items() if wanted.selects(name, port)):
-            return CheckResult("ib hca", node, FAIL, f"NCCL_IB_HCA={value} leaves no active port",
-                               f"active ports: {', '.join(active) or 'none'}")
-        return CheckResult("ib hca", node, PASS, f"NCCL_IB_HCA={value}")
+            return result(node, FAIL, f"NCCL_IB_HCA={value} leaves no active port",
+                          f"active ports: {', '.join(active) or 'none'}")
+        return result(node, PASS, f"NCCL_IB_HCA={value}")
     problems = []
     for name, port in wanted.entries:
         hits = [k for k in ports if (name, port) in wanted.names(*k)]
@@ -139,9 +139,9 @@ def check_ib_hca(node: str, report: Mapping, env: Mapping[str, str]) -> CheckRes
         elif not any(ports[k] for k in hits):
             problems.append(f"{name}{f':{port}' if port else ''} is not ACTIVE")
     if problems:
-        return CheckResult("ib hca", node, FAIL, f"NCCL_IB_HCA={value}: " + "; ".join(problems),
-                           f"name active ports in the inventory's env: ({', '.join(active) or 'none active'})")
-    return CheckResult("ib hca", node, PASS, f"NCCL_IB_HCA={value}")
+        return result(node, FAIL, f"NCCL_IB_HCA={value}: " + "; ".join(problems),
+                      f"name active ports in the inventory's env: ({', '.join(active) or 'none active'})")
+    return result(node, PASS, f"NCCL_IB_HCA={value}")
 
 
 @check("socket ifname", "network", given=lambda f: (f.report, f.env),
@@ -156,10 +156,10 @@ def check_socket_ifname(node: str, report: Mapping, env: Mapping[str, str]) -> C
     it must be up: a wrong name makes NCCL fail at init ("no socket interface found") and gloo hang or fail."""
     named = {var: env[var] for var in SOCKET_IFNAME_VARS if env.get(var)}
     if not named:
-        return CheckResult("socket ifname", node, PASS, "not set (NCCL and gloo choose)")
+        return result(node, PASS, "not set (NCCL and gloo choose)")
     reason = unreadable(report, "nics")
     if reason:
-        return CheckResult("socket ifname", node, SKIP, reason)
+        return result(node, SKIP, reason)
     nics = {n.get("name"): n for n in report.get("nics") or [] if n.get("name")}
     up = sorted(name for name, nic in nics.items() if nic.get("state") in ("up", "unknown"))
     problems = []
@@ -173,9 +173,9 @@ def check_socket_ifname(node: str, report: Mapping, env: Mapping[str, str]) -> C
         elif not [n for n in chosen if n in up]:
             problems.append(f"{var}={value}: {', '.join(chosen)} is down")
     if problems:
-        return CheckResult("socket ifname", node, FAIL, "; ".join(problems),
-                           f"set it in the inventory's env: to an interface that is up there: {', '.join(up)}")
-    return CheckResult("socket ifname", node, PASS, ", ".join(f"{var}={value}" for var, value in named.items()))
+        return result(node, FAIL, "; ".join(problems),
+                      f"set it in the inventory's env: to an interface that is up there: {', '.join(up)}")
+    return result(node, PASS, ", ".join(f"{var}={value}" for var, value in named.items()))
 
 
 @check("master port", "network", given=lambda f: (f.extras["port"],), needs="port",
@@ -185,11 +185,11 @@ def check_socket_ifname(node: str, report: Mapping, env: Mapping[str, str]) -> C
             "-"),))
 def check_master_port(node: str, port_answer: Mapping | None) -> CheckResult:
     if port_answer is None:
-        return CheckResult("master port", node, SKIP, "not node 0")
+        return result(node, SKIP, "not node 0")
     if port_answer.get("free"):
-        return CheckResult("master port", node, PASS, f"port {port_answer['port']} free")
-    return CheckResult("master port", node, FAIL, f"port {port_answer.get('asked')} is in use on node 0",
-                       "stop what holds it or set another master_port: in hosts.yaml")
+        return result(node, PASS, f"port {port_answer['port']} free")
+    return result(node, FAIL, f"port {port_answer.get('asked')} is in use on node 0",
+                  "stop what holds it or set another master_port: in hosts.yaml")
 
 
 @check("reach master", "network", given=lambda f: (f.extras["reach"], f"{f.expect.master_addr}:{f.expect.master_port}"), needs="reach",
@@ -199,12 +199,12 @@ def check_master_port(node: str, port_answer: Mapping | None) -> CheckResult:
             "-"),))
 def check_reach_master(node: str, answer: Mapping | None, target: str) -> CheckResult:
     if answer is None:
-        return CheckResult("reach master", node, SKIP, "not tested")
+        return result(node, SKIP, "not tested")
     if answer.get("ok"):
-        return CheckResult("reach master", node, PASS, f"{target} in {answer.get('ms', 0):.0f} ms")
-    return CheckResult("reach master", node, FAIL, f"cannot open {target}: {answer.get('error')}",
-                       "open the master port on node 0's firewall to the other nodes, or set addr: of node 0 to "
-                       "an address they can reach")
+        return result(node, PASS, f"{target} in {answer.get('ms', 0):.0f} ms")
+    return result(node, FAIL, f"cannot open {target}: {answer.get('error')}",
+                  "open the master port on node 0's firewall to the other nodes, or set addr: of node 0 to "
+                  "an address they can reach")
 
 
 @check("interface", "network", given=lambda f: (f.extras["route"], f.expect.master_addr), needs="route",
@@ -215,15 +215,15 @@ def check_reach_master(node: str, answer: Mapping | None, target: str) -> CheckR
 def check_route(node: str, answer: Mapping | None, master_addr: str) -> CheckResult:
     """The interface a node uses toward the master address; docker, virtual or lo is usually a wrong pick."""
     if not answer or not answer.get("dev"):
-        return CheckResult("interface", node, SKIP, "route unknown")
+        return result(node, SKIP, "route unknown")
     dev = answer["dev"]
     loopback_master = master_addr.startswith("127.") or master_addr in ("localhost", "::1")
     if dev.startswith(VIRTUAL_PREFIXES) and not loopback_master:
-        return CheckResult("interface", node, WARN, f"{master_addr} is reached through {dev}",
-                           "pin the right NIC for NCCL and gloo", {"NCCL_SOCKET_IFNAME": "<your NIC>",
-                                                                   "GLOO_SOCKET_IFNAME": "<your NIC>"})
-    return CheckResult("interface", node, PASS, f"{dev} toward {master_addr}",
-                       env=None if loopback_master else {"NCCL_SOCKET_IFNAME": dev, "GLOO_SOCKET_IFNAME": dev})
+        return result(node, WARN, f"{master_addr} is reached through {dev}",
+                      "pin the right NIC for NCCL and gloo", {"NCCL_SOCKET_IFNAME": "<your NIC>",
+                                                 "GLOO_SOCKET_IFNAME": "<your NIC>"})
+    return result(node, PASS, f"{dev} toward {master_addr}",
+                  env=None if loopback_master else {"NCCL_SOCKET_IFNAME": dev, "GLOO_SOCKET_IFNAME": dev})
 
 
 # ---- the all-reduce job and the node-pair tests (launchers/collective.py) ----------------------------------
@@ -315,12 +315,12 @@ def judge_pairs(pairs: list[dict]) -> list[CheckResult]:
     slow = [p for p in measured if p["busbw_gbs"] < SLOW_PAIR * median]
     detail = "; ".join(f"{'+'.join(p['nodes'])} {p['busbw_gbs']:.1f} GB/s" for p in measured)
     if not slow:
-        return out + [CheckResult("node pairs", "cluster", PASS, detail)]
+        return out + [result("cluster", PASS, detail)]
     suspects = set(slow[0]["nodes"]).intersection(*(set(p["nodes"]) for p in slow))
     culprit = ", ".join(sorted(suspects)) or "no single node"
-    return out + [CheckResult("node pairs", "cluster", WARN, f"slow pairs (under {SLOW_PAIR:.0%} of the median "
-                                                             f"{median:.1f} GB/s): {detail}; common node: {culprit}",
-                              f"check {culprit}'s NIC, cabling and PCIe; or leave it out with --exclude")]
+    return out + [result("cluster", WARN, f"slow pairs (under {SLOW_PAIR:.0%} of the median "
+                                          f"{median:.1f} GB/s): {detail}; common node: {culprit}",
+                         f"check {culprit}'s NIC, cabling and PCIe; or leave it out with --exclude")]
 
 
 @check("socket route", "network", given=lambda f: (f.env, f.extras["route"], f.report), needs="route",
@@ -338,9 +338,9 @@ def check_socket_route(node: str, env: Mapping[str, str], answer: Mapping | None
              and (not nics or any(parse_name_list(env[var]).selects(name) for name in nics))}   # else: socket ifname's
     peers = (answer or {}).get("peers") or {}
     if not named:
-        return CheckResult("socket route", node, PASS, "no socket interface named")
+        return result(node, PASS, "no socket interface named")
     if not peers:
-        return CheckResult("socket route", node, SKIP, "no route to another node was read (one node, or no `ip`)")
+        return result(node, SKIP, "no route to another node was read (one node, or no `ip`)")
     problems = []
     for var, value in named.items():
         wanted = parse_name_list(value)
@@ -350,7 +350,7 @@ def check_socket_route(node: str, env: Mapping[str, str], answer: Mapping | None
             problems.append(f"{var}={value}, but the route to {shown} does not use it")
     if problems:
         devices = sorted({dev for dev in peers.values() if dev})
-        return CheckResult("socket route", node, FAIL, "; ".join(problems),
-                           f"name the interface that carries the route to the other nodes ({', '.join(devices)}) in "
-                           f"the inventory's env:, or route them through {', '.join(named.values())}")
-    return CheckResult("socket route", node, PASS, f"every other node is routed through {', '.join(named.values())}")
+        return result(node, FAIL, "; ".join(problems),
+                      f"name the interface that carries the route to the other nodes ({', '.join(devices)}) in "
+                      f"the inventory's env:, or route them through {', '.join(named.values())}")
+    return result(node, PASS, f"every other node is routed through {', '.join(named.values())}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from nodectl.preflight.checks import check
 from typing import Mapping
 
-from nodectl.preflight.verdict import FAIL, PASS, CheckResult
+from nodectl.preflight.verdict import FAIL, PASS, CheckResult, result
 
 
 @check("outputs", "network", scope="job",
@@ -21,12 +21,12 @@ def judge_store(answers: list[tuple[str, str, Mapping]]) -> list[CheckResult]:
     checks = []
     for node, url, answer in answers:
         if answer.get("ok") is True:
-            checks.append(CheckResult("outputs", node, PASS, f"wrote and deleted a probe object under "
-                                      f"{url}/ in {answer.get('seconds', 0):.2f}s (boto3 {answer.get('boto3')})"))
+            checks.append(result(node, PASS, f"wrote and deleted a probe object under "
+                                 f"{url}/ in {answer.get('seconds', 0):.2f}s (boto3 {answer.get('boto3')})"))
         else:
-            checks.append(CheckResult("outputs", node, FAIL, f"{url}: {answer.get('error')}",
-                                      "the node uploads the run's outputs itself: it needs boto3 for its python:, "
-                                      "credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in env:, or a "
-                                      "profile on the node) and a route to the store (endpoint_url: for a server "
-                                      "other than AWS)"))
+            checks.append(result(node, FAIL, f"{url}: {answer.get('error')}",
+                                 "the node uploads the run's outputs itself: it needs boto3 for its python:, "
+                                 "credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in env:, or a "
+                                 "profile on the node) and a route to the store (endpoint_url: for a server "
+                                 "other than AWS)"))
     return checks

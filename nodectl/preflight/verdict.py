@@ -2,7 +2,7 @@
 node is read here."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Mapping
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
@@ -40,6 +40,22 @@ def unreadable(report: Mapping, section: str) -> str | None:
     if isinstance(value, Mapping) and value.get("error"):
         return f"{section} facts could not be read ({value['error']})"
     return None
+
+
+def result(node: str, verdict: str, detail: str, hint: str = "", env: Mapping[str, str] | None = None) -> CheckResult:
+    """A verdict of the check being judged: its name is the one its `@check` declares, filled in as the judge
+    returns (checks.py). A judge that speaks for another name (a helper shared by two checks, a declaration
+    of several names) writes a CheckResult with that name instead."""
+    return CheckResult("", node, verdict, detail, hint, env)
+
+
+def named(results, name: str):
+    """A judge's result(s), each still without a name given `name` (one CheckResult, a list of them, or None)."""
+    if isinstance(results, CheckResult):
+        return replace(results, check=name) if not results.check else results
+    if isinstance(results, list):
+        return [replace(r, check=name) if not r.check else r for r in results]
+    return results
 
 
 def skip_if_unreadable(check: str, section: str):

@@ -10,7 +10,7 @@ import pytest
 
 from nodectl.preflight import checks, judge
 from nodectl.preflight.checks import REGISTRY, Expectation, NodeFacts, check
-from nodectl.preflight.verdict import PASS, SKIP, CheckResult
+from nodectl.preflight.verdict import PASS, SKIP, result
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,18 +31,20 @@ def test_every_check_is_declared_once_documented_and_runnable():
 
 def test_a_new_check_is_one_declaration(monkeypatch):
     """What a newcomer writes: one function with its declaration; the judge runs it at its tiers, gives it what it
-    asked for, skips it (never passes) where its probe section could not be read, and documents it."""
+    asked for, names its results as declared (the name is written once), skips it (never passes) where its probe
+    section could not be read, and documents it."""
     monkeypatch.setattr(checks, "REGISTRY", list(REGISTRY))
     monkeypatch.setattr(judge, "REGISTRY", checks.REGISTRY)
 
     @check("hugepages", "host", given=lambda f: (f.report, f.env), section="memory", tiers=("default", "full"),
            doc=(("hugepages", "`/proc/meminfo` HugePages_Total", "warn when none", "-"),))
     def check_hugepages(node, report, env):
-        return CheckResult("hugepages", node, PASS, f"{report['memory']['hugepages']} pages, env {sorted(env)}")
+        return result(node, PASS, f"{report['memory']['hugepages']} pages, env {sorted(env)}")
 
     facts = NodeFacts("n0", {"memory": {"hugepages": 4}}, "cpu", Expectation(None, None, "10.0.0.1"), env={"A": "1"})
     found = {r.check: r for r in judge.judge_node(facts, "default")}
     assert found["hugepages"].verdict == PASS and found["hugepages"].detail == "4 pages, env ['A']"
+    assert check_hugepages("n1", {"memory": {"hugepages": 0}}, {}).check == "hugepages"   # called directly too
     assert "hugepages" not in {r.check for r in judge.judge_node(facts, "quick")}
     unread = NodeFacts("n0", {"memory": {"error": "denied"}}, "cpu", Expectation(None, None, "10.0.0.1"))
     assert {r.check: r for r in judge.judge_node(unread)}["hugepages"].verdict == SKIP
