@@ -490,8 +490,8 @@ def for_run(run, run_nodes: list) -> PaceWatch:
     """The pace watch of a run (nodectl.runs.Run, its RunNodes): each rank's node and, on GPU nodes, its GPU
     index on that node (its place in the node's CUDA_VISIBLE_DEVICES, or its local rank)."""
     plan = run.read().plan
-    envs = {entry["node"]["name"]: entry.get("env") or {} for entry in plan.get("nodes", [])}
-    gpus = plan.get("backend") == "nccl"
+    envs = {np.node.name: np.env for np in plan.nodes}
+    gpus = plan.backend == "nccl"
     rank_gpus: dict[int, str | None] = {}
     for rn in run_nodes:
         visible = [v.strip() for v in str(envs.get(rn.node.name, {}).get("CUDA_VISIBLE_DEVICES", "")).split(",")

@@ -60,12 +60,13 @@ FINAL_STATES = frozenset(state for state in RunState if state.final)
 
 @dataclass(frozen=True)
 class Manifest:
-    """runs/<run_id>/manifest.json. `plan` is the LaunchPlan's JSON (env redacted); `attempts` the earlier
-    attempts of a restarted or resumed run; `left_out` the plan entries of nodes a restart left out. Keys this
-    version does not know are kept in `extra` and written back."""
+    """runs/<run_id>/manifest.json. `plan` is the LaunchPlan, read back from its JSON (env redacted) through
+    LaunchPlan.from_json's checks, whoever reads the record; `attempts` the earlier attempts of a restarted or
+    resumed run; `left_out` the plan entries of nodes a restart left out. Keys this version does not know are kept
+    in `extra` and written back."""
 
     run_id: str
-    plan: dict
+    plan: LaunchPlan
     kind: str = "train"            # train, or preflight (preflight's own collective jobs)
     attempt: int = 0
     state: RunState = RunState.STARTING
@@ -103,7 +104,7 @@ class Manifest:
         # a record is data anyone with write access to it may have crafted: every reader gets it only once its
         # plan and the nodes a restart left out pass the inventory's rules (a node named ../../.., a sync_dir)
         source = f"run {values.get('run_id')}'s record"
-        LaunchPlan.from_json(document["plan"], source)
+        values["plan"] = LaunchPlan.from_json(document["plan"], source)
         for index, entry in enumerate(values.get("left_out") or []):
             if not isinstance(entry, dict) or not isinstance(entry.get("node"), dict):
                 raise UsageError(f"{source}: left_out[{index}]: expected a node's plan entry")
@@ -113,27 +114,26 @@ class Manifest:
     def to_json(self) -> dict:
         document = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "extra"}
         document["state"] = self.state.value
+        document["plan"] = self.plan.to_json()
         return {**document, **self.extra}
 
     @property
     def node_names(self) -> list[str]:
-        return [entry["node"]["name"] for entry in self.plan.get("nodes", [])]
+        return [np.node.name for np in self.plan.nodes]
 
     @property
     def outputs(self):
-        """The bucket the run's nodes upload to (nodectl/outputs.py), checked as the inventory's is; None when the
-        run has none, or when the record's entry is not one (a record is data: it may be edited or crafted)."""
-        try:
-            return from_record(self.plan.get("outputs"))
-        except NodectlError:
-            return None
+        """The bucket the run's nodes upload to (nodectl/outputs.py), checked as the inventory's is (a record
+        whose entry is not one is refused whole); None when the run has none."""
+        return self.plan.outputs
 
     @property
     def node_outputs(self) -> dict:
         """node name -> the bucket it uploaded to, for every node of the run (those a restart left out too) that
         had one; each checked as the inventory's is (a malformed entry counts as none)."""
-        found = {}
-        for entry in [*self.plan.get("nodes", []), *self.left_out]:
+        found = {np.node.name: np.node.outputs or self.outputs for np in self.plan.nodes
+                 if (np.node.outputs or self.outputs) is not None}
+        for entry in self.left_out:
             node = entry.get("node") if isinstance(entry, dict) else None
             if not isinstance(node, dict) or not isinstance(node.get("name"), str):
                 continue
@@ -296,8 +296,8 @@ class Run:
         """The nodes of the run's current attempt; with `left_out`, also those a restart left out (their
         processes may outlive the attempt that dropped them)."""
         manifest = self.read()
-        out = []
-        for entry in manifest.plan["nodes"] + (manifest.left_out if left_out else []):
+        out = [RunNode(np.node, np.node_rank, tuple(np.ranks), np.run_dir) for np in manifest.plan.nodes]
+        for entry in manifest.left_out if left_out else []:
             node = node_from_record(entry["node"], f"run {self.run_id}'s record ({self.manifest_path})")
             ranks = entry.get("ranks")
             if not isinstance(ranks, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in ranks):
@@ -312,18 +312,18 @@ class Run:
         raise UsageError(f"rank{rank} is not part of run {self.run_id}")
 
 
-def create_run(plan_json: dict, *, argv: list[str], config_fingerprint: str, inventory_source: str,
+def create_run(plan: LaunchPlan, *, argv: list[str], config_fingerprint: str, inventory_source: str,
                git: str | None, kind: str = "train") -> Run:
     """Record a new run. `kind` "preflight" marks preflight's own collective jobs: they are never "the latest
     run" of tail/status/stop, and `runs` lists them only with --all."""
-    run = Run(private_folder(runs_root()) / plan_json["run_id"])
+    run = Run(private_folder(runs_root()) / plan.run_id)
     run.folder.mkdir(mode=0o700, exist_ok=False)
     manifest = Manifest(
-        run_id=plan_json["run_id"], kind=kind, attempt=plan_json.get("attempt", 0), command=argv,
-        config=plan_json.get("config"), fingerprint=config_fingerprint,
-        inventory={"source": inventory_source, "nodes": [n["node"] for n in plan_json["nodes"]]},
+        run_id=plan.run_id, kind=kind, attempt=plan.attempt, command=argv, config=plan.config,
+        fingerprint=config_fingerprint,
+        inventory={"source": inventory_source, "nodes": [entry["node"] for entry in plan.to_json()["nodes"]]},
         git_revision=git, nodectl_version=__version__, python=sys.version.split()[0], started=time.time(),
-        plan=plan_json, controller=this_controller())
+        plan=plan, controller=this_controller())
     _write_json(run.manifest_path, manifest.to_json())
     _register(run)
     return run
@@ -410,8 +410,7 @@ def live_runs_on(host: str, port: int | None = None) -> list[Run]:
             continue
         if manifest.state.final:
             continue
-        nodes = manifest.plan.get("nodes") or []
-        master = nodes[0].get("node", {}) if nodes else {}
-        if host in (master.get("host"), master.get("addr")) and port in (None, manifest.plan.get("master_port")):
+        master = manifest.plan.nodes[0].node
+        if host in (master.host, master.addr) and port in (None, manifest.plan.master_port):
             found.append(run)
     return found

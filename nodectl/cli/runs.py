@@ -59,10 +59,10 @@ def command(app: AppContext, show_all: bool) -> None:
             continue
         plan = manifest.plan
         rows.append({"run_id": run.run_id, "kind": manifest.kind, "state": manifest.state.value,
-                     "nodes": manifest.node_names, "world_size": sum(n["nproc"] for n in plan.get("nodes", [])),
-                     "ranks_per_node": [n["nproc"] for n in plan.get("nodes", [])],
+                     "nodes": manifest.node_names, "world_size": plan.world_size,
+                     "ranks_per_node": [np.nproc for np in plan.nodes],
                      "started": manifest.started, "folder": str(run.folder.resolve()),
-                     "command": " ".join(plan.get("command", [])),
+                     "command": " ".join(plan.command),
                      "cause": manifest.cause if manifest.state != RunState.SUCCEEDED else None,
                      "outputs": manifest.outputs_url,
                      "pace": [line for line in pace_lines(manifest.pace, live=manifest.state == RunState.RUNNING)

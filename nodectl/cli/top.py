@@ -24,12 +24,12 @@ def _gpu_of_ranks(run: Run) -> dict[int, tuple[str, int]]:
     """Global rank -> (node, GPU index as nvidia-smi numbers it): local rank i uses the i-th of the node's
     CUDA_VISIBLE_DEVICES (when it lists indices), else GPU i."""
     out = {}
-    for entry in run.read().plan.get("nodes", []):
-        visible = (entry.get("env") or {}).get("CUDA_VISIBLE_DEVICES", "")
+    for np in run.read().plan.nodes:
+        visible = np.env.get("CUDA_VISIBLE_DEVICES", "")
         indices = [int(x) for x in visible.split(",")] if visible and all(
             x.strip().isdigit() for x in visible.split(",")) else None
-        for local, rank in enumerate(entry.get("ranks", [])):
-            out[rank] = (entry["node"]["name"], indices[local] if indices and local < len(indices) else local)
+        for local, rank in enumerate(np.ranks):
+            out[rank] = (np.node.name, indices[local] if indices and local < len(indices) else local)
     return out
 
 

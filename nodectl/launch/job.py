@@ -114,7 +114,7 @@ def record_job(job: Job, previous: Run | None = None) -> Run:
     """The local run folder: a new run, or the next attempt of `previous` (its earlier attempts kept)."""
     plan = job.plan
     if previous is None:
-        run = create_run(plan.to_json(), argv=list(job.spec.argv), config_fingerprint=plan.fingerprint(),
+        run = create_run(plan, argv=list(job.spec.argv), config_fingerprint=plan.fingerprint(),
                          inventory_source=job.spec.inventory.source,
                          git=git_revision(plan.sync_dir) if job.spec.kind == "train" else None, kind=job.spec.kind)
         (run.folder / "scripts").mkdir()
@@ -125,7 +125,7 @@ def record_job(job: Job, previous: Run | None = None) -> Run:
                                         "started": manifest.started, "ended": manifest.ended,
                                         "failure": manifest.failure}]
         run.update(attempt=plan.attempt, state=RunState.STARTING, attempts=history, ended=None,
-                   started=time.time(), plan=plan.to_json(), failure=None, controller=this_controller())
+                   started=time.time(), plan=plan, failure=None, controller=this_controller())
     for r in job.rendered:
         (run.folder / "scripts" / f"{r.node}.sh").write_text(r.launch_redacted)
         (run.folder / "scripts" / f"{r.node}.env").write_text(r.env_redacted)

@@ -172,7 +172,7 @@ def _reachable_addresses(inventory: Inventory) -> Inventory:
 def _resume_args(previous: Run, current: Inventory, command: tuple, config: str | None, max_restarts: int,
                  overrides: tuple[str, ...]):
     """What --resume relaunches: the recorded nodes (with today's inventory settings), ranks, command, config."""
-    plan = LaunchPlan.from_json(previous.read().plan, f"run {previous.run_id}'s record")
+    plan = previous.read().plan   # read through LaunchPlan.from_json's checks, as every record is
     if command:
         raise UsageError("--resume relaunches the recorded command; give no SCRIPT")
     if current.builtin:
