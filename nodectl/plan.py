@@ -54,7 +54,6 @@ class LaunchPlan:
     sync_dir: str
     builtin_trainer: bool
     config: str | None
-    max_restarts: int = 0
     attempt: int = 0
     overrides: tuple[str, ...] = ()  # the built-in trainer's --set section.key=value, in order
     created: float = field(default_factory=time.time)
@@ -149,9 +148,9 @@ class LaunchPlan:
         backend = take("backend", str, "nccl or gloo")
         if backend not in ("nccl", "gloo"):
             fail("backend", "nccl or gloo")
-        counts = {key: take(key, int, "an integer >= 0", optional=True) or 0 for key in ("max_restarts", "attempt")}
-        if any(count < 0 for count in counts.values()):
-            fail("max_restarts", "an integer >= 0")
+        attempt = take("attempt", int, "an integer >= 0", optional=True) or 0
+        if attempt < 0:
+            fail("attempt", "an integer >= 0")
         return cls(run_id=take("run_id", str, "a run id"), nodes=tuple(nodes), backend=backend,
                    master_addr=take("master_addr", str, "an address"), master_port=port,
                    port_was_chosen=bool(take("port_was_chosen", bool, "true or false", optional=True)),
@@ -159,7 +158,7 @@ class LaunchPlan:
                    builtin_trainer=take("builtin_trainer", bool, "true or false"),
                    config=take("config", str, "a path", optional=True), overrides=words("overrides"),
                    created=float(take("created", (int, float), "a time", optional=True) or 0.0),
-                   outputs=outputs_from_record(data.get("outputs")), **counts)
+                   outputs=outputs_from_record(data.get("outputs")), attempt=attempt)
 
 
 def flight_recorder_env(run_dir: str, torch_version: str | None) -> dict[str, str]:
@@ -223,7 +222,7 @@ def visible_devices(inventory: Inventory, gpus: int | None) -> dict[str, str]:
 
 
 def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ...], sync_dir: str,
-               config: str | None = None, run_id: str | None = None, max_restarts: int = 0,
+               config: str | None = None, run_id: str | None = None,
                overrides: tuple[str, ...] = (),
                facts: Mapping[str, dict] | None = None, shared_workdirs: frozenset[str] = frozenset()) -> LaunchPlan:
     """Decide ranks, addresses, ports, folders and environments. Reads no node (only this process's
@@ -267,7 +266,7 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
     return LaunchPlan(run_id=run_id, nodes=tuple(node_plans), backend="gloo" if devices == {"cpu"} else "nccl",
                       master_addr=nodes[0].addr, master_port=port, port_was_chosen=chosen, command=tuple(command),
                       sync_dir=os.path.abspath(sync_dir), builtin_trainer=builtin, config=config,
-                      max_restarts=max_restarts, overrides=tuple(overrides), outputs=inventory.outputs)
+                      overrides=tuple(overrides), outputs=inventory.outputs)
 
 
 def with_port(plan: LaunchPlan, port: int) -> LaunchPlan:

@@ -85,6 +85,7 @@ class Manifest:
     left_out: list = field(default_factory=list)
     controller: dict | None = None  # the nodectl process that started this attempt: host, pid, its start time
     pace: dict | None = None        # the attached launch's latest pace verdict (nodectl/pace.py: PaceState)
+    attending: dict | None = None   # how the attached launch watches the run (nodectl/launch/attending.py)
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -99,6 +100,8 @@ class Manifest:
         values = {key: document[key] for key, f in known.items()
                   if key in document and (document[key] is not None or f.default_factory is MISSING)}
         values.setdefault("run_id", document["plan"].get("run_id"))
+        if "attending" not in document and document["plan"].get("max_restarts"):   # an older record: in its plan
+            values["attending"] = {"max_restarts": document["plan"]["max_restarts"]}
         values["state"] = RunState.parse(document.get("state"))
         _check_shape(values, known)
         # a record is data anyone with write access to it may have crafted: every reader gets it only once its

@@ -10,7 +10,7 @@ from nodectl import environment as environments
 from nodectl.cli.context import AppContext
 from nodectl.cli.diagnose import print_diagnosis
 from nodectl.cli.loglines import printer
-from nodectl.cli.options import Seconds, node_selection
+from nodectl.cli.options import declared_options, node_selection
 from nodectl.cli.preflight_table import print_report
 from nodectl.cli.run_option import opened
 from nodectl.cli.stop import report_stopped
@@ -18,6 +18,7 @@ from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED
 from nodectl.inventory import MAX_RANKS_PER_NODE
 from nodectl.launch import Outcome, launch, launch_request, stages_for
 import nodectl.launch.events as ev
+from nodectl.launch.attending import Attending
 from nodectl.launch.job import StartFailed, launch_argv, processes_left
 from nodectl.preflight.gate import PreflightGate
 from nodectl.remote import sync
@@ -39,30 +40,10 @@ from nodectl.watch import FailureKind, LogStream
 @click.option("--detach", is_flag=True, help="Return once every node has started.")
 @click.option("--follow", type=click.Choice(["rank0", "all"]), default="rank0", show_default=True,
               help="Stream rank 0, or every rank prefixed [node/rank].")
-@click.option("--grace", type=Seconds(min=0), default=10.0, show_default=True,
-              help="Seconds between SIGTERM and SIGKILL when stopping.")
-@click.option("--max-restarts", type=click.IntRange(min=0), default=0, show_default=True,
-              help="After a failure, stop the run everywhere and start it again as its next attempt, up to N times "
-                   "(the built-in trainer continues from its latest checkpoint). Needs an attached launch.")
-@click.option("--exclude-failed", is_flag=True,
-              help="With --max-restarts: before each restart, run the quick preflight on the run's nodes and "
-                   "leave out the ones that fail it or are lost; the run goes on with the rest.")
-@click.option("--stall-after", type=Seconds(min=1), default=None,
-              help="A live rank whose heartbeat is older than this many seconds (or, for a script that writes "
-                   "none, whose log has not grown for that long) stalls: the run is diagnosed (nodectl diagnose) "
-                   "and stopped.")
 @click.option("--force", is_flag=True,
               help="Start even when the inventory's master_port is taken on node 0 (a live run holds it): this run "
                    "gets a free port instead.")
-@click.option("--on-stall", type=click.Choice(["stop", "keep"]), default="stop", show_default=True,
-              help="With --stall-after: after the diagnosis, stop the run, or keep it running (to attach a "
-                   "debugger, or wait it out).")
-@click.option("--on-straggler", type=click.Choice(["warn", "exclude"]), default="warn", show_default=True,
-              help="When one rank stays 15% slower than the others (the straggler verdict): say so, or, with "
-                   "--max-restarts, once the verdict has held for --straggler-hold seconds stop the run, leave its "
-                   "node out and resume on the rest from the latest checkpoint.")
-@click.option("--straggler-hold", type=Seconds(min=0), default=60.0, show_default=True,
-              help="With --on-straggler exclude: seconds a straggler verdict must hold before its node is left out.")
+@declared_options(Attending)
 @click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE",
               help="Override one value of the built-in trainer's recipe (repeatable), e.g. --set train.steps=200.")
 @click.option("--environment", "environment", metavar="FILE",
@@ -78,8 +59,9 @@ from nodectl.watch import FailureKind, LogStream
 @click.pass_obj
 def command(app: AppContext, dry_run: bool, detach: bool, follow: str, **options) -> None:
     """Start SCRIPT (or -m MODULE, or the built-in trainer) through torchrun on every node."""
+    attending = Attending.take(options)
     request = launch_request(app.inventory, lambda run_id: opened(app, run_id), argv=launch_argv(), detach=detach,
-                             gate=PreflightGate(), **options)
+                             attending=attending, gate=PreflightGate(), **options)
     if request.secret_on_command_line:
         app.err.print("[yellow]warning:[/] an argument looks like a secret: it is shown and stored as ***, but on "
                       "the nodes it sits on the command line, visible to every user there (ps); pass it through "

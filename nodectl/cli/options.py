@@ -1,6 +1,8 @@
 """Options several commands share."""
 from __future__ import annotations
 
+from dataclasses import fields
+
 import click
 
 from nodectl import hostlist
@@ -54,3 +56,23 @@ class Seconds(click.FloatRange):
         if number != number or number in (float("inf"), float("-inf")):
             self.fail(f"{value!r} is not a finite number of seconds", param, ctx)
         return number
+
+
+def declared_options(declaration):
+    """A click option for each field of a dataclass whose fields carry `option(...)` metadata
+    (nodectl/launch/attending.py: Attending), in the fields' order, named as the field: the option, the value the
+    command hands on and the record's key are one declaration."""
+    def decorate(fn):
+        for f in reversed(fields(declaration)):
+            spec = f.metadata["option"]
+            if spec.kind == "flag":
+                kind = {"is_flag": True}
+            elif spec.kind == "choice":
+                kind = {"type": click.Choice(spec.choices), "show_default": True}
+            elif spec.kind == "count":
+                kind = {"type": click.IntRange(min=0), "show_default": True}
+            else:
+                kind = {"type": Seconds(min=spec.low), "show_default": f.default is not None}
+            fn = click.option(spec.flag, f.name, default=f.default, help=spec.help, **kind)(fn)
+        return fn
+    return decorate

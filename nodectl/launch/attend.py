@@ -11,6 +11,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
+from nodectl.launch.attending import Attending
 from nodectl.errors import RunFailed
 from nodectl.launch.events import (CheckingNodes, Diagnosed, Event, LeavingOut, NotAnswering,
                                    Restarting, RunPace, Stopping, StragglerSeen, UploadTrouble)
@@ -27,28 +28,27 @@ from nodectl.watch import Failure, FailureKind, LogStream, failure_lines, wait_f
 Restart = Callable[[Job, list[dict]], tuple[Job, Run]]
 
 
-def attend(job: Job, run: Run, session: Session, *, grace: float, restart: Restart, stall_after: float | None = None,
-           keep_stalled: bool = False, exclude_failed: bool = False, on_straggler: str = "warn",
-           straggler_hold: float = 60.0,
+def attend(job: Job, run: Run, session: Session, attending: Attending, *, restart: Restart,
            stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
            notify: Callable[[Event], None] = lambda event: None,
            gate: Gate = NO_GATE) -> tuple[Job, Run, Failure | None]:
-    """Watch the started `job` until it succeeds, or fails with no restart left (`plan.max_restarts`): the last
+    """Watch the started `job` until it succeeds, or fails with no restart left (`attending.max_restarts`): the last
     attempt's job and run, and its failure (None: it succeeded). A failure stops the run on every node first
     (fail-fast); each restart is the same run's next attempt, started by `restart(job, left_out)`."""
-    restarts_left = job.plan.max_restarts
+    restarts_left = attending.max_restarts
     lost_after = session.options.connect_timeout + 5
     while True:
-        failure = follow(run, session.cluster(np.node for np in job.plan.nodes), grace=grace, lost_after=lost_after,
-                         stall_after=stall_after, keep_stalled=keep_stalled, stream_for=stream_for, notify=notify,
-                         progress=session.progress, gate=gate,
-                         exclude_after=straggler_hold if on_straggler == "exclude" and restarts_left > 0 else None)
+        excluding = attending.on_straggler == "exclude" and restarts_left > 0
+        failure = follow(run, session.cluster(np.node for np in job.plan.nodes), grace=attending.grace,
+                         lost_after=lost_after, stall_after=attending.stall_after, keep_stalled=attending.keep_stalled,
+                         stream_for=stream_for, notify=notify, progress=session.progress, gate=gate,
+                         exclude_after=attending.straggler_hold if excluding else None)
         if failure is None or not restarts_left:
             return job, run, failure
         restarts_left -= 1
         notify(Restarting(job.run_id, failure, job.plan.attempt + 1, restarts_left))
         left_out, inventory = [], None
-        if exclude_failed or failure.kind == FailureKind.STRAGGLER:
+        if attending.exclude_failed or failure.kind == FailureKind.STRAGGLER:
             inventory, left_out = _passing_nodes(job, failure, session, notify, gate)
         job, run = restart(next_attempt(job, inventory=inventory), left_out)
 

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping
 
+from nodectl.launch.attending import Attending
 from nodectl.remote import sync
 from nodectl.errors import INTERRUPTED, NodectlError, exit_code_for
 from nodectl.inventory import Inventory
@@ -41,7 +42,6 @@ class JobSpec:
     gpus: int | None = None
     config: str | None = None
     overrides: tuple[str, ...] = ()
-    max_restarts: int = 0
     template: str | None = None
     facts: Mapping[str, dict] = field(default_factory=dict)  # probe reports per node, when a preflight ran
     kind: str = "train"               # or "preflight": preflight's own jobs
@@ -53,7 +53,7 @@ class JobSpec:
 
     def plan(self) -> LaunchPlan:
         plan = build_plan(self.inventory, gpus=self.gpus, command=self.command, sync_dir=self.sync_dir,
-                          config=self.config, run_id=self.run_id, max_restarts=self.max_restarts,
+                          config=self.config, run_id=self.run_id,
                           overrides=self.overrides, facts=self.facts, shared_workdirs=self.shared_workdirs)
         return replace(plan, attempt=self.attempt) if self.attempt else plan
 
@@ -110,13 +110,17 @@ def next_attempt(job: Job, *, inventory: Inventory | None = None) -> Job:
     return plan_job(replace(spec, inventory=inventory, shared_workdirs=spec.shared_workdirs & names))
 
 
-def record_job(job: Job, previous: Run | None = None) -> Run:
-    """The local run folder: a new run, or the next attempt of `previous` (its earlier attempts kept)."""
+def record_job(job: Job, previous: Run | None = None, attending: Attending | None = None) -> Run:
+    """The local run folder: a new run, or the next attempt of `previous` (its earlier attempts kept); with
+    `attending`, how the launch watches this attempt (what --resume reads back)."""
     plan = job.plan
+    watched = {"attending": attending.to_json()} if attending is not None else {}
     if previous is None:
         run = create_run(plan, argv=list(job.spec.argv), config_fingerprint=plan.fingerprint(),
                          inventory_source=job.spec.inventory.source,
                          git=git_revision(plan.sync_dir) if job.spec.kind == "train" else None, kind=job.spec.kind)
+        if watched:
+            run.update(**watched)
         (run.folder / "scripts").mkdir()
     else:
         run = previous
@@ -125,7 +129,7 @@ def record_job(job: Job, previous: Run | None = None) -> Run:
                                         "started": manifest.started, "ended": manifest.ended,
                                         "failure": manifest.failure}]
         run.update(attempt=plan.attempt, state=RunState.STARTING, attempts=history, ended=None,
-                   started=time.time(), plan=plan, failure=None, controller=this_controller())
+                   started=time.time(), plan=plan, failure=None, controller=this_controller(), **watched)
     for r in job.rendered:
         (run.folder / "scripts" / f"{r.node}.sh").write_text(r.launch_redacted)
         (run.folder / "scripts" / f"{r.node}.env").write_text(r.env_redacted)

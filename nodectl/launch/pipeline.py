@@ -102,13 +102,9 @@ class _Launch:
                 self.start()
             if Stage.ATTEND not in stages:
                 return Outcome(self.job, self.run_)
-            job, run, failure = attend(self.job, self.run_, self.session, grace=self.request.grace,
-                                       restart=self.restart, stall_after=self.request.stall_after,
-                                       keep_stalled=self.request.keep_stalled,
-                                       exclude_failed=self.request.exclude_failed,
-                                       on_straggler=self.request.on_straggler,
-                                       straggler_hold=self.request.straggler_hold, stream_for=self.logs,
-                                       notify=self.events, gate=self.request.gate)
+            job, run, failure = attend(self.job, self.run_, self.session, self.request.attending,
+                                       restart=self.restart, stream_for=self.logs, notify=self.events,
+                                       gate=self.request.gate)
             return Outcome(job, run, failure, attended=True)
         except KeyboardInterrupt:
             self.interrupted()
@@ -193,7 +189,7 @@ class _Launch:
                              f"(nodectl stop --run {previous.run_id}), then --resume it")
 
     def record(self) -> None:
-        self.run_ = record_job(self.job, self.request.previous)
+        self.run_ = record_job(self.job, self.request.previous, self.request.attending)
         self.events(ev.Recorded(self.job, resumed=self.request.previous is not None))
         if self.preflight:
             save_preflight(self.run_, self.job.plan.attempt, self.preflight, self.spec.facts)
@@ -204,7 +200,8 @@ class _Launch:
         def ready(prepared) -> None:
             self.events(ev.CodeReady(len(prepared), time.monotonic() - began, sum(r.value.sent for r in prepared)))
 
-        start_job(self.job, self.run_, self.cluster(), grace=self.request.grace, progress=self.session.progress,
+        start_job(self.job, self.run_, self.cluster(), grace=self.request.attending.grace,
+                  progress=self.session.progress,
                   on_ready=ready if on_ready else None)
         self.events(ev.Started(self.job, self.run_))
 
@@ -212,7 +209,7 @@ class _Launch:
         """Stage.ATTEND's restart: the next attempt through SETTLE (the port alone: its nodes were surveyed),
         RECORD and START."""
         self.job = settle_job(job, self.cluster(), survey_nodes=False)
-        self.run_ = record_job(self.job, self.run_)
+        self.run_ = record_job(self.job, self.run_, self.request.attending)
         self.events(ev.AttemptRecorded(self.job.run_id, self.job.plan.attempt, self.job.plan.nnodes))
         if left_out:  # `stop` still reaches them once they are back: their processes may live on
             self.run_.update(left_out=self.run_.read().left_out + left_out)
@@ -228,7 +225,7 @@ class _Launch:
                                                        "run was stopped on every node"}
         hurried = False
         try:
-            stopped = stop_run(run, self.cluster(), self.request.grace, RunState.INTERRUPTED,
+            stopped = stop_run(run, self.cluster(), self.request.attending.grace, RunState.INTERRUPTED,
                                progress=self.session.progress, remove_unstarted=True, failure=cause)
         except StopHurried as hurry:
             stopped, hurried = hurry.results, True

@@ -11,6 +11,7 @@ from typing import Callable
 from nodectl import environment as environments, outputs as stores
 from nodectl.errors import UsageError
 from nodectl.inventory import Inventory
+from nodectl.launch.attending import Attending
 from nodectl.launch.gate import NO_GATE, Gate
 from nodectl.launch.job import JobSpec
 from nodectl.plan import LaunchPlan
@@ -25,13 +26,8 @@ class LaunchRequest:
     (nodectl/launch/pipeline.py: `stages_for`)."""
 
     spec: JobSpec
-    grace: float = 10.0
+    attending: Attending = Attending()   # how the attached launch watches the run (launch/attending.py)
     skip_preflight: bool = False
-    stall_after: float | None = None
-    keep_stalled: bool = False
-    exclude_failed: bool = False
-    on_straggler: str = "warn"       # warn | exclude (nodectl/pace.py's verdict)
-    straggler_hold: float = 60.0     # exclude: seconds the verdict holds first
     previous: Run | None = None      # --resume: the run whose next attempt this is
     withheld: tuple[sync.Withheld, ...] = ()   # project files that do not travel (the inventory, secrets)
     gate: Gate = NO_GATE             # the preflight before a start and for a restart's nodes (launch/gate.py)
@@ -45,11 +41,9 @@ class LaunchRequest:
 
 def launch_request(load_inventory: Callable[[], Inventory], open_run: Callable[[str], Run], *, argv: tuple[str, ...],
                    nodes=None, exclude=(), gpus=None, config=None, sync_dir=".", sync_limit=None, template=None,
-                   skip_preflight=False, detach=False, grace=10.0, max_restarts=0, exclude_failed=False,
-                   stall_after=None, force=False, on_stall="stop", on_straggler="warn", straggler_hold=60.0,
-                   overrides=(), environment=None,
-                   outputs_url=None,
-                   resume_run=None, command=(), gate: Gate = NO_GATE, **_output_options) -> LaunchRequest:
+                   skip_preflight=False, detach=False, attending: Attending = Attending(), force=False,
+                   overrides=(), environment=None, outputs_url=None, resume_run=None, command=(),
+                   gate: Gate = NO_GATE, **_output_options) -> LaunchRequest:
     """The request `nodectl launch` makes of its options; a usage error (exit 2) for any that cannot go together.
     `_output_options` (--dry-run, --follow) change what is shown, not what is launched."""
     for position, argument in enumerate(command, 1):
@@ -58,28 +52,13 @@ def launch_request(load_inventory: Callable[[], Inventory], open_run: Callable[[
         except UnicodeEncodeError:
             raise UsageError(f"argument {position} after `--` is not UTF-8 text ({os.fsencode(argument)!r}"
                              f"): nodectl records and quotes arguments as UTF-8") from None
-    if exclude_failed and not max_restarts:
-        raise UsageError("--exclude-failed decides which nodes a restart uses: give --max-restarts N too")
-    if on_straggler == "exclude" and not max_restarts:
-        raise UsageError("--on-straggler exclude resumes the run without the straggler's node: give "
-                         "--max-restarts N too")
-    if on_straggler == "exclude" and detach:
-        raise UsageError("--on-straggler exclude needs an attached launch: nodectl itself watches the ranks' pace "
-                         "(drop --detach)")
-    if on_stall == "keep" and not stall_after:
-        raise UsageError("--on-stall keep says what to do with a stall: give --stall-after SECONDS too")
-    if stall_after and detach:
-        raise UsageError("--stall-after needs an attached launch: nodectl itself watches the heartbeats (on a "
-                         "detached run, `nodectl status --stall-after S` and `nodectl diagnose`)")
-    if max_restarts and detach:
-        raise UsageError("--max-restarts needs an attached launch: nodectl itself watches the run and restarts it "
-                         "(drop --detach)")
+    attending.check(detach)
     if resume_run is not None and not resume_run.strip():
         raise UsageError("--resume: an empty run id (nodectl runs lists them)")
     previous = open_run(resume_run) if resume_run else None
     if previous:
-        inventory, gpus, command, config, sync_dir, max_restarts, overrides = _resume_args(
-            previous, load_inventory(), command, config, max_restarts, overrides)
+        inventory, gpus, command, config, sync_dir, attending, overrides = _resume_args(
+            previous, load_inventory(), command, config, attending, overrides)
     else:
         inventory = load_inventory().select(nodes, exclude)
     if outputs_url is not None:
@@ -102,13 +81,11 @@ def launch_request(load_inventory: Callable[[], Inventory], open_run: Callable[[
     uploader = ("nodectl_outputs.py",) if any(n.outputs for n in inventory.nodes) else ()
     spec = JobSpec(inventory, command=command, sync_dir=sync_dir,
                    files=tuple(files + sync.nodectl_files(not command, config, uploader)), gpus=gpus, config=config,
-                   overrides=tuple(overrides), max_restarts=max_restarts, template=template, argv=argv,
+                   overrides=tuple(overrides), template=template, argv=argv,
                    run_id=previous.run_id if previous else None,
                    attempt=previous.read().attempt + 1 if previous else 0, any_port=force)
-    return LaunchRequest(spec, grace=grace, skip_preflight=skip_preflight, stall_after=stall_after,
-                         keep_stalled=on_stall == "keep", exclude_failed=exclude_failed, previous=previous,
-                         on_straggler=on_straggler, straggler_hold=straggler_hold,
-                         withheld=tuple(withheld), gate=gate)
+    return LaunchRequest(spec, attending, skip_preflight=skip_preflight, previous=previous, withheld=tuple(withheld),
+                         gate=gate)
 
 
 def _secret_values(inventory: Inventory) -> tuple[str, ...]:
@@ -169,10 +146,13 @@ def _reachable_addresses(inventory: Inventory) -> Inventory:
     return replace(inventory, nodes=nodes)
 
 
-def _resume_args(previous: Run, current: Inventory, command: tuple, config: str | None, max_restarts: int,
+def _resume_args(previous: Run, current: Inventory, command: tuple, config: str | None, attending: Attending,
                  overrides: tuple[str, ...]):
-    """What --resume relaunches: the recorded nodes (with today's inventory settings), ranks, command, config."""
-    plan = previous.read().plan   # read through LaunchPlan.from_json's checks, as every record is
+    """What --resume relaunches: the recorded nodes (with today's inventory settings), ranks, command, config,
+    and the recorded --max-restarts unless given again."""
+    manifest = previous.read()
+    plan = manifest.plan   # read through LaunchPlan.from_json's checks, as every record is
+    recorded_attending = Attending.from_record(manifest.attending, f"run {previous.run_id}'s record")
     if command:
         raise UsageError("--resume relaunches the recorded command; give no SCRIPT")
     if current.builtin:
@@ -188,7 +168,8 @@ def _resume_args(previous: Run, current: Inventory, command: tuple, config: str 
         recorded = ()
         config = config or plan.config
     return (replace(current, nodes=nodes), plan.nodes[0].nproc, recorded, config, _recorded_sync_dir(previous, plan),
-            max_restarts or plan.max_restarts, overrides or plan.overrides)
+            replace(attending, max_restarts=attending.max_restarts or recorded_attending.max_restarts),
+            overrides or plan.overrides)
 
 
 def _recorded_sync_dir(previous: Run, plan: LaunchPlan) -> str:

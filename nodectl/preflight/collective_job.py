@@ -7,6 +7,7 @@ import tempfile
 from dataclasses import replace
 
 from nodectl.inventory import Inventory
+from nodectl.launch.attending import Attending
 from nodectl.launch import LaunchRequest, Stage, launch
 from nodectl.launch.job import JobSpec, StartFailed
 from nodectl.preflight.checks import Tier
@@ -61,7 +62,7 @@ def run_collective(inventory: Inventory, session: Session, *, gpus: int | None, 
                    files=tuple(sync.nodectl_files(False, None, ("collective.py",))), gpus=gpus, facts=facts or {},
                    kind="preflight", argv=("nodectl", "preflight", "(collective test)"))
     try:
-        outcome = launch(LaunchRequest(spec, grace=grace, skip_preflight=True), session, STAGES)
+        outcome = launch(LaunchRequest(spec, Attending(grace=grace), skip_preflight=True), session, STAGES)
     except StartFailed as failed:
         return None, {}, str(failed.message), failed.run_id
     run_nodes, cluster = outcome.run.nodes(), session.cluster(inventory.nodes)

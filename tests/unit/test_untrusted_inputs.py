@@ -186,12 +186,12 @@ def test_a_recorded_plan_reads_back_as_one_and_a_crafted_one_is_refused_by_field
     inventory = parse_inventory("master_port: 29500\ndefaults: {gpus: 2, env: {HF_TOKEN: hf_secret_value}}\n"
                                 "nodes:\n  - {host: 10.0.0.11, name: node0}\n  - {host: 10.0.0.12, name: node1}\n")
     plan = build_plan(inventory, gpus=None, command=("train.py", "--hf-token", "x"), sync_dir="/src/project",
-                      run_id="20260101-000000-abcd", max_restarts=2)
+                      run_id="20260101-000000-abcd")
     recorded = json.loads(json.dumps(plan.to_json()))
     back = LaunchPlan.from_json(recorded)
     assert [(np.node.name, np.node.host, np.node_rank, np.nproc, np.run_dir) for np in back.nodes] == \
         [(np.node.name, np.node.host, np.node_rank, np.nproc, np.run_dir) for np in plan.nodes]
-    assert back.command == ("train.py", "--hf-token", "***") and back.max_restarts == 2
+    assert back.command == ("train.py", "--hf-token", "***")
     assert back.nodes[0].env["HF_TOKEN"] == "***" and back.master_port == plan.master_port
     again = json.loads(json.dumps(back.to_json()))
     for entry in again["nodes"] + recorded["nodes"]:   # a recorded node keeps no env of its own (the plan's has it)
