@@ -17,6 +17,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from nodectl.sections import section
+
 RUNTIMES = ("docker", "podman", "apptainer", "enroot")
 KEYS = {"image", "runtime", "python", "mounts", "options", "allow_privileged"}
 # Options that widen what the container may do to the node beyond what nodectl renders (host network, IPC and
@@ -58,15 +60,10 @@ def container_name(run_id: str, node_name: str) -> str:
 
 def parse(value: Any, label: str, fail: Callable[[str, str], None]) -> Container | None:
     """A `container:` mapping (or null/false: none), checked; `fail(key, expected)` raises."""
-    if value is None or value is False:
+    value = section(value, label, fail, shorthand="image", keys=KEYS, shape="a mapping with at least image: (and "
+                    "runtime:, python:, mounts:, options:), or an image name")
+    if value is None:
         return None
-    if isinstance(value, str):
-        value = {"image": value}
-    if not isinstance(value, dict):
-        fail(label, "a mapping with at least image: (and runtime:, python:, mounts:, options:), or an image name")
-    for key in value:
-        if key not in KEYS:
-            fail(f"{label}.{key}", f"unknown key; expected one of {', '.join(sorted(KEYS))}")
     for key in ("image", "runtime", "python"):
         item = value.get(key)
         if key in value and (not isinstance(item, str) or not item.strip() or any(c in item for c in "\n\r\0")):

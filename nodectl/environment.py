@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nodectl.errors import NodectlError, UsageError
+from nodectl.sections import section
 
 KEYS = {"file", "install", "index_url"}
 INSTALLS = ("wheels", "index")
@@ -45,16 +46,11 @@ class Environment:
 
 
 def parse(value: Any, label: str, fail: Callable[[str, str], None]) -> Environment | None:
-    if value is None or value is False:
+    value = section(value, label, fail, shorthand="file", keys=KEYS, shape="a requirements file or lock inside the "
+                    "synced project (environment: requirements.txt), or a mapping with file: and install: (wheels | "
+                    "index)")
+    if value is None:
         return None
-    if isinstance(value, str):
-        value = {"file": value}
-    if not isinstance(value, dict):
-        fail(label, "a requirements file or lock inside the synced project (environment: requirements.txt), or a "
-                    "mapping with file: and install: (wheels | index)")
-    for key in value:
-        if key not in KEYS:
-            fail(f"{label}.{key}", f"unknown key; expected one of {', '.join(sorted(KEYS))}")
     file = value.get("file")
     if not isinstance(file, str) or not file.strip() or "\0" in file or "\n" in file:
         fail(f"{label}.file", f"a path inside the synced project, got {file!r}")

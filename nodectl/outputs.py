@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from nodectl.errors import NodectlError, UsageError
+from nodectl.sections import section
 from nodectl.secrets import redact_text
 
 KEYS = {"url", "every", "endpoint_url", "region"}
@@ -78,15 +79,10 @@ def seconds(value: Any) -> float | None:
 
 
 def parse(value: Any, label: str, fail: Callable[[str, str], None]) -> Outputs | None:
-    if value is None or value is False:
+    value = section(value, label, fail, shorthand="url", keys=KEYS, shape="an s3://bucket/prefix URL, or a mapping "
+                    "with url: and every: (10m), endpoint_url:, region:")
+    if value is None:
         return None
-    if isinstance(value, str):
-        value = {"url": value}
-    if not isinstance(value, Mapping):
-        fail(label, "an s3://bucket/prefix URL, or a mapping with url: and every: (10m), endpoint_url:, region:")
-    for key in value:
-        if key not in KEYS:
-            fail(f"{label}.{key}", f"unknown key; expected one of {', '.join(sorted(KEYS))}")
     if problem := url_problem(value.get("url")):
         fail(f"{label}.url", problem)
     every = seconds(value.get("every", DEFAULT_EVERY))

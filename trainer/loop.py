@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
@@ -164,13 +165,6 @@ def _loop(recipe: Recipe, ctx: Context, model, parallel: Parallel, examples, tok
     matmul_params = trainable + frozen - model.get_input_embeddings().weight.numel() - idle_frozen - idle_trainable
     flops = functools.partial(window_flops, trainable - idle_trainable, matmul_params, config.num_hidden_layers,
                               config.hidden_size)
-    peak = peak_flops(torch.cuda.get_device_name(ctx.device) if ctx.on_gpu else None)
-    window = torch.zeros(4, device=ctx.device)  # loss sum, target tokens, real tokens, sum of squared row lengths
-    window_start, window_steps = time.perf_counter(), 0
-    stopper = EarlyStop(recipe.train.early_stop_patience, recipe.train.early_stop_min_delta)
-    timed = Deadline(recipe.train.checkpoint_minutes, ctx)
-    term = TermRequest()
-    saved_at = start_step
     summary: dict = {"trainable_params": trainable, "frozen_params": frozen, "resumed_from": start_step or None,
                      "end_reason": f"completed {recipe.train.steps} steps"}
     covered, skipped = parallel.grouped, parallel.peft_path
@@ -180,81 +174,195 @@ def _loop(recipe: Recipe, ctx: Context, model, parallel: Parallel, examples, tok
     if ctx.rank == 0:
         print(f"training {trainable:,} LoRA parameters over a frozen base of {frozen:,} on {ctx.world} rank(s)"
               + (f", resuming at step {start_step}" if start_step else ""), flush=True)
-    run_eval = _evaluator(recipe, ctx, model, eval_set, tokenizer, reporter, summary)
-    if recipe.train.eval_at_start and start_step == 0:
-        run_eval(0)
+    # the parts that keep their own schedule: the loop trains a step, then asks each whether this step is its own
+    evaluator = Evaluator(recipe, ctx, model, eval_set, tokenizer, reporter, summary)
+    evaluator.at_start(start_step)
+    checkpointer = Checkpointer(recipe, ctx, model, parallel, optimizer, out_dir, start_step, reporter)
+    profiler = Profiler(recipe.train.profile_at, ctx, out_dir)
+    adapters = AdapterSaves(recipe, model, out_dir)
+    peak = peak_flops(torch.cuda.get_device_name(ctx.device) if ctx.on_gpu else None)
+    logger = Logger(recipe, ctx, optimizer, flops, peak, reporter, summary)   # its first window starts now
     step = start_step
-    profiler = None
     for step in range(start_step, recipe.train.steps):
-        last = step + 1 == recipe.train.steps
-        if recipe.train.profile_at == step + 1:
-            profiler = _start_profile(ctx)
-        if recipe.train.traffic_at == step + 1:
-            _counted_step(recipe, ctx, model, parallel, optimizer, params, batches, step, window, reporter)
+        done, last = step + 1, step + 1 == recipe.train.steps
+        profiler.before(done)
+        if recipe.train.traffic_at == done:   # the traffic counter's one step: collectives counted and logged
+            _counted_step(recipe, ctx, model, parallel, optimizer, params, batches, step, logger.window, reporter)
         else:
-            _train_step(recipe, ctx, model, optimizer, params, batches, step, window)
-        if profiler is not None and (step + 1 == recipe.train.profile_at + 1 or last):
-            _finish_profile(profiler, ctx, out_dir)
-            profiler = None
-        window_steps += 1
-        if (step + 1) % recipe.train.log_every == 0 or last:
-            record = _reduce_window(ctx, step, window, window_start, window_steps, optimizer, flops, peak)
-            window_start = record.pop("_clock")  # the next window starts where this one was measured to end
-            reporter.log(record)
-            reporter.timing(step + 1, record["step_time_s"])
-            summary.update(last_loss=record["loss"], first_loss=summary.get("first_loss", record["loss"]),
-                           tokens_per_s_per_gpu=record["tokens_per_s_per_gpu"], mfu=record["mfu"])
-            window.zero_()
-            window_steps = 0
+            _train_step(recipe, ctx, model, optimizer, params, batches, step, logger.window)
+        profiler.after(done, last)
+        logged = logger.after(done, last)
         # after the record: a logging step's heartbeat carries its own loss; data_s: the pace's data-wait share
-        reporter.heartbeat(step + 1, data_s=round(batches.waited, 4))
-        evaluates = recipe.train.eval_every and (step + 1) % recipe.train.eval_every == 0
-        saves = (recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0) or \
-            (recipe.train.save_every and (step + 1) % recipe.train.save_every == 0)
-        if (evaluates or saves) and window_steps and ctx.on_gpu:
+        reporter.heartbeat(done, data_s=round(batches.waited, 4))
+        evaluates, saves = evaluator.due(done), checkpointer.every(done) or adapters.due(done)
+        if (evaluates or saves) and logger.steps and ctx.on_gpu:
             torch.cuda.synchronize(ctx.device)  # queued training work belongs to the window, not to the aside
-        # the check costs a small collective per log window: training time, counted in the next window
-        due, stopping = timed.check(term.asked) if (step + 1) % recipe.train.log_every == 0 or last else (False, False)
-        reason, aside = None, time.perf_counter()  # evaluation and saving are not training time
-        if evaluates:
-            reason = stopper.update(step + 1, run_eval(step + 1))
-        every = recipe.train.checkpoint_every and (step + 1) % recipe.train.checkpoint_every == 0
-        if every or due or (stopping and step + 1 > saved_at):
-            _checkpoint(recipe, ctx, model, parallel, optimizer, step + 1, out_dir, reporter if every else None)
-            saved_at, timed = step + 1, Deadline(recipe.train.checkpoint_minutes, ctx)
-        if stopping and not last:
-            telemetry.stop()
-            reporter.event({"step": step + 1, "stop": "SIGTERM"})
-            reporter.close()
-            if ctx.rank == 0:
-                print(f"stopped by SIGTERM at step {step + 1}; checkpoint written: launch --resume continues from it",
-                      flush=True)
-            raise SystemExit(128 + signal.SIGTERM)
-        if recipe.train.save_every and (step + 1) % recipe.train.save_every == 0 and not last:
-            checkpoint.save_adapter(model, out_dir, step + 1, recipe.train.keep_last)
-        window_start += time.perf_counter() - aside
+        due, stopping = checkpointer.asked(logged)
+        with logger.aside():   # evaluation and saving are not training time
+            reason = evaluator.run(done) if evaluates else None
+            checkpointer.after(done, due, stopping)
+            if stopping and not last:
+                telemetry.stop()
+                reporter.event({"step": done, "stop": "SIGTERM"})
+                reporter.close()
+                if ctx.rank == 0:
+                    print(f"stopped by SIGTERM at step {done}; checkpoint written: launch --resume continues from "
+                          f"it", flush=True)
+                raise SystemExit(128 + signal.SIGTERM)
+            adapters.after(done, last)
         if reason:
             summary["end_reason"] = reason
-            reporter.event({"step": step + 1, "stop": reason})
+            reporter.event({"step": done, "stop": reason})
             step += 1
             break
     else:
         step = recipe.train.steps
-    if step > saved_at and (recipe.train.checkpoint_minutes or recipe.train.checkpoint_every):
-        # the end too: a finished run can be trained further (launch --resume RUN --set train.steps=MORE), and a
-        # restart after a failure past the last timed checkpoint loses nothing
-        _checkpoint(recipe, ctx, model, parallel, optimizer, step, out_dir, None)
+    checkpointer.at_end(step)
     telemetry.stop()
     if recipe.train.save_probe_logits:
         _save_probe(model, batches.micro_batches(0)[0], ctx, out_dir)
     saved = checkpoint.save_adapter(model, out_dir, step, recipe.train.keep_last)
-    summary.update(adapter=saved, steps=step, best_eval_loss=None if stopper.best == math.inf else stopper.best)
+    summary.update(adapter=saved, steps=step, best_eval_loss=evaluator.best)
     if ctx.rank == 0:
         print(f"adapter saved to {out_dir / 'adapter'} ({saved['gathered_bytes'] / 2**20:.2f} MiB gathered in "
               f"{saved['seconds']:.2f}s); {summary['end_reason']}", flush=True)
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     reporter.close()
     return summary
+
+
+class Logger:
+    """The log window (train.log_every): the loss, tokens and grad norm it accumulates on the device (`window`,
+    which the steps add to), reduced across ranks once per window, with the window's time from the clock after
+    the GPU finished; what the loop does aside (evaluation, saving) is kept out of that time."""
+
+    def __init__(self, recipe: Recipe, ctx: Context, optimizer, flops, peak: float | None, reporter, summary: dict):
+        self.every, self.ctx, self.optimizer, self.flops, self.peak = recipe.train.log_every, ctx, optimizer, flops, peak
+        self.reporter, self.summary = reporter, summary
+        self.window = torch.zeros(4, device=ctx.device)  # loss sum, target tokens, real tokens, sum of squared lengths
+        self.start, self.steps = time.perf_counter(), 0
+
+    def after(self, done: int, last: bool) -> bool:
+        """A step trained: at the window's end, its record logged. True at a logging step."""
+        self.steps += 1
+        if done % self.every and not last:
+            return False
+        record = _reduce_window(self.ctx, done - 1, self.window, self.start, self.steps, self.optimizer, self.flops,
+                                self.peak)
+        self.start = record.pop("_clock")  # the next window starts where this one was measured to end
+        self.reporter.log(record)
+        self.reporter.timing(done, record["step_time_s"])
+        self.summary.update(last_loss=record["loss"], first_loss=self.summary.get("first_loss", record["loss"]),
+                            tokens_per_s_per_gpu=record["tokens_per_s_per_gpu"], mfu=record["mfu"])
+        self.window.zero_()
+        self.steps = 0
+        return True
+
+    @contextmanager
+    def aside(self):
+        """Time spent here is not training time: the window's clock moves past it."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.start += time.perf_counter() - started
+
+
+class Evaluator:
+    """Held-out loss every train.eval_every steps (and at step 0 with train.eval_at_start), and the early stop
+    it decides (train.early_stop_patience)."""
+
+    def __init__(self, recipe: Recipe, ctx: Context, model, eval_set, tokenizer, reporter, summary: dict):
+        self.recipe, self.ctx, self.model, self.eval_set, self.tokenizer = recipe, ctx, model, eval_set, tokenizer
+        self.reporter, self.summary = reporter, summary
+        self.stopper = EarlyStop(recipe.train.early_stop_patience, recipe.train.early_stop_min_delta)
+
+    def due(self, done: int) -> bool:
+        return bool(self.recipe.train.eval_every) and done % self.recipe.train.eval_every == 0
+
+    def at_start(self, start_step: int) -> None:
+        if self.recipe.train.eval_at_start and start_step == 0:
+            self._evaluate(0)
+
+    def run(self, done: int) -> str | None:
+        """Evaluate; why training stops here (a plateau), or None."""
+        return self.stopper.update(done, self._evaluate(done))
+
+    @property
+    def best(self) -> float | None:
+        return None if self.stopper.best == math.inf else self.stopper.best
+
+    def _evaluate(self, step: int) -> float:
+        loss = evaluate.evaluate(self.model, self.eval_set, rank=self.ctx.rank, world=self.ctx.world,
+                                 batch_size=self.recipe.train.micro_batch_size,
+                                 pad_id=self.tokenizer.pad_token_id or 0, device=self.ctx.device)
+        self.reporter.event({"step": step, "eval_loss": loss, "eval_samples": len(self.eval_set), "time": time.time()})
+        self.summary.setdefault("eval", []).append({"step": step, "loss": loss})
+        return loss
+
+
+class Checkpointer:
+    """Resumable checkpoints (trainer/resume.py) by their three rules: every train.checkpoint_every steps, when
+    train.checkpoint_minutes have passed, and when a rank was asked to stop (SIGTERM), the last two agreed by every
+    rank at logging steps (Deadline); and one at the end, where either rule is set."""
+
+    def __init__(self, recipe: Recipe, ctx: Context, model, parallel: Parallel, optimizer, out_dir: Path,
+                 start_step: int, reporter):
+        self.recipe, self.ctx, self.model, self.parallel, self.optimizer = recipe, ctx, model, parallel, optimizer
+        self.out_dir, self.saved_at, self.reporter = out_dir, start_step, reporter
+        self.timed, self.term = Deadline(recipe.train.checkpoint_minutes, ctx), TermRequest()
+
+    def every(self, done: int) -> bool:
+        return bool(self.recipe.train.checkpoint_every) and done % self.recipe.train.checkpoint_every == 0
+
+    def asked(self, logging_step: bool) -> tuple[bool, bool]:
+        """(a timed checkpoint is due, a rank was asked to stop): one small collective, at logging steps only."""
+        return self.timed.check(self.term.asked) if logging_step else (False, False)
+
+    def after(self, done: int, due: bool, stopping: bool) -> None:
+        every = self.every(done)
+        if every or due or (stopping and done > self.saved_at):
+            self._save(done, self.reporter if every else None)   # checkpoint_every's: an event in metrics.jsonl
+
+    def at_end(self, step: int) -> None:
+        """The end too: a finished run can be trained further (launch --resume RUN --set train.steps=MORE), and a
+        restart after a failure past the last timed checkpoint loses nothing."""
+        if step > self.saved_at and (self.recipe.train.checkpoint_minutes or self.recipe.train.checkpoint_every):
+            self._save(step, None)
+
+    def _save(self, step: int, reporter) -> None:
+        _checkpoint(self.recipe, self.ctx, self.model, self.parallel, self.optimizer, step, self.out_dir, reporter)
+        self.saved_at, self.timed = step, Deadline(self.recipe.train.checkpoint_minutes, self.ctx)
+
+
+class Profiler:
+    """torch.profiler over the one step train.profile_at names; rank 0 writes profile.txt after it."""
+
+    def __init__(self, at: int, ctx: Context, out_dir: Path) -> None:
+        self.at, self.ctx, self.out_dir, self.running = at, ctx, out_dir, None
+
+    def before(self, done: int) -> None:
+        if self.at == done:
+            self.running = _start_profile(self.ctx)
+
+    def after(self, done: int, last: bool) -> None:
+        if self.running is not None and (done == self.at + 1 or last):
+            _finish_profile(self.running, self.ctx, self.out_dir)
+            self.running = None
+
+
+class AdapterSaves:
+    """The adapter saved every train.save_every steps (the last step's is the loop's own, after it)."""
+
+    def __init__(self, recipe: Recipe, model, out_dir: Path) -> None:
+        self.every, self.keep, self.model, self.out_dir = recipe.train.save_every, recipe.train.keep_last, model, out_dir
+
+    def due(self, done: int) -> bool:
+        return bool(self.every) and done % self.every == 0
+
+    def after(self, done: int, last: bool) -> None:
+        if self.due(done) and not last:
+            checkpoint.save_adapter(self.model, self.out_dir, done, self.keep)
 
 
 class TermRequest:
@@ -329,17 +437,6 @@ def _resume(recipe: Recipe, ctx: Context, model, parallel: Parallel, optimizer, 
               f"{recipe.train.steps} steps from step {step}, {lr_at(step, recipe):.1e} now (the old one ended at "
               f"{lr_at(before - 1, replace(recipe, train=replace(recipe.train, steps=before))):.1e})", flush=True)
     return step
-
-
-def _evaluator(recipe, ctx, model, eval_set, tokenizer, reporter, summary):
-    def run(step: int) -> float:
-        loss = evaluate.evaluate(model, eval_set, rank=ctx.rank, world=ctx.world,
-                                 batch_size=recipe.train.micro_batch_size, pad_id=tokenizer.pad_token_id or 0,
-                                 device=ctx.device)
-        reporter.event({"step": step, "eval_loss": loss, "eval_samples": len(eval_set), "time": time.time()})
-        summary.setdefault("eval", []).append({"step": step, "loss": loss})
-        return loss
-    return run
 
 
 def _counted_step(recipe, ctx, model, parallel: Parallel, optimizer, params, batches, step: int, window,
