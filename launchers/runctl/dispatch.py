@@ -1,11 +1,10 @@
 """The command line: a command name and a JSON request on stdin (or framed before a stream), one JSON answer."""
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
-
-import importlib
 
 from runctl.common import NotARun, Unsafe, no_run, trusted_path, trusted_run_dir
 from verbs import VERBS   # beside runctl/ in the artifact: the one table of verbs
