@@ -119,6 +119,21 @@ _Dispatch = _with_adjoint_gradient(_dispatch, _combine)
 _Combine = _with_adjoint_gradient(_combine, _dispatch)
 
 
+def _permute(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, _: int) -> torch.Tensor:
+    """x's rows in `order`; `inverse` puts them back."""
+    return x[order]
+
+
+def _unpermute(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, _: int) -> torch.Tensor:
+    return x[inverse]
+
+
+# A permutation of rows whose gradient is the inverse permutation, a gather: indexing's own backward is an
+# accumulating scatter, which on 2 H200s took 24 of the 62 ms an expert layout's exchanges added to a step
+# (bench/moe_exchange.py).
+_Permute = _with_adjoint_gradient(_permute, _unpermute)
+
+
 def _project(x: torch.Tensor, experts: nn.Module, name: str, lora, offsets: torch.Tensor) -> torch.Tensor:
     out = grouped_mm(x, _base_weight(experts, name), offsets)
     if lora is not None:
@@ -205,18 +220,23 @@ class ExpertShard:
         arrived = all_to_all_single(rows.new_empty(sum(recv), rows.shape[1]), rows, recv, send, group=self.group)
         # arrived: by source rank, then by local expert; compute wants them by local expert
         expert_of_row = torch.repeat_interleave(
-            torch.arange(self.local, device=rows.device).repeat(self.world), received.flatten())
+            torch.arange(self.local, device=rows.device).repeat(self.world), received.flatten(),
+            output_size=sum(recv))
         by_expert = torch.argsort(expert_of_row, stable=True)
         back = torch.empty_like(by_expert)
         back[by_expert] = torch.arange(by_expert.numel(), device=rows.device)
-        # One zero row more, for the last local expert, dropped after: compute always has rows. When no token of a
-        # micro-batch goes to this rank's experts, grouped_mm's backward fails on the empty input (seen on 4 H200s,
-        # Qwen3-30B-A3B, step 12: "Invalid strides/sizes, got [0, 1] for strides and [16, 0] for sizes"). The
-        # row's input is zero and its output unused, so it adds nothing to any gradient; no branch, no recompile.
-        padded = torch.cat([arrived[by_expert], arrived.new_zeros(1, arrived.shape[1])])
-        local_counts = received.sum(dim=0) + torch.nn.functional.one_hot(
-            torch.tensor(self.local - 1, device=received.device), self.local).to(received.dtype)
-        out = compute(padded, local_counts)[:-1][back]
+        local_counts = received.sum(dim=0)
+        if sum(recv):
+            out = _Permute.apply(compute(_Permute.apply(arrived, by_expert, back, 1), local_counts), back, by_expert, 1)
+        else:
+            # No row for this rank's experts: compute on one zero row (counted for the last local expert) and
+            # drop it. grouped_mm's backward fails on an empty input (seen on 4 H200s, Qwen3-30B-A3B, step 12:
+            # "Invalid strides/sizes, got [0, 1] for strides and [16, 0] for sizes"). The row's input is zero and
+            # its output unused, so it adds nothing to any gradient; `arrived` (empty) stays in the graph so that
+            # this rank's backward joins the exchange's as every other rank's does.
+            zero = torch.cat([arrived, arrived.new_zeros(1, arrived.shape[1])])
+            out = compute(zero, local_counts + torch.nn.functional.one_hot(
+                torch.tensor(self.local - 1, device=received.device), self.local).to(received.dtype))[:0]
         return all_to_all_single(out.new_empty(rows.shape[0], out.shape[1]), out, send, recv, group=self.group)
 
 
