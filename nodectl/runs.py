@@ -316,9 +316,10 @@ class Run:
 
 
 def create_run(plan: LaunchPlan, *, argv: list[str], config_fingerprint: str, inventory_source: str,
-               git: str | None, kind: str = "train") -> Run:
+               git: str | None, kind: str = "train", attending: dict | None = None) -> Run:
     """Record a new run. `kind` "preflight" marks preflight's own collective jobs: they are never "the latest
-    run" of tail/status/stop, and `runs` lists them only with --all."""
+    run" of tail/status/stop, and `runs` lists them only with --all. `attending`: how the attached launch
+    watches it (nodectl/launch/attending.py), in the first write."""
     run = Run(private_folder(runs_root()) / plan.run_id)
     run.folder.mkdir(mode=0o700, exist_ok=False)
     manifest = Manifest(
@@ -326,7 +327,7 @@ def create_run(plan: LaunchPlan, *, argv: list[str], config_fingerprint: str, in
         fingerprint=config_fingerprint,
         inventory={"source": inventory_source, "nodes": [entry["node"] for entry in plan.to_json()["nodes"]]},
         git_revision=git, nodectl_version=__version__, python=sys.version.split()[0], started=time.time(),
-        plan=plan, controller=this_controller())
+        plan=plan, controller=this_controller(), attending=attending)
     _write_json(run.manifest_path, manifest.to_json())
     _register(run)
     return run

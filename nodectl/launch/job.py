@@ -118,9 +118,8 @@ def record_job(job: Job, previous: Run | None = None, attending: Attending | Non
     if previous is None:
         run = create_run(plan, argv=list(job.spec.argv), config_fingerprint=plan.fingerprint(),
                          inventory_source=job.spec.inventory.source,
-                         git=git_revision(plan.sync_dir) if job.spec.kind == "train" else None, kind=job.spec.kind)
-        if watched:
-            run.update(**watched)
+                         git=git_revision(plan.sync_dir) if job.spec.kind == "train" else None, kind=job.spec.kind,
+                         **watched)
         (run.folder / "scripts").mkdir()
     else:
         run = previous

@@ -230,10 +230,13 @@ def test_every_verb_is_answered_parsed_and_called_as_its_one_declaration_says():
     defined = {p.stem: {n.name for n in ast.parse(p.read_text()).body if isinstance(n, ast.FunctionDef)}
                for p in runctl.glob("*.py")}
     answered = {name[len("cmd_"):] for functions in defined.values() for name in functions if name.startswith("cmd_")}
+    guards = next({key.value for key in node.value.keys}
+                  for node in ast.parse((runctl / "dispatch.py").read_text()).body
+                  if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "") == "GUARDS")
     assert answered == {name.lstrip("_") for name in VERBS}, "a cmd_ function without its verb, or the reverse"
     for name, verb in VERBS.items():
         assert "cmd_" + name.lstrip("_") in defined[verb.module], f"{name}: runctl/{verb.module}.py lacks its cmd_"
-        assert verb.guard in ("objects", "workdir", "envs", "store", "prepare", "run", "archive", "none"), name
+        assert verb.guard in guards, f"{name}: guard {verb.guard!r} is none of runctl's ({sorted(guards)})"
         assert answers.ANSWERS[name].__name__ == verb.answer and dataclasses.is_dataclass(answers.ANSWERS[name])
     methods = {name for name in vars(NodeClient) if not name.startswith("_")} - {"workdir", "script"}
     assert methods == {name for name, verb in VERBS.items() if not verb.internal}
