@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from nodectl.probe_report import Environment, ProbeReport
+
 # Facts that differ on every run or every machine by nature; --diff leaves them out so real drift stands out.
 VOLATILE_PREFIXES = (
     "clock.", "elapsed_s", "memory.available_bytes", "disk.free_bytes", "node.", "os.hostname",
@@ -65,35 +67,33 @@ def diff_reports(reports: Mapping[str, Mapping]) -> dict[str, dict[str, Any]]:
 
 def summary_row(report: Mapping) -> dict[str, str]:
     """The key facts of one report, for env-dump's table."""
-    def get(*path, default="-"):
-        value: Any = report
-        for part in path:
-            if not isinstance(value, Mapping) or part not in value:
-                return default
-            value = value[part]
-        return default if value is None else value
-
-    gpus = get("gpus", "devices", default=[])
-    named = [g for g in gpus if isinstance(g, Mapping) and "name" in g]
-    gpu_text = (f"{len(gpus)}x {named[0]['name']}" if named else f"{len(gpus)} unreadable") if gpus else "none"
-    memory = get("memory", "total_bytes", default=0)
+    typed = ProbeReport.of(report)
+    gpus = typed.gpus.devices
+    named = [g for g in gpus if g.name is not None]
+    gpu_text = (f"{len(gpus)}x {named[0].name}" if named else f"{len(gpus)} unreadable") if gpus else "none"
+    memory = typed.memory.total_bytes
+    container, torch = typed.container, typed.torch
+    host = ProbeReport.of(typed.raw.get("host") or {})   # in a container: the host's own python and torch
     return {
-        "os": str(get("os", "distribution")), "kernel": str(get("os", "kernel")),
-        "cpus": str(get("cpu", "count")), "memory": f"{memory / 2**30:.0f} GiB" if memory else "-",
-        "python": str(get("python", "version")), "torch": str(get("torch", "version")),
-        "cuda": str(get("torch", "cuda")), "nccl": str(get("torch", "nccl")),
-        "driver": str(get("gpus", "driver")), "gpus": gpu_text,
+        "os": _cell(typed.os.distribution), "kernel": _cell(typed.os.kernel),
+        "cpus": _cell(typed.cpu.count), "memory": f"{memory / 2**30:.0f} GiB" if memory else "-",
+        "python": _cell(typed.python.version), "torch": _cell(torch.version),
+        "cuda": _cell(torch.cuda), "nccl": _cell(torch.nccl),
+        "driver": _cell(typed.gpus.driver), "gpus": gpu_text,
         # ranks in a container: python/torch above are the image's; the host's own beside them
-        "image": f"{get('container', 'runtime')}: {get('container', 'image')}" if report.get("container") else "-",
-        "host python/torch": f"{get('host', 'python', 'version')} / {get('host', 'torch', 'version')}"
-        if report.get("container") else "-",
-        "environment": _environment_cell(report.get("environment")),
+        "image": f"{_cell(container.runtime)}: {_cell(container.image)}" if container else "-",
+        "host python/torch": f"{_cell(host.python.version)} / {_cell(host.torch.version)}" if container else "-",
+        "environment": _environment_cell(typed.environment),
     }
 
 
-def _environment_cell(facts) -> str:
+def _cell(value) -> str:
+    return "-" if value is None else str(value)
+
+
+def _environment_cell(facts: Environment | None) -> str:
     """A node's locked venv for env-dump's table: its key and whether it is there, unchanged."""
-    if not isinstance(facts, Mapping):
+    if facts is None:
         return "-"
-    state = "unchanged" if facts.get("intact") else "CHANGED" if facts.get("present") else "not built"
-    return f"{facts.get('key')} ({state})"
+    state = "unchanged" if facts.intact else "CHANGED" if facts.present else "not built"
+    return f"{facts.key} ({state})"

@@ -15,6 +15,7 @@ from typing import Mapping
 from nodectl.errors import UsageError
 from nodectl.inventory import ENV_NAME_RE, MAX_RANKS_PER_NODE, Inventory, Node, node_from_record
 from nodectl.outputs import Outputs, from_record as outputs_from_record
+from nodectl.probe_report import ProbeReport
 from nodectl.resources import NODE_TRAINER
 
 # Good distributed defaults (docs/REFERENCE.md §4); the inventory's env: overrides any of them.
@@ -205,11 +206,11 @@ def _cuda_devices(plan_nodes: list[tuple[Node, int]], visible: str | None) -> di
     return assignment if len(assignment) > 1 else {}
 
 
-def _probed_gpus(node: Node, report: Mapping | None) -> int | None:
+def _probed_gpus(node: Node, report: ProbeReport) -> int | None:
     """A cuda node without `gpus:` (and no --gpus) runs one rank per GPU its probe saw (CUDA_VISIBLE_DEVICES
     applied), as the inventory promises; without a probe report (--skip-preflight) it runs one."""
-    count = ((report or {}).get("gpus") or {}).get("count") if node.device == "cuda" else None
-    return count if isinstance(count, int) and count > 0 else None
+    count = report.gpus.count if node.device == "cuda" else None
+    return count if count is not None and count > 0 else None
 
 
 def visible_devices(inventory: Inventory, gpus: int | None) -> dict[str, str]:
@@ -229,7 +230,8 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
     CUDA_VISIBLE_DEVICES, for local nodes); `facts` are probe reports from the preflight that just ran, when
     there was one (CPU count, torch version). Nodes in `shared_workdirs` share their workdir's storage with
     another node (an NFS home), so each gets a run folder of its own below the run's."""
-    facts = facts or {}
+    reports = {name: ProbeReport.of(report) for name, report in (facts or {}).items()}
+    unknown = ProbeReport.of({})   # a node without a report (--skip-preflight)
     nodes = inventory.nodes
     devices = {n.device for n in nodes}
     if len(devices) > 1:
@@ -241,7 +243,7 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
         # controller's path means nothing on a node.
         command = ("-m", NODE_TRAINER, *(("--config", f"../config/{Path(config).name}") if config else ()),
                    *(word for assignment in overrides for word in ("--set", assignment)))
-    per_node = [(n, gpus or n.gpus or _probed_gpus(n, facts.get(n.name)) or 1) for n in nodes]
+    per_node = [(n, gpus or n.gpus or _probed_gpus(n, reports.get(n.name, unknown)) or 1) for n in nodes]
     homes = [(n.host, n.port, n.user, n.workdir) for n in nodes]
     port, chosen = _pick_port(inventory)
     gpu_sets = _cuda_devices(per_node, os.environ.get("CUDA_VISIBLE_DEVICES"))
@@ -249,13 +251,13 @@ def build_plan(inventory: Inventory, *, gpus: int | None, command: tuple[str, ..
     for node_rank, (node, nproc) in enumerate(per_node):
         shared = node.name in shared_workdirs or homes.count((node.host, node.port, node.user, node.workdir)) > 1
         run_dir = _run_dir(node, run_id, shared)
-        report = facts.get(node.name) or {}
+        report = reports.get(node.name, unknown)
         env = {**DEFAULT_ENV, "NODECTL_RUN_ID": run_id, "NODECTL_RUN_DIR": run_dir,
                "NODECTL_OUTPUT_DIR": f"{run_dir}/output",
                "NODECTL_NODE_RANK": str(node_rank), "NODECTL_NNODES": str(len(nodes)),
-               **flight_recorder_env(run_dir, (report.get("torch") or {}).get("version"))}
-        cpus = (report.get("cpu") or {}).get("available")
-        if isinstance(cpus, int) and cpus > 0:
+               **flight_recorder_env(run_dir, report.torch.version)}
+        cpus = report.cpu.available
+        if cpus is not None and cpus > 0:
             env["OMP_NUM_THREADS"] = str(max(1, cpus // nproc))
         if node.name in gpu_sets:
             env["CUDA_VISIBLE_DEVICES"] = gpu_sets[node.name]

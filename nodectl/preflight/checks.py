@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Mapping
 
+from nodectl.probe_report import ProbeReport
 from nodectl.preflight.verdict import named, skip_if_unreadable
 
 
@@ -52,7 +53,7 @@ class NodeFacts:
     """What the checks of one node read: its probe report and the answers gathered for it."""
 
     node: str
-    report: Mapping
+    report: ProbeReport            # a mapping (the probe's JSON) is parsed into one here, once
     device: str
     expect: Expectation
     extras: Mapping = field(default_factory=dict)   # p2p (the GPU job), port, reach and route answers
@@ -60,6 +61,9 @@ class NodeFacts:
     gpus: int | None = None                          # the node's `gpus:`
     medians: Mapping = field(default_factory=dict)   # per GPU model, the cluster's median GPU job figures
     addr: str = ""                                   # what the other nodes reach it by (inventory `addr:`)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "report", ProbeReport.of(self.report))
 
 
 @dataclass(frozen=True)

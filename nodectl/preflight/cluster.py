@@ -4,16 +4,24 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from nodectl.preflight.network import ib_ports, ib_rate
 from nodectl.preflight.checks import check
-from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, result
+from nodectl.probe_report import ProbeReport
+from nodectl.preflight.network import ib_ports, ib_rate
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, result
 
-def _version(report: Mapping, what: str) -> str:
+Reports = Mapping[str, "ProbeReport | Mapping"]
+
+
+def typed(reports: Reports) -> dict[str, ProbeReport]:
+    """Every node's report, typed (parsed once: a ProbeReport is kept as it is)."""
+    return {node: ProbeReport.of(report) for node, report in reports.items()}
+
+
+def _version(report: ProbeReport, what: str) -> str:
     if what == "python":
-        return ".".join(str(get(report, "python", "version", default="?")).split(".")[:2])
-    if what == "driver":
-        return str(get(report, "gpus", "driver", default="-"))
-    return str(get(report, "torch", what, default="-"))
+        return ".".join((report.python.version or "?").split(".")[:2])
+    value = report.gpus.driver if what == "driver" else getattr(report.torch, what)
+    return "-" if value is None else str(value)
 
 
 @check("same torch/python/packages", "cluster", scope="cluster",
@@ -26,8 +34,9 @@ def _version(report: Mapping, what: str) -> str:
             "warn on differences, naming for each (up to four) the odd node(s) and the versions on each side "
             "(`transformers 4.57.1 on node1; 5.24.0 on the other 31`)",
             "a 32-node table must point at the node to fix")))
-def check_versions(reports: Mapping[str, Mapping]) -> list[CheckResult]:
+def check_versions(reports: Reports) -> list[CheckResult]:
     """torch and Python minor must agree (fail); other packages should (warn)."""
+    reports = typed(reports)
     return _same(reports, ("version", "python")) + [check_packages(reports)]
 
 
@@ -36,12 +45,12 @@ def check_versions(reports: Mapping[str, Mapping]) -> list[CheckResult]:
             "the reports of the GPU nodes",
             "fail on any difference, naming the odd node(s) and each side's version",
             "one version everywhere; gloo on CPU nodes uses no CUDA, NCCL or driver"),))
-def check_gpu_stack(reports: Mapping[str, Mapping]) -> list[CheckResult]:
+def check_gpu_stack(reports: Reports) -> list[CheckResult]:
     """CUDA, NCCL and the driver must agree across GPU nodes (CPU nodes and gloo use none of them)."""
-    return _same(reports, ("cuda", "nccl", "driver"))
+    return _same(typed(reports), ("cuda", "nccl", "driver"))
 
 
-def _same(reports: Mapping[str, Mapping], which: tuple[str, ...]) -> list[CheckResult]:
+def _same(reports: Mapping[str, ProbeReport], which: tuple[str, ...]) -> list[CheckResult]:
     results = []
     for what in which:
         label = {"version": "torch"}.get(what, what)
@@ -55,7 +64,7 @@ def _same(reports: Mapping[str, Mapping], which: tuple[str, ...]) -> list[CheckR
     return results
 
 
-def _facts_by_node(reports: Mapping[str, Mapping], read: Callable[[Mapping], Any]) -> dict[str, str]:
+def _facts_by_node(reports: Mapping[str, ProbeReport], read: Callable[[ProbeReport], Any]) -> dict[str, str]:
     """One fact per node (a string; lists joined), for the nodes whose report has it."""
     out = {}
     for node, report in reports.items():
@@ -83,15 +92,15 @@ def _spread(facts: Mapping[str, str]) -> str:
 UNIFORM_FACTS = (
     # (check, how to read it from a report, hint) -- differences warn: they explain one node running slower or
     # failing differently, and vendors qualify firmware and drivers as a set
-    ("same kernel", lambda r: get(r, "os", "kernel"), "one kernel build everywhere (uname -r)"),
-    ("same vbios", lambda r: [d.get("vbios") for d in get(r, "gpus", "devices", default=[]) or []],
+    ("same kernel", lambda r: r.os.kernel, "one kernel build everywhere (uname -r)"),
+    ("same vbios", lambda r: [d.vbios for d in r.gpus.devices],
      "flash one VBIOS version on every GPU (nvidia-smi -q | grep VBIOS)"),
-    ("same hca firmware", lambda r: [d.get("fw_ver") for d in r.get("infiniband") or [] if isinstance(d, Mapping)],
+    ("same hca firmware", lambda r: [d.fw_ver for d in r.infiniband],
      "update every HCA to one firmware (mlxfwmanager / ibv_devinfo shows fw_ver)"),
-    ("same ofed", lambda r: [d.get("driver_version") for d in r.get("infiniband") or [] if isinstance(d, Mapping)],
+    ("same ofed", lambda r: [d.driver_version for d in r.infiniband],
      "install one MLNX_OFED / rdma-core version everywhere (ofed_info -s)"),
-    ("same swap", lambda r: None if get(r, "memory", "swap_total_bytes") is None else
-     ("on" if get(r, "memory", "swap_total_bytes") else "off"),
+    ("same swap", lambda r: None if r.memory.swap_total_bytes is None else
+     ("on" if r.memory.swap_total_bytes else "off"),
      "swap on some nodes only: a node that pages runs every rank at its pace; swapoff -a (and /etc/fstab)"),
 )
 
@@ -109,10 +118,10 @@ UNIFORM_FACTS = (
             "`/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor`",
             "warn when any node is not `performance` or nodes differ; skip without cpufreq (VMs, containers)",
             "data loading and launch overheads scale with clock")))
-def check_uniformity(reports: Mapping[str, Mapping]) -> list[CheckResult]:
+def check_uniformity(reports: Reports) -> list[CheckResult]:
     """Facts that should agree across nodes (warn when they differ; skip when no node could read them), and the
     CPU frequency governor, which should also be `performance` (powersave slows the data path and launches)."""
-    results = []
+    reports, results = typed(reports), []
     for name, read, hint in UNIFORM_FACTS:
         facts = _facts_by_node(reports, read)
         if not facts:
@@ -121,7 +130,7 @@ def check_uniformity(reports: Mapping[str, Mapping]) -> list[CheckResult]:
             results.append(CheckResult(name, "cluster", WARN, _spread(facts), hint))
         else:
             results.append(CheckResult(name, "cluster", PASS, next(iter(facts.values()))))
-    governors = _facts_by_node(reports, lambda r: get(r, "cpu", "governor"))
+    governors = _facts_by_node(reports, lambda r: r.cpu.governor)
     slow = {node: g for node, g in governors.items() if g != "performance"}
     if not governors:
         results.append(CheckResult("cpu governor", "cluster", SKIP, "no node exposes cpufreq (a VM or container?)"))
@@ -148,12 +157,12 @@ DISTRIBUTED_ENV = ("NCCL_", "TORCH_", "GLOO_", "NVSHMEM_", "UCX_", "FI_", "CUDA_
             "both values",
             "an `NCCL_SOCKET_IFNAME` in one node's ~/.bashrc: the ranks disagree and nothing says why; the "
             "inventory's `env:` sets them alike"),))
-def check_distributed_env(reports: Mapping[str, Mapping]) -> CheckResult:
+def check_distributed_env(reports: Reports) -> CheckResult:
     """Variables that change how ranks talk or allocate, set in one node's login environment and not another's
     (an NCCL_SOCKET_IFNAME in one ~/.bashrc): the ranks then disagree, and nothing says why. The inventory's env:
     sets them for every node alike, over the login environment."""
-    envs = {node: {k: v for k, v in (r.get("env") or {}).items() if isinstance(k, str) and k.startswith(DISTRIBUTED_ENV)}
-            for node, r in reports.items() if isinstance(r.get("env"), Mapping) and "error" not in r["env"]}
+    envs = {node: {k: v for k, v in r.env.items() if isinstance(k, str) and k.startswith(DISTRIBUTED_ENV)}
+            for node, r in typed(reports).items() if r.env is not None}
     if not envs:
         return result("cluster", SKIP, "no node reported its environment")
     names = sorted(set().union(*(e.keys() for e in envs.values())))
@@ -174,8 +183,8 @@ def check_distributed_env(reports: Mapping[str, Mapping]) -> CheckResult:
 IGNORED_PACKAGES = {"pip", "setuptools", "wheel", "nodectl"}
 
 
-def check_packages(reports: Mapping[str, Mapping]) -> CheckResult:
-    packages = {node: r.get("packages") or {} for node, r in reports.items()}
+def check_packages(reports: Reports) -> CheckResult:
+    packages = {node: r.packages for node, r in typed(reports).items()}
     names = set().union(*(p.keys() for p in packages.values())) - IGNORED_PACKAGES if packages else set()
     differing = sorted(n for n in names if len({p.get(n, "-") for p in packages.values()}) > 1)
     if differing:
@@ -192,9 +201,9 @@ def check_packages(reports: Mapping[str, Mapping]) -> CheckResult:
             "models per node",
             "fail on more than one across the cluster",
             "a run is as fast as its slowest GPU"),))
-def check_gpu_models(reports: Mapping[str, Mapping]) -> CheckResult:
-    models = {node: sorted({d["name"] for d in get(r, "gpus", "devices", default=[]) or [] if "name" in d})
-              for node, r in reports.items()}
+def check_gpu_models(reports: Reports) -> CheckResult:
+    models = {node: sorted({d.name for d in r.gpus.devices if d.name is not None})
+              for node, r in typed(reports).items()}
     distinct = {tuple(m) for m in models.values() if m}
     if len(distinct) > 1:
         return result("cluster", FAIL,
@@ -208,15 +217,15 @@ def check_gpu_models(reports: Mapping[str, Mapping]) -> CheckResult:
             "every active port's rate",
             "warn on a port below the fastest of its link layer in the cluster, naming node and port",
             "a downtrained cable or transceiver sets the pace of collectives through it"),))
-def check_ib_rates(reports: Mapping[str, Mapping]) -> CheckResult:
+def check_ib_rates(reports: Reports) -> CheckResult:
     """Every active port's rate against the fastest active port of its link layer in the cluster: a port that came
     up at a lower rate (a bad cable or transceiver) sets the pace of every collective through it."""
     rates = {}
-    for node, report in reports.items():
+    for node, report in typed(reports).items():
         for device, port in ib_ports(report):
             rate = ib_rate(port)
-            if rate and "ACTIVE" in str(port.get("state") or ""):
-                rates[(node, f"{device['name']}/{port['port']}")] = (port.get("link_layer") or "?", rate)
+            if rate and "ACTIVE" in (port.state or ""):
+                rates[(node, f"{device.name}/{port.port}")] = (port.link_layer or "?", rate)
     if not rates:
         return result("cluster", SKIP, "no active InfiniBand/RoCE port")
     fastest = {}

@@ -11,6 +11,7 @@ from nodectl.launch.attending import Attending
 from nodectl.launch import LaunchRequest, Stage, launch
 from nodectl.launch.job import JobSpec, StartFailed
 from nodectl.preflight.checks import Tier
+from nodectl.probe_report import ProbeReport
 from nodectl.preflight.network import judge_collective, judge_pairs, result_in, transports_in
 from nodectl.remote import sync
 from nodectl.remote.answers import NO_LOG
@@ -80,7 +81,7 @@ def add_collectives(report, inventory: Inventory, session: Session, *, gpus: int
     if not tier.measured or report.quick or report.unreachable or report.failed:
         return
     reports = report.reports
-    ib = any(r.get("infiniband") for r in reports.values())
+    ib = any(r.infiniband or r.infiniband_error for r in map(ProbeReport.of, reports.values()))
     phase(f"all-reduce test on {len(inventory.nodes)} node(s)")
     result, transports, failure, run_id = run_collective(inventory, session, gpus=gpus, full=full,
                                                          deadline=deadline, facts=reports)

@@ -7,9 +7,10 @@ from __future__ import annotations
 import statistics
 from typing import Mapping
 
-from nodectl.preflight.network import ib_ports
 from nodectl.preflight.checks import MEASURED, check
-from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, gib, result, unreadable
+from nodectl.probe_report import ProbeReport
+from nodectl.preflight.network import ib_ports
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, gib, result
 
 GPU_BUSY_BYTES = 1 << 30
 
@@ -47,17 +48,8 @@ FABRIC_STATES = {0: "not supported", 1: "not started", 2: "in progress", 3: "com
 COMPUTE_MODES = {0: "default", 1: "exclusive thread", 2: "prohibited", 3: "exclusive process"}
 
 
-def _devices(report: Mapping) -> list[Mapping]:
-    """The GPUs whose facts were read (a GPU that could not be read is check_gpu_count's failure, and leaves the
-    other GPUs' checks standing)."""
-    return [d for d in get(report, "gpus", "devices", default=[]) or [] if isinstance(d, Mapping) and "error" not in d]
-
-
-def _unreadable_devices(report: Mapping) -> list[Mapping]:
-    return [d for d in get(report, "gpus", "devices", default=[]) or [] if isinstance(d, Mapping) and "error" in d]
-
-
 def _gpu(device: Mapping) -> str:
+    """A GPU of the GPU job's answer (launchers/gpuhealth.py), by index."""
     return f"GPU{device.get('index', '?')}"
 
 
@@ -88,34 +80,35 @@ def nvml_cure(reason: str) -> str:
             "a `CUDA_VISIBLE_DEVICES` entry naming no GPU of the node; fewer visible GPUs than `--gpus`, else than "
             "the node's `gpus:`; mixed models on one node",
             "exact counts"),))
-def check_gpu_count(node: str, report: Mapping, want: int | None, inventory_gpus: int | None = None) -> CheckResult:
+def check_gpu_count(node: str, report: ProbeReport, want: int | None,
+                    inventory_gpus: int | None = None) -> CheckResult:
     """The GPUs the ranks will see (CUDA_VISIBLE_DEVICES applied by the probe) against what the launch asks:
     --gpus, else the node's `gpus:`; a CUDA_VISIBLE_DEVICES entry that names no GPU of the node fails."""
-    count = get(report, "gpus", "count", default=0)
-    if not get(report, "gpus", "available", default=False):
-        reason = str(get(report, "gpus", "reason", default="?"))
+    gpus = report.gpus
+    count = gpus.count or 0
+    if not gpus.available:
+        reason = gpus.reason or "?"
         return result(node, FAIL, f"no GPU visible: {reason}", nvml_cure(reason))
-    unresolved = get(report, "gpus", "unresolved", default=[])
-    if unresolved:
-        total = get(report, "gpus", "count_all", default="?")
+    if gpus.unresolved:
+        total = gpus.count_all if gpus.count_all is not None else "?"
         return result(node, FAIL,
-                      f"CUDA_VISIBLE_DEVICES={get(report, 'gpus', 'visible')} names {unresolved[0]!r}, which is "
+                      f"CUDA_VISIBLE_DEVICES={gpus.visible} names {gpus.unresolved[0]!r}, which is "
                       f"no GPU of this node (it has {total}: indexes 0-{total - 1 if isinstance(total, int) else '?'}"
                       f" or GPU-<uuid>); CUDA ignores it and every entry after it",
                       "fix CUDA_VISIBLE_DEVICES in this node's env: (nvidia-smi -L lists the GPUs)")
     asked, source = (want, "--gpus") if want else (inventory_gpus, "gpus: in hosts.yaml")
     if asked and count < asked:
-        visible = " visible" if get(report, "gpus", "visible") is not None else ""
+        visible = " visible" if gpus.visible is not None else ""
         return result(node, FAIL, f"{count}{visible} GPU(s), {asked} asked by {source}",
                       f"lower {source} to {count} for this node, or make more GPUs visible to it")
-    lost = _unreadable_devices(report)
+    lost = gpus.lost
     if lost:
-        named = "; ".join(f"{_gpu(d)}: {d['error']}" for d in lost)
+        named = "; ".join(f"{d.label}: {d.error}" for d in lost)
         return result(node, FAIL,
                       f"{len(lost)} of {count} GPU(s) could not be read ({named}); the other GPUs' checks stand",
                       "a GPU NVML calls lost has fallen off the bus: look for Xid 79 in dmesg; reset it "
                       "(nvidia-smi -r -i INDEX) or reboot; if it comes back, drain the node and report it")
-    models = {d["name"] for d in _devices(report)}
+    models = {d.name for d in gpus.read}
     if len(models) > 1:
         return result(node, FAIL, f"mixed GPU models on one node: {', '.join(sorted(models))}",
                       "set CUDA_VISIBLE_DEVICES in this node's env: to GPUs of one model")
@@ -127,15 +120,15 @@ def check_gpu_count(node: str, report: Mapping, want: int | None, inventory_gpus
             "NVML compute processes and memory used per visible GPU",
             "fail on any foreign process (pid, user) or over 1 GiB used with none listed",
             "1 GiB: above the CUDA context of an idle driver"),))
-def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = frozenset()) -> CheckResult:
+def check_gpus_idle(node: str, report: ProbeReport, own_pids: frozenset[int] = frozenset()) -> CheckResult:
     busy, notes = [], []
-    for device in _devices(report):
-        for proc in device.get("compute_processes", []):
-            if proc.get("pid") not in own_pids:
-                busy.append(f"GPU{device['index']}: pid {proc['pid']} ({proc.get('user', '?')})")
-        used = device.get("memory_used_bytes") or 0
+    for device in report.gpus.read:
+        for proc in device.compute_processes:
+            if proc.pid not in own_pids:
+                busy.append(f"{device.label}: pid {proc.pid} ({proc.user or '?'})")
+        used = device.memory_used_bytes or 0
         if used > GPU_BUSY_BYTES:
-            notes.append(f"GPU{device['index']} has {gib(used)} in use")
+            notes.append(f"{device.label} has {gib(used)} in use")
     if busy:
         return result(node, FAIL, "; ".join(busy),
                       "stop those processes (a stray rank of an earlier run? `nodectl stop --run RUN`), "
@@ -153,20 +146,20 @@ def check_gpus_idle(node: str, report: Mapping, own_pids: frozenset[int] = froze
             "fail on any",
             "any uncorrectable error or pending retirement means a reset or drain (NVIDIA's GPU memory error "
             "management guide)"),))
-def check_ecc(node: str, report: Mapping) -> CheckResult:
+def check_ecc(node: str, report: ProbeReport) -> CheckResult:
     bad = []
-    for d in _devices(report):
-        if (d.get("ecc_volatile_uncorrected") or 0) > 0:
-            bad.append(f"GPU{d['index']}: {d['ecc_volatile_uncorrected']} uncorrectable ECC errors")
-        if d.get("retired_pages_pending"):
-            bad.append(f"GPU{d['index']}: retired pages pending")
-        if d.get("remapped_rows_pending") or d.get("remapped_rows_failed"):
-            bad.append(f"GPU{d['index']}: row remapping {'failed' if d.get('remapped_rows_failed') else 'pending'}")
+    for d in report.gpus.read:
+        if (d.ecc_volatile_uncorrected or 0) > 0:
+            bad.append(f"{d.label}: {d.ecc_volatile_uncorrected} uncorrectable ECC errors")
+        if d.retired_pages_pending:
+            bad.append(f"{d.label}: retired pages pending")
+        if d.remapped_rows_pending or d.remapped_rows_failed:
+            bad.append(f"{d.label}: row remapping {'failed' if d.remapped_rows_failed else 'pending'}")
     if bad:
         return result(node, FAIL, "; ".join(bad),
                       "reset the GPU when idle (pending retirements/remaps apply at reset) or drain the node")
     counted = ("ecc_volatile_uncorrected", "retired_pages_pending", "remapped_rows_pending", "remapped_rows_failed")
-    if _devices(report) and not any(d.get(key) is not None for d in _devices(report) for key in counted):
+    if report.gpus.read and not any(getattr(d, key) is not None for d in report.gpus.read for key in counted):
         return result(node, SKIP, "NVML gives no ECC or row-remap counts here (ECC off?)")
     return result(node, PASS, "no uncorrectable errors or pending retirements")
 
@@ -176,8 +169,8 @@ def check_ecc(node: str, report: Mapping) -> CheckResult:
             "NVML persistence mode",
             "warn when off",
             "slow first CUDA calls (nvidia-smi docs)"),))
-def check_persistence(node: str, report: Mapping) -> CheckResult:
-    off = [str(d["index"]) for d in _devices(report) if not d.get("persistence_mode")]
+def check_persistence(node: str, report: ProbeReport) -> CheckResult:
+    off = [str(d.index) for d in report.gpus.read if not d.persistence_mode]
     if off:
         return result(node, WARN, f"persistence mode off on GPU {','.join(off)}",
                       "sudo nvidia-smi -pm 1 (or enable nvidia-persistenced) to avoid slow first CUDA calls")
@@ -217,17 +210,17 @@ def check_p2p(node: str, p2p: Mapping | None) -> CheckResult:
             "NVML NVLink state per link",
             "fail when a GPU has fewer active links than its peers (none included)",
             "`nvidia-smi nvlink -s`"),))
-def check_nvlink(node: str, report: Mapping) -> CheckResult:
+def check_nvlink(node: str, report: ProbeReport) -> CheckResult:
     """Active NVLink links per GPU: a GPU with fewer than its peers (none at all included) runs the node's NVLink
     traffic at its pace, or falls back to PCIe."""
-    devices = _devices(report)
+    devices = report.gpus.read
     if len(devices) < 2:
         return result(node, SKIP, "fewer than 2 GPUs")
-    most = max(d.get("nvlinks_active") or 0 for d in devices)
+    most = max(d.nvlinks_active or 0 for d in devices)
     if not most:
         return result(node, PASS, "no NVLink (PCIe only)")
-    fewer = [f"{_gpu(d)} {d.get('nvlinks_active') or 0} of {most} links active" for d in devices
-             if (d.get("nvlinks_active") or 0) < most]
+    fewer = [f"{d.label} {d.nvlinks_active or 0} of {most} links active" for d in devices
+             if (d.nvlinks_active or 0) < most]
     if fewer:
         return result(node, FAIL, "; ".join(fewer),
                       "a link is down: nvidia-smi nvlink -s; reset the GPU, else the baseboard needs service")
@@ -239,14 +232,14 @@ def check_nvlink(node: str, report: Mapping) -> CheckResult:
             "NVML field values NVLINK_{CRC_FLIT,CRC_DATA,REPLAY,RECOVERY}_ERROR_COUNT_TOTAL",
             "warn on any counted error; skip (not pass) when NVML gives no counters",
             "`nvidia-smi nvlink -e`"),))
-def check_nvlink_errors(node: str, report: Mapping) -> CheckResult:
+def check_nvlink_errors(node: str, report: ProbeReport) -> CheckResult:
     """NVLink error counters (NVML field values): replay and recovery counts mean a marginal link. How many links
     are up is check_nvlink's."""
-    devices = [d for d in _devices(report) if d.get("nvlinks_active")]
+    devices = [d for d in report.gpus.read if d.nvlinks_active]
     if not devices:
         return result(node, SKIP, "no active NVLink")
-    counted = [(d, d.get("nvlink_errors")) for d in devices if isinstance(d.get("nvlink_errors"), Mapping)]
-    errors = [f"{_gpu(d)} " + ", ".join(f"{k} {v}" for k, v in e.items() if v) for d, e in counted
+    counted = [(d, d.nvlink_errors) for d in devices if d.nvlink_errors is not None]
+    errors = [f"{d.label} " + ", ".join(f"{k} {v}" for k, v in e.items() if v) for d, e in counted
               if any(e.values())]
     if errors:
         return result(node, WARN, "NVLink error counters: " + "; ".join(errors),
@@ -262,18 +255,18 @@ def check_nvlink_errors(node: str, report: Mapping) -> CheckResult:
             "NVML current vs max PCIe link width",
             "fail when narrower (the generation trains down at idle, so it is judged under load)",
             "`nvidia-smi -q -d PCIE`"),))
-def check_pcie_link(node: str, report: Mapping) -> CheckResult:
+def check_pcie_link(node: str, report: ProbeReport) -> CheckResult:
     """Link width below the maximum is a downtrained link (a reseat or a riser). The generation trains down at idle
     to save power, so it is judged under load, by the GPU job."""
-    devices = [d for d in _devices(report) if d.get("pcie_width") and d.get("pcie_width_max")]
+    devices = [d for d in report.gpus.read if d.pcie_width and d.pcie_width_max]
     if not devices:
         return result(node, SKIP, "NVML gives no PCIe link width here")
-    narrow = [f"{_gpu(d)} x{d['pcie_width']} of x{d['pcie_width_max']}" for d in devices
-              if d["pcie_width"] < d["pcie_width_max"]]
+    narrow = [f"{d.label} x{d.pcie_width} of x{d.pcie_width_max}" for d in devices
+              if d.pcie_width < d.pcie_width_max]
     if narrow:
         return result(node, FAIL, "PCIe link narrower than it can be: " + "; ".join(narrow),
                       "reseat the GPU or its riser; nvidia-smi -q -d PCIE shows current and max")
-    widths = sorted({d["pcie_width"] for d in devices})
+    widths = sorted({d.pcie_width for d in devices})
     return result(node, PASS, f"x{'/x'.join(map(str, widths))} on {len(devices)} GPU(s)")
 
 
@@ -282,22 +275,21 @@ def check_pcie_link(node: str, report: Mapping) -> CheckResult:
             "NVML clock event reasons and temperature at rest, slowdown threshold",
             "fail when slowed by hardware or sw thermal at rest; warn within 5 C of the slowdown temperature",
             "NVML temperature thresholds"),))
-def check_thermal(node: str, report: Mapping) -> CheckResult:
+def check_thermal(node: str, report: ProbeReport) -> CheckResult:
     """At rest: a GPU already slowed by hardware, or within 5 C of its slowdown temperature, will throttle under
     load."""
-    devices = _devices(report)
-    bad = [f"{_gpu(d)} {', '.join(e for e in d.get('clock_events') or [] if e in BAD_CLOCK_EVENTS)}"
-           for d in devices if set(d.get("clock_events") or []) & set(BAD_CLOCK_EVENTS)]
-    hot = [f"{_gpu(d)} {d['temperature_c']} C (slowdown at {d['slowdown_c']} C)" for d in devices
-           if d.get("temperature_c") is not None and d.get("slowdown_c")
-           and d["temperature_c"] >= d["slowdown_c"] - HOT_MARGIN_C]
+    devices = report.gpus.read
+    bad = [f"{d.label} {', '.join(e for e in d.clock_events or () if e in BAD_CLOCK_EVENTS)}"
+           for d in devices if set(d.clock_events or ()) & set(BAD_CLOCK_EVENTS)]
+    hot = [f"{d.label} {d.temperature_c} C (slowdown at {d.slowdown_c} C)" for d in devices
+           if d.temperature_c is not None and d.slowdown_c and d.temperature_c >= d.slowdown_c - HOT_MARGIN_C]
     if bad:
         return result(node, FAIL, "clocks slowed at rest: " + "; ".join(bad) +
                       (f"; {'; '.join(hot)}" if hot else ""),
                       "check cooling, fans and the power supply (nvidia-smi -q -d PERFORMANCE,TEMPERATURE)")
     if hot:
         return result(node, WARN, "; ".join(hot), "check cooling before a long run")
-    temps = [d["temperature_c"] for d in devices if d.get("temperature_c") is not None]
+    temps = [d.temperature_c for d in devices if d.temperature_c is not None]
     if not temps:
         return result(node, SKIP, "NVML gives no temperature here")
     return result(node, PASS, f"{min(temps)}-{max(temps)} C, no slowdown")
@@ -309,19 +301,19 @@ def check_thermal(node: str, report: Mapping) -> CheckResult:
             "fail on MIG enabled or compute mode prohibited; warn on a pending MIG change or an exclusive compute "
             "mode",
             "NCCL cannot join MIG instances of different processes into one job"),))
-def check_mig_compute_mode(node: str, report: Mapping) -> CheckResult:
+def check_mig_compute_mode(node: str, report: ProbeReport) -> CheckResult:
     """MIG splits a GPU into instances that NCCL cannot join into one job; a prohibited compute mode forbids any
     CUDA context. A pending MIG change applies only at the next GPU reset."""
     problems, notes = [], []
-    for d in _devices(report):
-        if d.get("mig_mode") == 1:
-            problems.append(f"{_gpu(d)} has MIG enabled")
-        elif d.get("mig_pending") is not None and d.get("mig_mode") is not None and d["mig_pending"] != d["mig_mode"]:
-            notes.append(f"{_gpu(d)} has a MIG change pending (applies at reset)")
-        if d.get("compute_mode") == 2:
-            problems.append(f"{_gpu(d)} compute mode is prohibited")
-        elif d.get("compute_mode") in (1, 3):
-            notes.append(f"{_gpu(d)} compute mode is {COMPUTE_MODES[d['compute_mode']]}")
+    for d in report.gpus.read:
+        if d.mig_mode == 1:
+            problems.append(f"{d.label} has MIG enabled")
+        elif d.mig_pending is not None and d.mig_mode is not None and d.mig_pending != d.mig_mode:
+            notes.append(f"{d.label} has a MIG change pending (applies at reset)")
+        if d.compute_mode == 2:
+            problems.append(f"{d.label} compute mode is prohibited")
+        elif d.compute_mode in (1, 3):
+            notes.append(f"{d.label} compute mode is {COMPUTE_MODES[d.compute_mode]}")
     if problems:
         return result(node, FAIL, "; ".join(problems),
                       "sudo nvidia-smi -i N -mig 0 and reset the GPU; sudo nvidia-smi -i N -c DEFAULT")
@@ -329,7 +321,7 @@ def check_mig_compute_mode(node: str, report: Mapping) -> CheckResult:
         return result(node, WARN, "; ".join(notes),
                       "one rank per GPU works in exclusive-process mode, but nothing else (a debugger, "
                       "a second job) can share it; reset the GPU to apply a pending MIG change")
-    if all(d.get("mig_mode") is None and d.get("compute_mode") is None for d in _devices(report)):
+    if all(d.mig_mode is None and d.compute_mode is None for d in report.gpus.read):
         return result(node, SKIP, "NVML gives no MIG or compute mode here")
     return result(node, PASS, "MIG off, compute mode default")
 
@@ -340,16 +332,14 @@ def check_mig_compute_mode(node: str, report: Mapping) -> CheckResult:
             "fail when an NVSwitch system's GPU is not registered (not started, in progress, or an error status); "
             "skip without NVSwitch",
             "CUDA needs the fabric manager before NVLink works on HGX"),))
-def check_fabric(node: str, report: Mapping) -> CheckResult:
+def check_fabric(node: str, report: ProbeReport) -> CheckResult:
     """On NVSwitch systems (HGX) every GPU must be registered with the fabric (nvidia-fabricmanager) before CUDA
     can use NVLink between GPUs; until then CUDA calls fail or hang."""
-    fabric = [(d, d.get("fabric")) for d in _devices(report)]
-    known = [(d, f) for d, f in fabric if isinstance(f, Mapping) and f.get("state") not in (None, 0)]
+    known = [(d, d.fabric) for d in report.gpus.read if d.fabric is not None and d.fabric.state not in (None, 0)]
     if not known:
         return result(node, SKIP, "no NVSwitch fabric (or a driver without the query)")
-    bad = [f"{_gpu(d)} {FABRIC_STATES.get(f['state'], f['state'])}" + (f" status {f.get('status')}"
-                                                                      if f.get("status") else "")
-           for d, f in known if f["state"] != 3 or f.get("status")]
+    bad = [f"{d.label} {FABRIC_STATES.get(f.state, f.state)}" + (f" status {f.status}" if f.status else "")
+           for d, f in known if f.state != 3 or f.status]
     if bad:
         return result(node, FAIL, "NVSwitch fabric not ready: " + "; ".join(bad),
                       "systemctl status nvidia-fabricmanager (its version must equal the driver's); "
@@ -365,33 +355,33 @@ def check_fabric(node: str, report: Mapping) -> CheckResult:
             "warn, with the reason, when the log is not readable (Ubuntu's `dmesg_restrict=1` for a non-root login): "
             "a GPU fallen off the bus would show only there",
             "NVIDIA's Xid catalog"),))
-def check_xid(node: str, report: Mapping) -> CheckResult:
+def check_xid(node: str, report: ProbeReport) -> CheckResult:
     """Xid (GPU) and SXid (NVSwitch) events in the kernel log since boot."""
-    reason = unreadable(report, "kernel_events")
+    reason = report.unreadable("kernel_events")
     if reason:
         return result(node, SKIP, reason)
-    log = report["kernel_events"]
-    if not log.get("readable"):   # a GPU that fell off the bus shows only there: not looking is no pass
+    log = report.kernel_events
+    if not log.readable:   # a GPU that fell off the bus shows only there: not looking is no pass
         return result(node, WARN, f"the kernel log could not be read, so Xid errors (a GPU fallen off "
-                                  f"the bus, ECC, NVLink) were not checked: {log.get('reason')}",
+                                  f"the bus, ECC, NVLink) were not checked: {log.reason}",
                       "let the login user read it: sysctl kernel.dmesg_restrict=0, or add it to group adm "
                       "(journalctl -k), or log in as root")
-    events = log.get("events") or []
+    events = log.events
     if not events:
         return result(node, PASS, "no Xid or SXid since boot")
-    gpu_at = {str(d.get("pci_bus_id") or "").lower()[-12:]: _gpu(d) for d in _devices(report)}
+    gpu_at = {(d.pci_bus_id or "").lower()[-12:]: d.label for d in report.gpus.read}
 
     def where(event):
-        pci = event.get("pci", "")
+        pci = event.pci or ""
         return next((name for bus, name in gpu_at.items() if bus and pci and pci[-12:] in bus), pci)
 
-    fatal = [e for e in events if e.get("kind") == "xid" and e.get("code") in RESET_XIDS]
+    fatal = [e for e in events if e.kind == "xid" and e.code in RESET_XIDS]
     others = [e for e in events if e not in fatal]
     if fatal:
-        named = sorted({f"Xid {e['code']} ({RESET_XIDS[e['code']]}) on {where(e)}" for e in fatal})
-        return result(node, FAIL, "; ".join(named[:6]) + f"; last: {fatal[-1].get('text', '')[-120:]}",
+        named = sorted({f"Xid {e.code} ({RESET_XIDS[e.code]}) on {where(e)}" for e in fatal})
+        return result(node, FAIL, "; ".join(named[:6]) + f"; last: {(fatal[-1].text or '')[-120:]}",
                       "reset the GPU (nvidia-smi -r) or reboot, and drain the node if it comes back")
-    named = sorted({f"{e.get('kind', 'xid').upper().replace('SXID', 'SXid').replace('XID', 'Xid')} {e.get('code')}"
+    named = sorted({f"{(e.kind or 'xid').upper().replace('SXID', 'SXid').replace('XID', 'Xid')} {e.code}"
                     f" on {where(e)}" for e in others})
     return result(node, WARN, f"{len(others)} event(s) since boot: " + "; ".join(named[:6]),
                   "application-caused codes (13, 31, 43, 45) follow a crashed job; repeated ones, or any "
@@ -403,15 +393,14 @@ def check_xid(node: str, report: Mapping) -> CheckResult:
             "`/sys/module/nvidia_peermem` (or `nv_peer_mem`) on GPU nodes with IB",
             "warn when absent",
             "NCCL's GPUDirect RDMA needs it, or DMA-BUF (open modules, NCCL 2.19+)"),))
-def check_gpudirect(node: str, report: Mapping) -> CheckResult:
+def check_gpudirect(node: str, report: ProbeReport) -> CheckResult:
     """GPUDirect RDMA lets the NIC read GPU memory directly; without it NCCL stages every message through host
     memory. It needs nvidia_peermem (or, with NCCL 2.19+ and the open kernel modules, DMA-BUF)."""
-    if not ib_ports(report) or not _devices(report):
+    if not ib_ports(report) or not report.gpus.read:
         return result(node, SKIP, "needs both GPUs and an InfiniBand/RoCE port")
-    modules = report.get("modules") or {}
-    if unreadable(report, "modules"):
-        return result(node, SKIP, unreadable(report, "modules"))
-    if modules.get("nvidia_peermem") or modules.get("nv_peer_mem"):
+    if report.unreadable("modules"):
+        return result(node, SKIP, report.unreadable("modules"))
+    if report.modules.nvidia_peermem or report.modules.nv_peer_mem:
         return result(node, PASS, "nvidia_peermem loaded")
     return result(node, WARN, "nvidia_peermem is not loaded",
                   "sudo modprobe nvidia_peermem (and add it to /etc/modules-load.d); without it NCCL uses "
@@ -424,15 +413,14 @@ def check_gpudirect(node: str, report: Mapping) -> CheckResult:
             "GPU NUMA node (`/sys/bus/pci/devices/<bus>/numa_node`) vs IB devices' `device/numa_node`",
             "warn for GPUs with no NIC on their NUMA node",
             "traffic across the socket link"),))
-def check_numa(node: str, report: Mapping) -> CheckResult:
+def check_numa(node: str, report: ProbeReport) -> CheckResult:
     """Each GPU should have an InfiniBand/RoCE NIC on its own NUMA node: traffic to a NIC across the socket
     link halves its bandwidth on most two-socket boards."""
-    nics = {d.get("numa_node") for d, _ in ib_ports(report) if d.get("numa_node") is not None
-            and d.get("numa_node") >= 0}
-    gpus = [d for d in _devices(report) if d.get("numa_node") is not None and d["numa_node"] >= 0]
+    nics = {d.numa_node for d, _ in ib_ports(report) if d.numa_node is not None and d.numa_node >= 0}
+    gpus = [d for d in report.gpus.read if d.numa_node is not None and d.numa_node >= 0]
     if not nics or not gpus:
         return result(node, SKIP, "NUMA nodes of GPUs and NICs not known (one socket, a VM, or no NIC)")
-    far = [f"{_gpu(d)} (NUMA {d['numa_node']})" for d in gpus if d["numa_node"] not in nics]
+    far = [f"{d.label} (NUMA {d.numa_node})" for d in gpus if d.numa_node not in nics]
     if far:
         return result(node, WARN, f"no NIC on the NUMA node of {', '.join(far)}; NICs on NUMA "
                                   f"{', '.join(map(str, sorted(nics)))}",
@@ -441,7 +429,7 @@ def check_numa(node: str, report: Mapping) -> CheckResult:
     return result(node, PASS, f"every GPU has a NIC on its NUMA node ({len(nics)} NUMA node(s))")
 
 
-def cluster_medians(jobs: Mapping[str, Mapping | None], reports: Mapping[str, Mapping]) -> dict:
+def cluster_medians(jobs: Mapping[str, Mapping | None]) -> dict:
     """Per GPU model, the median of each figure over every GPU of the cluster."""
     values: dict = {}
     for node, job in jobs.items():

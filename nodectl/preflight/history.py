@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Iterable, Mapping
 
 from nodectl.preflight.checks import MEASURED, check
+from nodectl.probe_report import ProbeReport
 from nodectl.preflight.verdict import FAIL, WARN, CheckResult
 
 HISTORY_FILE = "preflight-history.jsonl"
@@ -46,8 +47,7 @@ def figures_of(reports: Mapping[str, Mapping], gpu_jobs: Mapping[str, Mapping],
     busbw at its largest size, each node pair's busbw (--full)."""
     out = []
     for node, job in sorted(gpu_jobs.items()):
-        uuids = {d.get("index"): d.get("uuid") for d in ((reports.get(node) or {}).get("gpus") or {}).get("devices")
-                 or [] if isinstance(d, Mapping)}
+        uuids = {d.index: d.uuid for d in ProbeReport.of(reports.get(node) or {}).gpus.devices}
         for device in job.get("devices") or []:
             if not isinstance(device, Mapping):
                 continue
@@ -80,8 +80,9 @@ def curve_of(collective: Mapping | None) -> list:
 
 
 def versions_of(reports: Mapping[str, Mapping]) -> dict:
-    return {node: {"torch": (r.get("torch") or {}).get("version"), "nccl": (r.get("torch") or {}).get("nccl"),
-                   "driver": (r.get("gpus") or {}).get("driver")} for node, r in reports.items()}
+    typed = {node: ProbeReport.of(r) for node, r in reports.items()}
+    return {node: {"torch": r.torch.version, "nccl": r.torch.nccl, "driver": r.gpus.driver}
+            for node, r in typed.items()}
 
 
 @dataclass(frozen=True)

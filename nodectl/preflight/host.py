@@ -2,10 +2,9 @@
 workdir, clock). Pure functions of the probe report (launchers/probe.py)."""
 from __future__ import annotations
 
-from typing import Mapping
-
 from nodectl.preflight.checks import check
-from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, get, gib, result, unreadable
+from nodectl.probe_report import ProbeReport, Space
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, gib, result
 
 SHM_MIN = 1 << 30
 
@@ -26,19 +25,18 @@ NOFILE_FAIL, NOFILE_WARN = 1024, 65536
             "fail when it does not import (default tier) or is not installed, or CUDA is unavailable on a `device: "
             "cuda` node",
             "-"),))
-def check_torch(node: str, report: Mapping, device: str) -> CheckResult:
-    torch = report.get("torch") or {}
-    python = get(report, "python", "executable", default="python3")
-    if "error" in torch:
-        return result(node, FAIL, f"torch does not import for {python}: {torch['error']}",
+def check_torch(node: str, report: ProbeReport, device: str) -> CheckResult:
+    torch = report.torch
+    python = report.python.executable or "python3"
+    if torch.error is not None:
+        return result(node, FAIL, f"torch does not import for {python}: {torch.error}",
                       f"install it into that interpreter: {python} -m pip install torch (the CUDA build "
                       f"your driver supports), or set python: in hosts.yaml to one that has it")
-    if device == "cuda" and torch.get("imported") and not torch.get("cuda_available"):
-        return result(node, FAIL, f"torch {torch.get('version')} sees no CUDA device",
+    if device == "cuda" and torch.imported and not torch.cuda_available:
+        return result(node, FAIL, f"torch {torch.version} sees no CUDA device",
                       "install a CUDA build of torch (not +cpu), check the driver with nvidia-smi, or use "
                       "device: cpu for this node")
-    return result(node, PASS, f"torch {torch.get('version')} (CUDA {torch.get('cuda') or '-'}, "
-                              f"NCCL {torch.get('nccl') or '-'})")
+    return result(node, PASS, f"torch {torch.version} (CUDA {torch.cuda or '-'}, NCCL {torch.nccl or '-'})")
 
 
 @check("container", "host",
@@ -50,29 +48,28 @@ def check_torch(node: str, report: Mapping, device: str) -> CheckResult:
             "not run in the image (an rlimit refusal gets its own hint)",
             "the node's ranks run what the image holds: the torch, cuda, nccl, python and packages rows of that node "
             "(and the cluster's `same ...` rows) are the image's"),))
-def check_container(node: str, report: Mapping) -> CheckResult | list[CheckResult]:
+def check_container(node: str, report: ProbeReport) -> CheckResult | list[CheckResult]:
     """The node's container runtime, where the node's ranks run in an image (nodectl/container.py); no check at
     all for a node without one."""
-    facts = report.get("container")
-    if not isinstance(facts, Mapping):
+    facts = report.container
+    if facts is None:
         return []
-    runtime, image = facts.get("runtime"), facts.get("image")
-    if facts.get("installed") is False:
+    runtime, image = facts.runtime, facts.image
+    if facts.installed is False:
         return result(node, FAIL, f"{runtime} is not installed",
                       f"install {runtime} on the node (NODE_SETUP.md, Containers), or set container.runtime: "
                       f"to the one it has")
-    if not facts.get("usable"):
-        return result(node, FAIL, f"{runtime} cannot be used by the login user: "
-                      f"{_last_line(facts.get('usable_output'))}",
+    if not facts.usable:
+        return result(node, FAIL, f"{runtime} cannot be used by the login user: {_last_line(facts.usable_output)}",
                       "for docker, add the user to the docker group (or run rootless docker); for podman, "
                       "check `podman info` as that user")
-    if facts.get("image_present") is False:
-        why = _last_line(facts.get("pull_output")) or "not on the node"
+    if facts.image_present is False:
+        why = _last_line(facts.pull_output) or "not on the node"
         return result(node, FAIL, f"image {image} is not on the node and could not be pulled: {why}",
                       f"{runtime} pull {image} on the node (or load it: {runtime} load -i IMAGE.tar); check the "
                       f"name and the registry login")
-    if facts.get("probe_error"):
-        error = _last_line(facts["probe_error"])
+    if facts.probe_error:
+        error = _last_line(facts.probe_error)
         hint = (f"container.python: must name the image's interpreter; try {runtime} run --rm {image} python3 -c "
                 f"'import torch' on the node")
         if "rlimit" in error:
@@ -80,11 +77,9 @@ def check_container(node: str, report: Mapping) -> CheckResult | list[CheckResul
                     "files, 8 locked memory); give one the node allows in container.options, e.g. "
                     "[--ulimit, 'nproc=32768:32768']")
         return result(node, FAIL, f"the probe did not run in image {image}: {error}", hint)
-    pulled = ", pulled now" if facts.get("pulled") else ""
-    ident = str(facts.get("image_id") or "")
-    ident = ident.split(":")[-1][:12] if ident else "?"
-    return result(node, PASS, f"{runtime} {facts.get('version') or '?'}, image {image} ({ident}"
-                              f"{pulled})")
+    pulled = ", pulled now" if facts.pulled else ""
+    ident = facts.image_id.split(":")[-1][:12] if facts.image_id else "?"
+    return result(node, PASS, f"{runtime} {facts.version or '?'}, image {image} ({ident}{pulled})")
 
 
 @check("environment", "host",
@@ -93,24 +88,24 @@ def check_container(node: str, report: Mapping) -> CheckResult | list[CheckResul
             "pass: built and unchanged (the probe then runs its python); warn: not built yet (launch builds it); "
             "fail: files changed, added or removed since the build, named",
             "drift is impossible only if a changed venv is never used: launch sets it aside and builds again"),))
-def check_environment(node: str, report: Mapping) -> CheckResult | list[CheckResult]:
+def check_environment(node: str, report: ProbeReport) -> CheckResult | list[CheckResult]:
     """The node's locked venv (hosts.yaml environment:, nodectl/environment.py); no check for a node without one."""
-    facts = report.get("environment")
-    if not isinstance(facts, Mapping):
+    facts = report.environment
+    if facts is None:
         return []
-    key, file = facts.get("key"), facts.get("file")
-    if not facts.get("present"):
+    key, file = facts.key, facts.file
+    if not facts.present:
         return result(node, WARN, f"no venv for {file} yet (key {key}); the ranks would run "
-                      f"{get(report, 'python', 'executable', default='?')}",
+                      f"{report.python.executable or '?'}",
                       "nodectl launch builds it before starting (or reuses it when it is there)")
-    if not facts.get("intact"):
-        files = [path for key_ in ("changed", "added", "removed") for path in facts.get(key_) or ()]
+    if not facts.intact:
+        files = [*facts.changed, *facts.added, *facts.removed]
         return result(node, FAIL, f"venv {key} for {file} changed since it was built: "
-                      f"{facts.get('drift')} file(s) ({', '.join(files[:3])})",
+                      f"{facts.drift} file(s) ({', '.join(files[:3])})",
                       "nodectl launch sets it aside and builds it again from the lock; change the lock, "
                       "not the venv")
-    packages = f"{facts.get('packages')} packages" if facts.get("packages") else "from the node's index"
-    return result(node, PASS, f"venv {key} for {file} ({packages}, {facts.get('installer')}), "
+    packages = f"{facts.packages} packages" if facts.packages else "from the node's index"
+    return result(node, PASS, f"venv {key} for {file} ({packages}, {facts.installer}), "
                               f"unchanged since built")
 
 
@@ -124,9 +119,9 @@ def _last_line(text) -> str:
             "`RLIMIT_MEMLOCK`",
             "fail when not unlimited with InfiniBand present",
             "NCCL registers memory for RDMA (NCCL docs)"),))
-def check_memlock(node: str, report: Mapping) -> CheckResult:
-    soft = get(report, "limits", "memlock_soft")
-    if not report.get("infiniband"):
+def check_memlock(node: str, report: ProbeReport) -> CheckResult:
+    soft = report.limits.memlock_soft
+    if not report.infiniband and not report.infiniband_error:
         return result(node, SKIP if soft != "unlimited" else PASS,
                       f"memlock {soft} (only matters with InfiniBand)")
     if soft != "unlimited":
@@ -141,17 +136,17 @@ def check_memlock(node: str, report: Mapping) -> CheckResult:
             "`RLIMIT_NOFILE` soft (and hard, shown)",
             "fail under 1024, warn under 65536",
             "sockets to every peer per rank, data-loader descriptor sharing; 1024 is the common default soft limit"),))
-def check_nofile(node: str, report: Mapping) -> CheckResult:
+def check_nofile(node: str, report: ProbeReport) -> CheckResult:
     """Open files: every rank holds sockets to its peers (NCCL, gloo, the TCP store), data loader workers share
     tensors through descriptors; 1024 is soon spent at scale, a few hundred at once."""
-    soft, hard = get(report, "limits", "nofile_soft"), get(report, "limits", "nofile_hard")
+    soft, hard = report.limits.nofile_soft, report.limits.nofile_hard
     if soft is None:
         return result(node, SKIP, "the probe did not read the open-files limit")
     fix = ("add '* soft nofile 1048576' and '* hard nofile 1048576' to /etc/security/limits.conf "
            "(LimitNOFILE=1048576 for services), then log in again")
-    if soft != "unlimited" and soft < NOFILE_FAIL:
+    if isinstance(soft, int) and soft < NOFILE_FAIL:
         return result(node, FAIL, f"open files limited to {soft} (hard {hard})", fix)
-    if soft != "unlimited" and soft < NOFILE_WARN:
+    if isinstance(soft, int) and soft < NOFILE_WARN:
         return result(node, WARN, f"open files limited to {soft} (hard {hard})", fix)
     return result(node, PASS, f"{soft} open files")
 
@@ -161,8 +156,8 @@ def check_nofile(node: str, report: Mapping) -> CheckResult:
             "`/dev/shm` size",
             "fail under 1 GiB",
             "docker's 64 MB default breaks NCCL's SHM transport and data loaders"),))
-def check_shm(node: str, report: Mapping) -> CheckResult:
-    shm = get(report, "disk", "shm_bytes")
+def check_shm(node: str, report: ProbeReport) -> CheckResult:
+    shm = report.disk.shm_bytes
     if shm is None:
         return result(node, FAIL, "/dev/shm is missing", "mount a tmpfs on /dev/shm")
     if shm < SHM_MIN:
@@ -178,12 +173,11 @@ def check_shm(node: str, report: Mapping) -> CheckResult:
             f"fail under 2 GiB or under {1000:,} inodes (\"inodes exhausted\", naming the mount: a full inode table "
             "refuses new files with ENOSPC while bytes are free), warn under 20 GiB or under 5% of the inodes",
             "checkpoints of a LoRA run; torch.compile and Triton caches write thousands of small files"),))
-def check_disk(node: str, report: Mapping) -> CheckResult:
-    free = get(report, "disk", "free_bytes")
-    where = get(report, "disk", "workdir", default="workdir")
+def check_disk(node: str, report: ProbeReport) -> CheckResult:
+    free, where = report.disk.free_bytes, report.disk.workdir or "workdir"
     if free is None:
         return result(node, SKIP, "free space could not be read")
-    inodes = inode_verdict("disk", node, get(report, "disk") or {}, where)
+    inodes = inode_verdict("disk", node, report.disk, where)
     if inodes is not None and (inodes.verdict == FAIL or free >= DISK_WARN):
         return inodes
     if free < DISK_FAIL:
@@ -196,16 +190,16 @@ def check_disk(node: str, report: Mapping) -> CheckResult:
 INODES_FAIL, INODES_WARN_SHARE = 1000, 0.05
 
 
-def inode_verdict(name: str, node: str, facts: Mapping, where: str) -> CheckResult | None:
+def inode_verdict(name: str, node: str, facts: Space, where: str) -> CheckResult | None:
     """A file system out of (or short of) inodes, by the probe's statvfs; None when it has enough or does not
     count them (btrfs, some network file systems: 0 total)."""
-    free, total, mount = facts.get("free_inodes"), facts.get("total_inodes"), facts.get("mount") or where
-    if not isinstance(free, int) or not isinstance(total, int) or total <= 0:
+    free, total, mount = facts.free_inodes, facts.total_inodes, facts.mount or where
+    if free is None or total is None or total <= 0:
         return None
     said = f"{free:,} of {total:,} inodes free on {mount}"
     if free < INODES_FAIL:
         return CheckResult(name, node, FAIL, f"inodes exhausted on {mount} (df -i): {said}, while "
-                                             f"{gib(facts.get('free_bytes') or 0)} are free: no new file can be made "
+                                             f"{gib(facts.free_bytes or 0)} are free: no new file can be made "
                                              f"there", f"remove small files on {mount} (find {mount} -xdev -type f "
                                                        f"| cut -d/ -f1-4 | sort | uniq -c | sort -n shows where they "
                                                        f"are), or move {where} to another file system")
@@ -230,25 +224,25 @@ SCRATCH_USE = {"tmp": "torch.compile, Triton and data loaders write there",
             "fail when not writable (a full disk included), warn under 4 GiB free",
             "torch.compile and Triton write to the temp folder, Hugging Face and Triton cache under ~/.cache: a "
             "read-only or full one fails a rank at its first compiled graph or download, long after preflight"),))
-def check_scratch(node: str, report: Mapping) -> list[CheckResult]:
+def check_scratch(node: str, report: ProbeReport) -> list[CheckResult]:
     """The temp folder and the cache folder a rank gets: writable, with room."""
     out = []
     for key in ("tmp", "cache"):
-        found = get(report, "disk", "scratch", key)
-        if not isinstance(found, Mapping) or "writable" not in found:
+        found = getattr(report.disk.scratch, key)
+        if found is None or found.writable is None:
             out.append(CheckResult(key, node, SKIP, "the probe did not read it"))
             continue
-        where = found.get("path", key)
+        where = found.path or key
         inodes = inode_verdict(key, node, found, where)
         if inodes is not None and inodes.verdict == FAIL:
             out.append(inodes)
-        elif not found["writable"]:
-            out.append(CheckResult(key, node, FAIL, f"{where} cannot be written ({found.get('write_error')}): "
+        elif not found.writable:
+            out.append(CheckResult(key, node, FAIL, f"{where} cannot be written ({found.write_error}): "
                                    f"{SCRATCH_USE[key]}",
                                    "make it writable for the login user, or point the ranks elsewhere in the "
                                    f"inventory's env: ({'TMPDIR' if key == 'tmp' else 'HF_HOME, XDG_CACHE_HOME'})"))
-        elif isinstance(found.get("free_bytes"), int) and found["free_bytes"] < SCRATCH_WARN:
-            out.append(CheckResult(key, node, WARN, f"{gib(found['free_bytes'])} free in {where}: {SCRATCH_USE[key]}",
+        elif found.free_bytes is not None and found.free_bytes < SCRATCH_WARN:
+            out.append(CheckResult(key, node, WARN, f"{gib(found.free_bytes)} free in {where}: {SCRATCH_USE[key]}",
                                    f"free space there or set {'TMPDIR' if key == 'tmp' else 'HF_HOME'} in env: to a "
                                    f"larger disk"))
         else:
@@ -268,32 +262,30 @@ RANK_MEMORY_FLOOR = 2 << 30   # below this per rank, loading torch and a model's
             "below the rank count; skip when the probe reported none",
             "/proc/meminfo and the CPU count show the machine: a 1 GiB memory cgroup let preflight pass, then the "
             "model load was OOM-killed with no message"),))
-def check_cgroup(node: str, report: Mapping, ranks: int) -> CheckResult:
+def check_cgroup(node: str, report: ProbeReport, ranks: int) -> CheckResult:
     """The memory and CPU the ranks may use under the login's cgroup, which they inherit: a model load past the
     memory limit is OOM-killed with no message, and a CPU quota below the rank count slows every step, while
     /proc/meminfo and the CPU count show the whole machine."""
-    memory = get(report, "cgroup", "memory") or {}
-    cpu = get(report, "cgroup", "cpu") or {}
-    machine = get(report, "memory", "total_bytes")
+    memory, cpu, machine = report.cgroup.memory, report.cgroup.cpu, report.memory.total_bytes
     fix = ("raise or lift it for the user that logs in (systemd: MemoryMax=/CPUQuota= of its slice, e.g. "
            "systemctl set-property user-UID.slice MemoryMax=infinity; a container: --memory/--cpus), or use a node "
            "without it")
-    limit = memory.get("limit")
+    limit = memory.limit
     if isinstance(limit, int) and limit < RANK_MEMORY_FLOOR * ranks:
         return result(node, FAIL,
-                      f"the ranks may use {gib(limit)} of memory ({memory.get('file')}), "
+                      f"the ranks may use {gib(limit)} of memory ({memory.file}), "
                       f"{ranks} rank(s) here: loading torch and a model is killed by the OOM killer, silently",
                       fix)
     problems = []
-    if isinstance(limit, int) and isinstance(machine, int) and limit < machine:
-        problems.append(f"memory limited to {gib(limit)} of the machine's {gib(machine)} ({memory.get('file')})")
-    quota = cpu.get("limit")
-    if isinstance(quota, (int, float)) and quota < ranks:
-        problems.append(f"CPU quota of {quota:g} CPU(s) for {ranks} rank(s) ({cpu.get('file')})")
+    if isinstance(limit, int) and machine is not None and limit < machine:
+        problems.append(f"memory limited to {gib(limit)} of the machine's {gib(machine)} ({memory.file})")
+    quota = cpu.limit
+    if quota is not None and quota < ranks:
+        problems.append(f"CPU quota of {quota:g} CPU(s) for {ranks} rank(s) ({cpu.file})")
     if problems:
         return result(node, WARN, "; ".join(problems), fix)
     shown = [f"memory {gib(limit)}" if isinstance(limit, int) else None,
-             f"{quota:g} CPUs" if isinstance(quota, (int, float)) else None]
+             f"{quota:g} CPUs" if quota is not None else None]
     return result(node, PASS, ", ".join(s for s in shown if s) or "none below the machine's")
 
 
@@ -304,14 +296,14 @@ def check_cgroup(node: str, report: Mapping, ranks: int) -> CheckResult:
             "fail under 4096, warn under 16384, naming the lower",
             "every rank runs dozens of threads (NCCL, gloo, data loaders, torch.compile's worker pool); a "
             "container's `--pids-limit` or systemd's `TasksMax=` is met as \"can't start new thread\""),))
-def check_processes(node: str, report: Mapping) -> CheckResult:
+def check_processes(node: str, report: ProbeReport) -> CheckResult:
     """Processes and threads a session may run (RLIMIT_NPROC counts the user's threads; a pids cgroup counts the
     session's): a rank starts dozens of threads, torch.compile a worker pool, each data loader worker more."""
-    soft, pids = get(report, "limits", "nproc_soft"), get(report, "limits", "pids_max")
+    soft, pids = report.limits.nproc_soft, report.limits.pids_max
     if soft is None and pids is None:
         return result(node, SKIP, "the probe did not read the process limits")
     limits = {name: v for name, v in (("ulimit -u", soft), ("pids cgroup", pids))
-              if isinstance(v, int) and not isinstance(v, bool)}
+              if isinstance(v, int)}
     if not limits:
         return result(node, PASS, "no limit on processes and threads")
     name, lowest = min(limits.items(), key=lambda item: item[1])
@@ -329,20 +321,19 @@ def check_processes(node: str, report: Mapping) -> CheckResult:
             "a test write in the workdir",
             "fail with the path and the error",
             "-"),))
-def check_workdir(node: str, report: Mapping) -> CheckResult:
+def check_workdir(node: str, report: ProbeReport) -> CheckResult:
     """The workdir must take the run folders: created and written by the login user."""
-    reason = unreadable(report, "disk")
-    disk = report.get("disk") or {}
-    if reason or "writable" not in disk:
+    reason, disk = report.unreadable("disk"), report.disk
+    if reason or disk.writable is None:
         return result(node, SKIP, reason or "writability not probed")
-    where = disk.get("workdir", "workdir")
-    if not disk["writable"]:
-        return result(node, FAIL, f"{where} cannot be written ({disk.get('write_error')})",
+    where = disk.workdir or "workdir"
+    if not disk.writable:
+        return result(node, FAIL, f"{where} cannot be written ({disk.write_error})",
                       "set workdir: in hosts.yaml to a folder the login user owns (e.g. ~/nodectl or a local "
                       "scratch disk), or fix its owner and mode")
-    unsafe = disk.get("unsafe")
-    if isinstance(unsafe, Mapping):
-        return result(node, FAIL, f"{unsafe.get('path')} is {unsafe.get('why')}: runs there could be "
+    unsafe = disk.unsafe
+    if unsafe is not None:
+        return result(node, FAIL, f"{unsafe.path} is {unsafe.why}: runs there could be "
                       f"steered by another user", UNSAFE_FIX)
     return result(node, PASS, f"{where} writable")
 
@@ -357,11 +348,11 @@ UNSAFE_FIX = ("nodectl keeps its files only in folders the login user owns (mode
             "node time at the probe's midpoint vs the controller",
             "warn over 1 s, fail over 30 s (after half the round trip)",
             "logs and heartbeats are compared by time"),))
-def check_clock(node: str, report: Mapping) -> CheckResult:
-    skew = get(report, "clock", "skew_s")
+def check_clock(node: str, report: ProbeReport) -> CheckResult:
+    skew = report.clock.skew_s
     if skew is None:
         return result(node, SKIP, "no clock reading")
-    slack = (get(report, "clock", "round_trip_s", default=0) or 0) / 2
+    slack = (report.clock.round_trip_s or 0) / 2
     effective = max(0.0, abs(skew) - slack)
     hint = "run chrony or systemd-timesyncd on every node; logs and heartbeats are compared by time"
     if effective > SKEW_FAIL:
@@ -377,13 +368,13 @@ def check_clock(node: str, report: Mapping) -> CheckResult:
             "fail at 2 (strict) on a `device: cuda` node, warn on a CPU node",
             "CUDA and PyTorch reserve large virtual ranges (the CUDA context, the caching allocator, pinned "
             "memory): under strict accounting they fail with ENOMEM at init or first allocation, whatever is free"),))
-def check_overcommit(node: str, report: Mapping, device: str) -> CheckResult:
-    mode = get(report, "memory", "overcommit_memory")
+def check_overcommit(node: str, report: ProbeReport, device: str) -> CheckResult:
+    mode = report.memory.overcommit_memory
     if mode is None:
         return result(node, SKIP, "vm.overcommit_memory could not be read")
     if mode != 2:
         return result(node, PASS, f"vm.overcommit_memory = {mode}")
-    limit, committed = get(report, "memory", "commit_limit_bytes"), get(report, "memory", "committed_bytes")
+    limit, committed = report.memory.commit_limit_bytes, report.memory.committed_bytes
     accounts = f" (commit limit {gib(limit)}, {gib(committed)} committed)" if limit and committed is not None else ""
     return result(node, FAIL if device == "cuda" else WARN,
                   f"vm.overcommit_memory = 2, strict accounting{accounts}: CUDA and PyTorch reserve large "
@@ -403,17 +394,17 @@ LOOPBACK_PREFIXES = ("127.", "::1", "0:0:0:0:0:0:0:1")
             "(Debian's `127.0.1.1 <hostname>` kept in an image), naming the line",
             "what finds \"its own address\" by host name (MPI-style launchers, `hostname -i` scripts, some "
             "rendezvous settings) then hands the other nodes an address they cannot reach"),))
-def check_hostname(node: str, report: Mapping, addr: str) -> CheckResult:
-    name, found = get(report, "os", "hostname"), get(report, "os", "hostname_resolves")
+def check_hostname(node: str, report: ProbeReport, addr: str) -> CheckResult:
+    name, found = report.os.hostname, report.os.hostname_resolves
     if not name or found is None:
         return result(node, SKIP, "the host name was not resolved")
-    if isinstance(found, Mapping):   # resolves to nothing: nothing to hand out wrongly
+    if not isinstance(found, tuple):   # resolves to nothing ({"error"}): nothing to hand out wrongly
         return result(node, PASS, f"{name} does not resolve on the node ({found.get('error')})")
     loopback = [a for a in found if str(a).startswith(LOOPBACK_PREFIXES)]
     if not loopback or not addr or addr.startswith(LOOPBACK_PREFIXES) or addr == "localhost":
         return result(node, PASS, f"{name} resolves to {', '.join(map(str, found)) or 'nothing'}")
-    line = get(report, "os", "hosts_line")
-    where = f" (/etc/hosts line {line['line']}: {line['text']!r})" if isinstance(line, Mapping) else ""
+    line = report.os.hosts_line
+    where = f" (/etc/hosts line {line.line}: {line.text!r})" if line is not None else ""
     return result(node, WARN,
                   f"{name} resolves to {', '.join(loopback)}{where}, while the other nodes reach {node} at "
                   f"{addr}: a launcher that finds its own address by host name hands them one they cannot "

@@ -8,6 +8,7 @@ from typing import Mapping
 # module's own order: the order of the preflight's output and of docs/PREFLIGHT.md's table.
 from nodectl.preflight import cluster, gpu, history, host, network, storage
 from nodectl.preflight.checks import MEASURED, REGISTRY, TIERS, Check, DocRow, Expectation, NodeFacts
+from nodectl.probe_report import ProbeReport
 from nodectl.preflight.verdict import CheckResult
 
 SUBJECTS = tuple(m.__name__ for m in (host, gpu, network, storage, cluster, history))
@@ -47,6 +48,7 @@ def judge_cluster(reports: Mapping[str, Mapping], devices: Mapping[str, str],
                   tier: str = "default") -> list[CheckResult]:
     """The cross-node checks over every reachable node's report."""
     cuda = any(d == "cuda" for d in devices.values())
+    reports = {node: ProbeReport.of(report) for node, report in reports.items()}
     out: list[CheckResult] = []
     for check in registered():
         if check.scope == "cluster" and tier in check.tiers and (cuda or not check.cuda_only):

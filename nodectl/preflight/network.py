@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Mapping
 
 from nodectl.preflight.checks import MEASURED, check
-from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, result, unreadable
+from nodectl.probe_report import IbDevice, IbPort, ProbeReport
+from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, result
 
 SOCKET_IFNAME_VARS = ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME")
 
@@ -51,15 +52,12 @@ def parse_name_list(value: str) -> NameList:
     return NameList(exclude, exact, tuple(entries))
 
 
-def ib_ports(report: Mapping) -> list[tuple[Mapping, Mapping]]:
-    devices = report.get("infiniband") or []
-    if not isinstance(devices, list):
-        return []
-    return [(d, p) for d in devices for p in d.get("ports", [])]
+def ib_ports(report: ProbeReport) -> list[tuple[IbDevice, IbPort]]:
+    return [(d, p) for d in report.infiniband for p in d.ports]
 
 
-def ib_rate(port: Mapping) -> float | None:
-    match = IB_RATE.search(str(port.get("rate") or ""))
+def ib_rate(port: IbPort) -> float | None:
+    match = IB_RATE.search(port.rate or "")
     return float(match[1]) if match else None
 
 
@@ -68,21 +66,20 @@ def ib_rate(port: Mapping) -> float | None:
             "`/sys/class/infiniband/*/ports/*` state, phys state, rate, link layer",
             "fail when a port is down",
             "-"),))
-def check_infiniband(node: str, report: Mapping) -> CheckResult:
-    devices = report.get("infiniband") or []
-    if isinstance(devices, Mapping):  # {"error": ...}: the devices could not be listed
-        return result(node, SKIP, f"InfiniBand devices could not be read ({devices.get('error')})")
-    if not devices:
+def check_infiniband(node: str, report: ProbeReport) -> CheckResult:
+    if report.infiniband_error:  # the devices could not be listed
+        return result(node, SKIP, f"InfiniBand devices could not be read ({report.infiniband_error})")
+    if not report.infiniband:
         return result(node, SKIP, "no InfiniBand/RoCE device")
-    ports = [(d["name"], p) for d in devices for p in d.get("ports", [])]
-    down = [f"{name}/{p['port']} {p.get('state')} {p.get('phys_state')}" for name, p in ports
-            if "ACTIVE" not in (p.get("state") or "") or "LinkUp" not in (p.get("phys_state") or "")]
+    ports = [(d.name, p) for d, p in ib_ports(report)]
+    down = [f"{name}/{p.port} {p.state} {p.phys_state}" for name, p in ports
+            if "ACTIVE" not in (p.state or "") or "LinkUp" not in (p.phys_state or "")]
     if down:
         return result(node, FAIL, "ports not ACTIVE/LinkUp: " + "; ".join(down),
                       "check cables and the subnet manager (ibstat; systemctl status opensm); list only "
                       "working HCAs with NCCL_IB_HCA")
-    rates = sorted({p.get("rate") for _, p in ports})
-    layers = sorted({p.get("link_layer") for _, p in ports})
+    rates = sorted({str(p.rate) for _, p in ports})
+    layers = sorted({str(p.link_layer) for _, p in ports})
     return result(node, PASS, f"{len(ports)} port(s) up, {', '.join(map(str, rates))}, "
                               f"{'/'.join(map(str, layers))}")
 
@@ -93,14 +90,14 @@ def check_infiniband(node: str, report: Mapping) -> CheckResult:
             "local_link_integrity_errors, excessive_buffer_overrun_errors, port_rcv_remote_physical_errors",
             "warn on any non-zero count",
             "counts since the driver loaded; `perfquery -x`"),))
-def check_ib_errors(node: str, report: Mapping) -> CheckResult:
+def check_ib_errors(node: str, report: ProbeReport) -> CheckResult:
     ports = ib_ports(report)
     if not ports:
         return result(node, SKIP, "no InfiniBand/RoCE port")
-    counted = [(d, p, p.get("counters")) for d, p in ports if isinstance(p.get("counters"), Mapping)]
+    counted = [(d, p, p.counters) for d, p in ports if p.counters is not None]
     if not any(c for _, _, c in counted):
         return result(node, SKIP, "port error counters not readable")
-    errors = [f"{d['name']}/{p['port']} " + ", ".join(f"{k} {v}" for k, v in c.items() if v)
+    errors = [f"{d.name}/{p.port} " + ", ".join(f"{k} {v}" for k, v in c.items() if v)
               for d, p, c in counted if any(c.values())]
     if errors:
         return result(node, WARN, "; ".join(errors[:6]),
@@ -116,14 +113,14 @@ def check_ib_errors(node: str, report: Mapping) -> CheckResult:
             "fail when an entry names no port, a port that is not ACTIVE, or an exclusion leaves none; the hint "
             "lists the active ports",
             "NCCL's environment variable docs"),))
-def check_ib_hca(node: str, report: Mapping, env: Mapping[str, str]) -> CheckResult:
+def check_ib_hca(node: str, report: ProbeReport, env: Mapping[str, str]) -> CheckResult:
     value = (env or {}).get("NCCL_IB_HCA")
     if not value:
         return result(node, PASS, "NCCL_IB_HCA not set (NCCL uses every active HCA)")
-    reason = unreadable(report, "infiniband")
+    reason = report.unreadable("infiniband")
     if reason:
         return result(node, SKIP, reason)
-    ports = {(d["name"], p["port"]): "ACTIVE" in str(p.get("state") or "") for d, p in ib_ports(report)}
+    ports = {(d.name, p.port): "ACTIVE" in (p.state or "") for d, p in ib_ports(report)}
     active = sorted({f"{name}:{port}" for (name, port), up in ports.items() if up})
     wanted = parse_name_list(value)
     if wanted.exclude:
@@ -151,17 +148,17 @@ def check_ib_hca(node: str, report: Mapping, env: Mapping[str, str]) -> CheckRes
             "fail when the value matches no interface (prefix, `=exact`, `^exclude` as NCCL reads it) or only "
             "interfaces that are down; the hint lists the ones up",
             "NCCL's environment variable docs"),))
-def check_socket_ifname(node: str, report: Mapping, env: Mapping[str, str]) -> CheckResult:
+def check_socket_ifname(node: str, report: ProbeReport, env: Mapping[str, str]) -> CheckResult:
     """NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME from the inventory's env must name an interface the node has, and
     it must be up: a wrong name makes NCCL fail at init ("no socket interface found") and gloo hang or fail."""
     named = {var: env[var] for var in SOCKET_IFNAME_VARS if env.get(var)}
     if not named:
         return result(node, PASS, "not set (NCCL and gloo choose)")
-    reason = unreadable(report, "nics")
+    reason = report.unreadable("nics")
     if reason:
         return result(node, SKIP, reason)
-    nics = {n.get("name"): n for n in report.get("nics") or [] if n.get("name")}
-    up = sorted(name for name, nic in nics.items() if nic.get("state") in ("up", "unknown"))
+    nics = {n.name: n for n in report.nics if n.name}
+    up = sorted(name for name, nic in nics.items() if nic.state in ("up", "unknown"))
     problems = []
     for var, value in named.items():
         wanted = parse_name_list(value)
@@ -332,8 +329,8 @@ def judge_pairs(pairs: list[dict]) -> list[CheckResult]:
             "NCCL and gloo bind their sockets to the named interface: traffic to a peer it does not route to "
             "hangs or fails at init"),))
 def check_socket_route(node: str, env: Mapping[str, str], answer: Mapping | None,
-                       report: Mapping | None = None) -> CheckResult:
-    nics = [n.get("name") for n in (report or {}).get("nics") or [] if isinstance(n, Mapping) and n.get("name")]
+                       report: ProbeReport | None = None) -> CheckResult:
+    nics = [n.name for n in (report.nics if report is not None else ()) if n.name]
     named = {var: env[var] for var in SOCKET_IFNAME_VARS if env.get(var)
              and (not nics or any(parse_name_list(env[var]).selects(name) for name in nics))}   # else: socket ifname's
     peers = (answer or {}).get("peers") or {}

@@ -12,6 +12,7 @@ from nodectl.inventory import Inventory
 from nodectl.preflight.gpu import cluster_medians
 from nodectl.preflight.history import Drift, History, curve_of, figures_of, judge_history, versions_of
 from nodectl.preflight.checks import Tier
+from nodectl.probe_report import ProbeReport
 from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge_node
 from nodectl.preflight.storage import judge_store
 from nodectl.preflight.verdict import FAIL, WARN, CheckResult
@@ -91,7 +92,7 @@ def _gpu_job(transport: Transport) -> dict:
         return {"error": str(exc)}
 
 
-def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], port: int | None,
+def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, ProbeReport], port: int | None,
            quick: bool = True) -> tuple[dict[str, dict], int | None]:
     """(per node: the GPU job on GPU nodes (not --quick), node 0's master port, every node's connection to it and
     route toward it; the master port the checks tried, None when node 0 could not take one)."""
@@ -99,7 +100,7 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, dict], por
     reachable = [n for n in inventory.nodes if n.name in reports]
     extras: dict[str, dict] = {n.name: {} for n in reachable}
     gpu_nodes = [n for n in reachable if n.device == "cuda"
-                 and (reports[n.name].get("gpus") or {}).get("count", 0) >= 1]
+                 and (reports[n.name].gpus.count or 0) >= 1]
     for r in cluster.fan_out(_gpu_job, [] if quick else gpu_nodes):
         extras[r.node.name]["p2p"] = r.value if r.ok else {"error": r.error}
     if master.name not in reports:
@@ -178,18 +179,19 @@ def run_preflight(inventory: Inventory, session: Session, *, gpus: int | None, t
     probed = probe_nodes(cluster, on_done=on_probe, import_torch=not quick, visible=visible_devices(inventory, gpus),
                          ranks_env=True)
     reports = {name: report for name, report in probed.succeeded.items() if "error" not in report}
+    typed = {name: ProbeReport.of(report) for name, report in reports.items()}   # what the checks read
     unreachable = {r.node.name: r.error for r in probed if r.unreachable}
     results = [_probe_failure(r) for r in probed if r.node.name not in reports]
     phase = on_probe.phase if on_probe is not None else (lambda text: None)
     phase("port checks" if quick else "GPU load, P2P and port checks")
-    extras, port = _facts(cluster, inventory, reports, inventory.master_port, quick)
+    extras, port = _facts(cluster, inventory, typed, inventory.master_port, quick)
     expect = Expectation(gpus=gpus, master_port=port, master_addr=inventory.nodes[0].addr)
     devices = {n.name: n.device for n in inventory.nodes}
     jobs = {name: facts.get("p2p") for name, facts in extras.items() if facts.get("p2p")}
-    medians = cluster_medians(jobs, reports)
+    medians = cluster_medians(jobs)
     for node in inventory.nodes:
         if node.name in reports:
-            results += judge_node(NodeFacts(node.name, reports[node.name], node.device, expect,
+            results += judge_node(NodeFacts(node.name, typed[node.name], node.device, expect,
                                             extras.get(node.name) or {}, node.env, node.gpus, medians, node.addr),
                                   tier)
     uploading = [n for n in inventory.nodes if n.name in reports and n.outputs is not None]
@@ -199,7 +201,7 @@ def run_preflight(inventory: Inventory, session: Session, *, gpus: int | None, t
         results += judge_store([(r.node.name, r.node.outputs.url, r.value if r.ok else {"ok": False, "error": r.error})
                                 for r in stored])
     if len(reports) > 1:
-        results += judge_cluster(reports, {k: v for k, v in devices.items() if k in reports}, tier)
+        results += judge_cluster(typed, {k: v for k, v in devices.items() if k in reports}, tier)
     return PreflightReport([n.name for n in inventory.nodes], results, reports, unreachable, quick=quick,
                            gpu_jobs=jobs)
 

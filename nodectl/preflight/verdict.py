@@ -3,7 +3,7 @@ node is read here."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any, Mapping
+from typing import Mapping
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 
@@ -21,25 +21,11 @@ class CheckResult:
         return asdict(self)
 
 
-def get(report: Mapping, *path, default=None) -> Any:
-    """report[path[0]][path[1]]..., or `default` where a key is missing or a value is not a mapping."""
-    value: Any = report
-    for key in path:
-        if not isinstance(value, Mapping) or key not in value:
-            return default
-        value = value[key]
-    return value
+def unreadable(report, section: str) -> str | None:
+    """Why a section of the probe report (a ProbeReport, or its JSON) holds no facts, or None: facts.py."""
+    from nodectl.probe_report import ProbeReport
 
-
-def unreadable(report: Mapping, section: str) -> str | None:
-    """Why a section of the probe report holds no facts (its probe failed or never ran), or None. A check
-    whose facts could not be read says skip with this reason: never pass."""
-    value = report.get(section)
-    if value is None:
-        return f"the probe reported no {section} facts"
-    if isinstance(value, Mapping) and value.get("error"):
-        return f"{section} facts could not be read ({value['error']})"
-    return None
+    return ProbeReport.of(report).unreadable(section)
 
 
 def result(node: str, verdict: str, detail: str, hint: str = "", env: Mapping[str, str] | None = None) -> CheckResult:
@@ -61,7 +47,7 @@ def named(results, name: str):
 def skip_if_unreadable(check: str, section: str):
     """Decorator: a check of `section` facts returns skip with the reason when they could not be read."""
     def wrap(fn):
-        def checked(node: str, report: Mapping, *args, **kwargs) -> CheckResult:
+        def checked(node: str, report, *args, **kwargs) -> CheckResult:
             reason = unreadable(report, section)
             if reason:
                 return CheckResult(check, node, SKIP, reason)

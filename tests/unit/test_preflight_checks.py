@@ -247,14 +247,9 @@ def test_socket_ifname_must_name_an_interface_that_is_up(env, verdict, words):
 
 
 def _probe_module():
-    import importlib.util
+    from support import probe_script
 
-    from nodectl.resources import resource_dir
-
-    spec = importlib.util.spec_from_file_location("nodectl_probe_script", resource_dir("launchers") / "probe.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return probe_script.load()
 
 
 @pytest.mark.parametrize("spec, indexes, unresolved", [

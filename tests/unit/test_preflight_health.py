@@ -92,12 +92,9 @@ def test_xid_events_from_the_kernel_log():
 
 
 def test_the_probe_reads_xid_and_sxid_lines():
-    import importlib.util
-    from nodectl.resources import resource_dir
+    from support import probe_script
 
-    spec = importlib.util.spec_from_file_location("probe_for_test", resource_dir("launchers") / "probe.py")
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
+    probe = probe_script.load()
     events = probe.parse_xids([
         "[ 8123.4] NVRM: Xid (PCI:0000:1b:00): 79, pid=1234, name=python, GPU has fallen off the bus.",
         "[ 9000.0] nvidia-nvswitch3: SXid (PCI:0000:07:00.0): 12028, Non-fatal, Link 44 egress non-posted PRIV",
@@ -194,7 +191,7 @@ def test_gpu_job_names_the_slow_or_throttled_gpu():
 def test_a_node_slow_as_a_whole_is_named_against_the_cluster():
     jobs = {f"n{i}": job() for i in range(4)}
     jobs["n3"] = job({i: {"hbm_gbps": 2000.0} for i in range(8)})   # every GPU of one node: power capped?
-    medians = gpu_checks.cluster_medians(jobs, {})
+    medians = gpu_checks.cluster_medians(jobs)
     [figures, _] = gpu_checks.check_gpu_perf("n3", jobs["n3"], medians)
     assert figures.verdict == FAIL and "of the cluster's median" in figures.detail, figures
     assert gpu_checks.check_gpu_perf("n0", jobs["n0"], medians)[0].verdict == PASS

@@ -11,6 +11,7 @@ import pytest
 from nodectl.preflight import checks, judge
 from nodectl.preflight.checks import REGISTRY, Expectation, NodeFacts, check
 from nodectl.preflight.verdict import PASS, SKIP, result
+from nodectl.probe_report import ProbeReport
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -36,21 +37,23 @@ def test_a_new_check_is_one_declaration(monkeypatch):
     monkeypatch.setattr(checks, "REGISTRY", list(REGISTRY))
     monkeypatch.setattr(judge, "REGISTRY", checks.REGISTRY)
 
-    @check("hugepages", "host", given=lambda f: (f.report, f.env), section="memory", tiers=("default", "full"),
-           doc=(("hugepages", "`/proc/meminfo` HugePages_Total", "warn when none", "-"),))
-    def check_hugepages(node, report, env):
-        return result(node, PASS, f"{report['memory']['hugepages']} pages, env {sorted(env)}")
+    @check("swap size", "host", given=lambda f: (f.report, f.env), section="memory", tiers=("default", "full"),
+           doc=(("swap size", "`/proc/meminfo` SwapTotal", "warn when none", "-"),))
+    def check_swap_size(node, report, env):
+        return result(node, PASS, f"{report.memory.swap_total_bytes} bytes of swap, env {sorted(env)}")
 
-    facts = NodeFacts("n0", {"memory": {"hugepages": 4}}, "cpu", Expectation(None, None, "10.0.0.1"), env={"A": "1"})
+    facts = NodeFacts("n0", {"memory": {"swap_total_bytes": 4}}, "cpu", Expectation(None, None, "10.0.0.1"),
+                      env={"A": "1"})
     found = {r.check: r for r in judge.judge_node(facts, "default")}
-    assert found["hugepages"].verdict == PASS and found["hugepages"].detail == "4 pages, env ['A']"
-    assert check_hugepages("n1", {"memory": {"hugepages": 0}}, {}).check == "hugepages"   # called directly too
-    assert "hugepages" not in {r.check for r in judge.judge_node(facts, "quick")}
+    assert found["swap size"].verdict == PASS and found["swap size"].detail == "4 bytes of swap, env ['A']"
+    direct = check_swap_size("n1", ProbeReport.of({"memory": {"swap_total_bytes": 0}}), {})   # called directly too
+    assert direct.check == "swap size"
+    assert "swap size" not in {r.check for r in judge.judge_node(facts, "quick")}
     unread = NodeFacts("n0", {"memory": {"error": "denied"}}, "cpu", Expectation(None, None, "10.0.0.1"))
-    assert {r.check: r for r in judge.judge_node(unread)}["hugepages"].verdict == SKIP
-    assert "| hugepages | `/proc/meminfo` HugePages_Total | warn when none | - |" in judge.doc_table()
+    assert {r.check: r for r in judge.judge_node(unread)}["swap size"].verdict == SKIP
+    assert "| swap size | `/proc/meminfo` SwapTotal | warn when none | - |" in judge.doc_table()
     with pytest.raises(ValueError, match="declared twice"):
-        check("hugepages", "host")(check_hugepages)
+        check("swap size", "host")(check_swap_size)
     with pytest.raises(ValueError, match="unknown"):
         check("other", "host", tiers=("nightly",))
 
