@@ -4,7 +4,7 @@
         torchrun --nproc-per-node 2 bench/moe_exchange.py [--layers 24] [--tokens 8192] [--steps 20]
 
 Each rank routes its tokens (top-8 of 128 experts, uniform at random, Qwen3-30B-A3B's widths: hidden 2048, expert
-intermediate 768) through `--layers` expert layers, forward and backward, four ways in turn, each timed by the
+intermediate 768) through `--layers` expert layers, forward and backward, six ways in turn, each timed by the
 wall clock after a CUDA synchronize:
 
 - before: the exchange as it was (the received rows reordered by indexing, whose backward is a scatter-add, and a
