@@ -8,8 +8,8 @@ over the ranks, and over which process groups the collectives run:
 - hsdp: base and adapters sharded over the GPUs of each node and replicated across nodes (a 2-D mesh): the
   per-layer all-gathers stay inside the node; only the gradients' shards cross it. On one node: fsdp.
 - fsdp: base and adapters sharded over every rank (one 1-D mesh); each layer's all-gathers cross nodes.
-- expert: the routed experts split over the GPUs of each node (tokens reach them by all_to_all inside the node);
-  the rest as hsdp.
+- expert: the routed experts split over the GPUs of each node (tokens reach them inside the node: gathered to
+  every GPU of the node when it has at most top-k of them, else by all_to_all); the rest as hsdp.
 - expert-global: the routed experts split over every rank; the rest as fsdp (model.expert_parallel: true).
 
 auto picks the first of replicate, hsdp (several nodes), fsdp whose estimated memory fits the GPU, and says why.
@@ -212,13 +212,23 @@ def traffic(layout: Layout, shape: Shape, reshard_after_forward: bool) -> dict[s
         if layout.two_d:
             ring(2 * grads_fp32 / per_node, nodes, nodes)    # all-reduce of each shard across the nodes
     if expert and shape.top_k:
-        forward = shape.tokens * shape.top_k * shape.hidden * shape.element * 2 * shape.layers  # there and back
-        exchanges = forward * (2 + shape.checkpointed / shape.layers)                # backward, recompute
-        others = (expert - 1) / expert
+        # per layer and pass, one rank's share of its tokens' hidden states on the way to the experts and back:
+        # gathered (groups up to top-k ranks), each token once to every other rank of the group, with its expert
+        # ids and routing weights, and its outputs summed back; exchanged, each routed copy to its expert's rank
+        if expert <= shape.top_k:
+            routing = shape.top_k * (8 + 2 * shape.element) / 2          # ids and weights, weights' gradient
+            there_and_back = shape.tokens * (expert - 1) * (2 * shape.hidden * shape.element + routing)
+        else:
+            there_and_back = shape.tokens * shape.top_k * (expert - 1) / expert * 2 * shape.hidden * shape.element
+        exchanges = there_and_back * shape.layers * (2 + shape.checkpointed / shape.layers)  # backward, recompute
         spans = nodes if layout.name == "expert-global" else 1
-        off_node = (world - per_node) / (world - 1) if spans > 1 and world > 1 else 0.0
-        inter += exchanges * others * off_node
-        intra += exchanges * others * (1 - off_node)
+        if expert <= shape.top_k:     # rings, as the all-gathers and reduce-scatters are counted
+            inside, across = ring_split(exchanges, expert, spans)
+        else:                         # each peer its share
+            across = exchanges * ((world - per_node) / (world - 1) if spans > 1 and world > 1 else 0.0)
+            inside = exchanges - across
+        intra += inside
+        inter += across
     return {"intra_node_bytes": intra, "inter_node_bytes": inter}
 
 

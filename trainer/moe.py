@@ -94,22 +94,27 @@ def _combine(rows: torch.Tensor, order: torch.Tensor, restore: torch.Tensor, top
     return rows[restore].view(-1, top_k, rows.shape[-1]).sum(dim=1)
 
 
+_SAVED = object()   # in place of a tensor argument that the autograd context saved
+
+
 def _with_adjoint_gradient(function, adjoint) -> type:
-    """An autograd function computing `function(x, order, restore, top_k)`, whose gradient is `adjoint` of the
-    incoming gradient: dispatch and combine are each other's adjoints, so both backward passes are gathers and a
-    sum (indexing's own backward would be a sort-based scatter-add)."""
+    """An autograd function computing `function(x, *args)`, whose gradient is `adjoint(grad, *args)`: dispatch and
+    combine are each other's adjoints, so both backward passes are gathers and a sum (indexing's own backward
+    would be a sort-based scatter-add); so are gathering every rank's rows and summing them back to their rank."""
 
     class WithAdjoint(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, x, order, restore, top_k):
-            ctx.save_for_backward(order, restore)
-            ctx.top_k = top_k
-            return function(x, order, restore, top_k)
+        def forward(ctx, x, *args):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            ctx.save_for_backward(*tensors)
+            ctx.rest = [_SAVED if isinstance(a, torch.Tensor) else a for a in args]
+            return function(x, *args)
 
         @staticmethod
         def backward(ctx, grad):
-            order, restore = ctx.saved_tensors
-            return adjoint(grad, order, restore, ctx.top_k), None, None, None
+            saved = iter(ctx.saved_tensors)
+            args = [next(saved) if a is _SAVED else a for a in ctx.rest]
+            return (adjoint(grad, *args), *[None] * len(args))
 
     WithAdjoint.__name__ = WithAdjoint.__qualname__ = f"{function.__name__.strip('_').title()}"
     return WithAdjoint
@@ -134,6 +139,47 @@ def _unpermute(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, _: i
 _Permute = _with_adjoint_gradient(_permute, _unpermute)
 
 
+def _pick(x: torch.Tensor, copies: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """Row i is the token of routed copy copies[i] (copy c: token c // top_k, its (c % top_k)-th expert)."""
+    return x.index_select(0, copies // top_k)
+
+
+def _sum_copies(rows: torch.Tensor, copies: torch.Tensor, tokens: int, top_k: int) -> torch.Tensor:
+    """The adjoint of _pick: each of `tokens` the sum of its copies' rows (row i is copy copies[i]; copies not
+    listed are zero). The rows are put in place and summed: no atomic accumulation (a copy appears once), which
+    as index_add took 11% of an expert layout's GPU time on 2 H200s."""
+    placed = rows.new_zeros(tokens * top_k, rows.shape[-1]).index_copy_(0, copies, rows)
+    return placed.view(tokens, top_k, rows.shape[-1]).sum(dim=1)
+
+
+_Pick = _with_adjoint_gradient(_pick, _sum_copies)
+_SumCopies = _with_adjoint_gradient(_sum_copies, _pick)
+
+
+def _gather_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Every rank's x of the group, concatenated in rank order (the same shape on every rank)."""
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    out = x.new_empty(dist.get_world_size(group) * x.shape[0], *x.shape[1:])
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, x, group=group)
+    return out
+
+
+def _sum_rows_back(x: torch.Tensor, group) -> torch.Tensor:
+    """The adjoint of _gather_rows: the group's x summed, and this rank's share of the rows kept."""
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    out = x.new_empty(x.shape[0] // dist.get_world_size(group), *x.shape[1:])
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, x, group=group)
+    return out
+
+
+_GatherRows = _with_adjoint_gradient(_gather_rows, _sum_rows_back)
+_SumRowsBack = _with_adjoint_gradient(_sum_rows_back, _gather_rows)
+
+
 def _project(x: torch.Tensor, experts: nn.Module, name: str, lora, offsets: torch.Tensor) -> torch.Tensor:
     out = grouped_mm(x, _base_weight(experts, name), offsets)
     if lora is not None:
@@ -151,15 +197,17 @@ def grouped_forward(experts: nn.Module, adapters: dict[str, tuple | None], hidde
     product, one full-width pass and one saved full-width tensor fewer. With expert parallelism the rows travel
     to the ranks that hold their experts and back (ExpertShard)."""
     top_k = top_k_index.shape[-1]
+    shard = getattr(experts, "expert_shard", None)
+    if shard is not None and shard.gathers(top_k):
+        local = {k: v and shard.local_factors(v) for k, v in adapters.items()}
+        return shard.gathered(hidden_states, top_k_index, top_k_weights, lambda rows, counts, weights:
+                              _experts_on_rows(experts, local, rows, counts, weights)).to(hidden_states.dtype)
     expert_ids, order = torch.sort(top_k_index.reshape(-1))
     restore = torch.empty_like(order)
     restore[order] = torch.arange(order.numel(), device=order.device)
     rows = _Dispatch.apply(hidden_states, order, restore, top_k)
     weights = top_k_weights.reshape(-1)[order]
-    # histc rather than bincount: no host sync, as transformers does (it takes float input on CPU)
-    counts = torch.histc(expert_ids.float() if expert_ids.device.type == "cpu" else expert_ids.int(),
-                         bins=experts.num_experts, min=0, max=experts.num_experts - 1)
-    shard = getattr(experts, "expert_shard", None)
+    counts = _counts(expert_ids, experts.num_experts)
     if shard is None:
         out = _experts_on_rows(experts, adapters, rows, counts, weights)
     else:
@@ -167,6 +215,12 @@ def grouped_forward(experts: nn.Module, adapters: dict[str, tuple | None], hidde
             experts, {k: v and shard.local_factors(v) for k, v in adapters.items()}, local, local_counts, None))
         out = out * weights.unsqueeze(-1).to(out.dtype)
     return _Combine.apply(out, order, restore, top_k).to(hidden_states.dtype)
+
+
+def _counts(ids: torch.Tensor, bins: int) -> torch.Tensor:
+    """How many of `ids` are 0, 1, .. bins - 1: histc rather than bincount, no host sync, as transformers does
+    (it takes float input on CPU)."""
+    return torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(), bins=bins, min=0, max=bins - 1)
 
 
 def _experts_on_rows(experts: nn.Module, adapters: dict, rows: torch.Tensor, counts: torch.Tensor,
@@ -190,12 +244,33 @@ def _experts_on_rows(experts: nn.Module, adapters: dict, rows: torch.Tensor, cou
     return out
 
 
+# The gathered exchange's collectives run outside torch.compile's graphs (each is one NCCL call on the GPU's
+# stream, nothing waits for it on the host), where the traffic count of a step sees them.
+@torch.compiler.disable
+def _gather_routing(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, group):
+    return (_GatherRows.apply(hidden, group), _gather_rows(top_k_index, group),
+            _GatherRows.apply(top_k_weights, group))
+
+
+@torch.compiler.disable
+def _sum_back(partial: torch.Tensor, group) -> torch.Tensor:
+    return _SumRowsBack.apply(partial, group)
+
+
 class ExpertShard:
     """Expert parallelism for one experts module: this rank holds experts start:stop of the module's E (its
-    frozen weights hold only those), and every rank's rows for them are sent here with one all_to_all, computed,
-    and sent back with another (torch.distributed.nn's all_to_all_single, so gradients travel back the same
-    way). The adapters stay whole on every rank under FSDP: this rank uses, and its gradient fills, only its
-    experts' factors, and FSDP's reduce-scatter sums the ranks' gradients."""
+    frozen weights hold only those), and the tokens routed to them are computed here. Two ways to bring them:
+
+    - gathered (groups of up to top-k ranks): every rank's tokens and routing are all-gathered, each rank runs
+      its own experts on the copies routed to them, and one reduce-scatter sums each token's outputs back on its
+      rank. A token crosses to each other rank once (g - 1 rows a token), and every size is fixed: nothing is
+      read on the host, nothing waits for the CPU.
+    - exchanged (larger groups): each routed copy is sent to its expert's rank with one all_to_all and back with
+      another (top-k (g - 1) / g rows a token, fewer once g passes top-k); the split sizes are read on the host.
+
+    The collectives' gradients travel back the same ways. The adapters stay whole on every rank under FSDP:
+    this rank uses, and its gradient fills, only its experts' factors, and FSDP's reduce-scatter sums the ranks'
+    gradients."""
 
     def __init__(self, rank: int, world: int, num_experts: int, group=None) -> None:
         self.rank, self.world, self.group = rank, world, group
@@ -206,9 +281,42 @@ class ExpertShard:
         down, up, scale = lora
         return down[self.start:self.stop], up[self.start:self.stop], scale
 
+    def gathers(self, top_k: int) -> bool:
+        """Whether tokens come gathered (fewer bytes for groups up to top_k ranks, and no host read)."""
+        return self.world <= top_k
+
+    def gathered(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 compute) -> torch.Tensor:
+        """The module's output for this rank's tokens: compute(rows, counts, weights) runs this rank's experts on
+        the group's copies routed to them, sorted by local expert, counts[e] for local expert e. Their number is
+        read on the host once (a 2 x H200 run with fixed-size tensors, the other ranks' copies zeroed, was no
+        faster: every row-wise pass then moves the whole group's rows)."""
+        top_k = top_k_index.shape[-1]
+        everyone, index, weights = _gather_routing(hidden, top_k_index, top_k_weights, self.group)
+        local = index.reshape(-1) - self.start
+        key = torch.where((local >= 0) & (local < self.local), local, self.local)  # other ranks' experts last
+        order = torch.sort(key).indices
+        counts = _counts(key, self.local + 1)[:-1]
+        held = int(counts.sum())
+        if held:
+            order = order[:held]
+            rows = _Pick.apply(everyone, order, everyone.shape[0], top_k)
+            routed = weights.reshape(-1)[order]
+        else:
+            # No copy for this rank's experts: compute on one zero row (counted for the last local expert), as
+            # the exchange below does. It stays in the graph, so this rank's backward joins the collectives.
+            order = order[:1]
+            rows = _Pick.apply(everyone, order, everyone.shape[0], top_k) * 0
+            routed = weights.reshape(-1)[order] * 0
+            counts = counts + torch.nn.functional.one_hot(
+                torch.tensor(self.local - 1, device=counts.device), self.local).to(counts.dtype)
+        out = compute(rows, counts, routed)
+        return _sum_back(_SumCopies.apply(out, order, everyone.shape[0], top_k), self.group)
+
     def exchange(self, rows: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
         """compute(local rows sorted by local expert, their counts) on the rows this rank's experts receive
-        from every rank; the results back in the order of `rows` (sorted by global expert)."""
+        from every rank; the results back in the order of `rows` (sorted by global expert). The all_to_all way,
+        for groups larger than top-k."""
         import torch.distributed as dist
         from torch.distributed.nn.functional import all_to_all_single
 

@@ -261,7 +261,7 @@ def test_layout_bytes_keep_the_heavy_traffic_inside_the_node():
     across = {name: figures["inter_node_bytes"] for name, figures in sent.items()}
     assert across["fsdp"] > 150e9                                             # 2 x 213.8 GB gathered, half across
     assert across["hsdp"] == across["expert"] == across["replicate"] == pytest.approx(4 * 1.83e9 / 2)
-    assert across["expert-global"] > 10 * across["expert"]                    # tokens cross the node boundary
+    assert across["expert-global"] > 5 * across["expert"]                     # tokens cross the node boundary
     assert sent["expert"]["intra_node_bytes"] < sent["hsdp"]["intra_node_bytes"]  # experts never gathered
 
 

@@ -1,0 +1,84 @@
+"""The gathered expert exchange (trainer/moe.py, ExpertShard.gathered) on two gloo ranks: every rank holds half
+the experts, and the outputs and gradients of its tokens are those of all experts on one rank."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from support.trainer_import import trainer_module
+
+TOKENS, HIDDEN, EXPERTS, TOP_K = 12, 8, 4, 2
+
+
+def _inputs(lopsided: bool = False):
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(2 * TOKENS, HIDDEN, generator=g)
+    index = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(2 * TOKENS)])
+    index[:TOKENS // 2] = torch.tensor([0, 1])     # rank 0's first tokens go only to rank 0's experts
+    if lopsided:                                   # every copy to rank 0's experts: rank 1 computes none
+        index = torch.stack([torch.randperm(EXPERTS // 2, generator=g)[:TOP_K] for _ in range(2 * TOKENS)])
+    weights = torch.rand(2 * TOKENS, TOP_K, generator=g)
+    weight = torch.randn(EXPERTS, HIDDEN, HIDDEN, generator=g)
+    probe = torch.randn(2 * TOKENS, HIDDEN, generator=g)
+    return hidden, index, weights, weight, probe
+
+
+def _reference(lopsided: bool):
+    """All experts on one rank: each token's sum over its experts of weight x (x @ W_e)."""
+    hidden, index, weights, weight, probe = _inputs(lopsided)
+    for t in (hidden, weights, weight):
+        t.requires_grad_(True)
+    out = torch.stack([sum(weights[t, k] * (hidden[t] @ weight[index[t, k]]) for k in range(TOP_K))
+                       for t in range(2 * TOKENS)])
+    (out * probe).sum().backward()
+    return out.detach(), hidden.grad, weights.grad, weight.grad
+
+
+def _rank(rank: int, store_path: str, results, lopsided: bool) -> None:
+    moe = trainer_module("moe")
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    try:
+        hidden, index, weights, weight, probe = _inputs(lopsided)
+        mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        x = hidden[mine].clone().requires_grad_(True)
+        w = weights[mine].clone().requires_grad_(True)
+        full = weight.clone().requires_grad_(True)
+        shard = moe.ExpertShard(rank, 2, EXPERTS)
+        assert shard.gathers(TOP_K)
+        seen = []
+
+        def compute(rows, counts, routed):
+            seen.append((rows.shape[0], int(counts.sum())))
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+            return moe.grouped_mm(rows, full[shard.start:shard.stop], offsets) * routed.unsqueeze(-1)
+
+        out = shard.gathered(x, index[mine], w, compute)
+        (out * probe[mine]).sum().backward()
+        grad = full.grad.clone()
+        dist.all_reduce(grad)   # each rank's gradient fills only its own experts
+        results[rank] = (out.detach(), x.grad, w.grad, grad, seen)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("lopsided", [False, True], ids=["spread", "one-rank-gets-none"])
+def test_the_gathered_exchange_gives_each_rank_what_all_experts_on_one_rank_give(tmp_path, lopsided):
+    """Outputs and the gradients of the tokens, the routing weights and the experts' weights; each rank computes
+    only the copies routed to its own experts (one zero row where none are: grouped GEMMs fail on none)."""
+    manager = mp.get_context("spawn").Manager()
+    results = manager.dict()
+    mp.start_processes(_rank, args=(str(tmp_path / "store"), results, lopsided), nprocs=2, start_method="spawn")
+    out, hidden_grad, weights_grad, weight_grad = _reference(lopsided)
+    _, index, *_ = _inputs(lopsided)
+    for rank in (0, 1):
+        got_out, got_x, got_w, got_weight, seen = results[rank]
+        mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        torch.testing.assert_close(got_out, out[mine])
+        torch.testing.assert_close(got_x, hidden_grad[mine])
+        torch.testing.assert_close(got_w, weights_grad[mine])
+        torch.testing.assert_close(got_weight, weight_grad)
+        held = int(((index >= rank * 2) & (index < rank * 2 + 2)).sum())
+        assert seen == [(held, held) if held else (1, 1)], (rank, seen)
+        assert held or lopsided
