@@ -331,10 +331,11 @@ class StepBatches:
             self._orders = {epoch: torch.randperm(len(self.examples), generator=generator).tolist()}
         return self._orders[epoch]
 
-    def indices(self, step: int, micro_step: int) -> list[int]:
+    def indices(self, step: int, micro_step: int, rank: int | None = None) -> list[int]:
         """Global batch positions laid out as [micro step][rank][row]: any split of the same global batch over
-        ranks and accumulation sees the same examples."""
-        start = step * self.global_batch + (micro_step * self.world + self.rank) * self.micro
+        ranks and accumulation sees the same examples. `rank`: another rank's (default: this one's)."""
+        rank = self.rank if rank is None else rank
+        start = step * self.global_batch + (micro_step * self.world + rank) * self.micro
         out = []
         for position in range(start, start + self.micro):
             epoch, offset = divmod(position, len(self.examples))
@@ -342,13 +343,21 @@ class StepBatches:
         return out
 
     def micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        return [collate([self.examples[i] for i in self.indices(step, m)], self.pad_id) for m in range(self.accum)]
+        """This rank's micro-batches, each padded to the widest row any rank has in that micro step (read from the
+        shared example list, no communication): every rank's micro-batch has the same shape, as an expert layout's
+        gathered token exchange needs, and a step already waits for its widest rank."""
+        out = []
+        for m in range(self.accum):
+            width = max(len(self.examples[i].input_ids) for r in range(self.world) for i in self.indices(step, m, r))
+            out.append(collate([self.examples[i] for i in self.indices(step, m)], self.pad_id, width))
+        return out
 
 
-def collate(examples: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
-    """Padded tensors. Packed rows also get position_ids; their padding is one more "document" (positions from 0,
-    labels ignored), so the model needs no attention mask and reads the documents from the positions alone."""
-    width = max(len(e.input_ids) for e in examples)
+def collate(examples: list[Example], pad_id: int, width: int = 0) -> dict[str, torch.Tensor]:
+    """Padded tensors, at least `width` wide. Packed rows also get position_ids; their padding is one more
+    "document" (positions from 0, labels ignored), so the model needs no attention mask and reads the documents
+    from the positions alone."""
+    width = max(width, *(len(e.input_ids) for e in examples))
     input_ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
     attention = torch.zeros((len(examples), width), dtype=torch.long)

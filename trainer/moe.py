@@ -290,7 +290,8 @@ class ExpertShard:
         """The module's output for this rank's tokens: compute(rows, counts, weights) runs this rank's experts on
         the group's copies routed to them, sorted by local expert, counts[e] for local expert e. Their number is
         read on the host once (a 2 x H200 run with fixed-size tensors, the other ranks' copies zeroed, was no
-        faster: every row-wise pass then moves the whole group's rows)."""
+        faster: every row-wise pass then moves the whole group's rows). Every rank of the group passes as many
+        tokens: the trainer's batches have one shape on every rank (data.StepBatches, evaluate.evaluate)."""
         top_k = top_k_index.shape[-1]
         everyone, index, weights = _gather_routing(hidden, top_k_index, top_k_weights, self.group)
         local = index.reshape(-1) - self.start

@@ -164,6 +164,54 @@ def test_a_packed_row_gives_each_document_its_unpacked_loss(attn):
         assert not torch.allclose(doc_loss(mixed[:, 9:23], batch["labels"][:1, 9:23]), alone[1], atol=1e-3)
 
 
+def test_every_rank_trains_and_evaluates_on_batches_of_one_shape():
+    """An expert layout's ranks all-gather their tokens, which needs as many on every rank: each micro-batch is
+    padded to the widest row any rank has in that micro step (every rank reads the shared example list, nothing is
+    sent), and an eval batch is filled to the batch size with rows whose labels are ignored."""
+    import torch
+    import torch.distributed as dist
+
+    data, evaluate = trainer_module("data"), trainer_module("evaluate")
+    examples = [data.Example(tuple(range(1, n + 1)), tuple(range(1, n + 1))) for n in (3, 9, 4, 5, 2, 7, 6, 8, 3)]
+    shapes, widest = {}, {}
+    for rank in range(2):
+        batches = data.StepBatches(examples, micro_batch_size=2, grad_accum=2, world_size=2, rank=rank, seed=0,
+                                   pad_id=0)
+        shapes[rank] = [[tuple(b["input_ids"].shape) for b in batches.micro_batches(step)] for step in range(4)]
+        widest[rank] = [[max(len(examples[i].input_ids) for i in batches.indices(step, m)) for m in range(2)]
+                        for step in range(4)]
+    assert shapes[0] == shapes[1]
+    assert [[w for _, w in step] for step in shapes[0]] == [[max(a, b) for a, b in zip(*pair)]
+                                                            for pair in zip(widest[0], widest[1])]
+    assert any(a != b for x, y in zip(widest[0], widest[1]) for a, b in zip(x, y))   # the rows did differ
+
+    class Model:   # a loss of 1 per token it is asked to predict
+        seen: list = []
+
+        def eval(self):
+            pass
+
+        def train(self):
+            pass
+
+        def loss_sum(self, input_ids, attention_mask, labels, positions):
+            self.seen.append(tuple(input_ids.shape))
+            return (labels[:, 1:] != data.IGNORE).sum().float()
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:   # the all-reduce is over this one process; each call plays one of two ranks' shares
+        per_rank = {rank: (Model.seen.clear(), evaluate.evaluate(Model(), examples[1:6], rank=rank, world=2,
+                                                                 batch_size=2, pad_id=0,
+                                                                 device=torch.device("cpu")), list(Model.seen))
+                    for rank in range(2)}
+    finally:
+        dist.destroy_process_group()
+    # rows 9, 4, 5, 2, 7 wide over two ranks: rank 0 has 9, 5 | 7 and rank 1 has 4, 2 | nothing; the second
+    # batches are filled with the first row (9 wide)
+    assert per_rank[0][2] == per_rank[1][2] == [(2, 9), (2, 9)]
+    assert per_rank[0][1] == per_rank[1][1] == 1.0                # filled rows count no token
+
+
 def test_an_expert_shard_that_receives_no_row_still_computes_on_one_and_returns_none():
     """Expert parallelism: a micro-batch whose tokens all go to other ranks' experts leaves this rank with no row.
     grouped_mm's backward fails on an empty input on GPUs (4 H200s, step 12: "Invalid strides/sizes"), so the
