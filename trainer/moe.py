@@ -245,7 +245,7 @@ def _experts_on_rows(experts: nn.Module, adapters: dict, rows: torch.Tensor, cou
 
 
 # The gathered exchange's collectives run outside torch.compile's graphs (each is one NCCL call on the GPU's
-# stream, nothing waits for it on the host), where the traffic count of a step sees them.
+# stream that the host does not wait for), where the traffic count of a step sees them.
 @torch.compiler.disable
 def _gather_routing(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, group):
     return (_GatherRows.apply(hidden, group), _gather_rows(top_k_index, group),
@@ -263,8 +263,8 @@ class ExpertShard:
 
     - gathered (groups of up to top-k ranks): every rank's tokens and routing are all-gathered, each rank runs
       its own experts on the copies routed to them, and one reduce-scatter sums each token's outputs back on its
-      rank. A token crosses to each other rank once (g - 1 rows a token), and every size is fixed: nothing is
-      read on the host, nothing waits for the CPU.
+      rank. A token crosses to each other rank once (g - 1 rows a token); the one number read on the host is
+      how many of the group's copies this rank's experts take.
     - exchanged (larger groups): each routed copy is sent to its expert's rank with one all_to_all and back with
       another (top-k (g - 1) / g rows a token, fewer once g passes top-k); the split sizes are read on the host.
 
@@ -282,8 +282,13 @@ class ExpertShard:
         return down[self.start:self.stop], up[self.start:self.stop], scale
 
     def gathers(self, top_k: int) -> bool:
-        """Whether tokens come gathered (fewer bytes for groups up to top_k ranks, and no host read)."""
+        """Whether tokens come gathered (fewer bytes for groups up to top_k ranks)."""
         return self.world <= top_k
+
+    def _one_more_row(self, counts: torch.Tensor) -> torch.Tensor:
+        """counts with one row more for the last local expert: the zero row computed where none arrives."""
+        return counts + torch.nn.functional.one_hot(
+            torch.tensor(self.local - 1, device=counts.device), self.local).to(counts.dtype)
 
     def gathered(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  compute) -> torch.Tensor:
@@ -309,8 +314,7 @@ class ExpertShard:
             order = order[:1]
             rows = _Pick.apply(everyone, order, everyone.shape[0], top_k) * 0
             routed = weights.reshape(-1)[order] * 0
-            counts = counts + torch.nn.functional.one_hot(
-                torch.tensor(self.local - 1, device=counts.device), self.local).to(counts.dtype)
+            counts = self._one_more_row(counts)
         out = compute(rows, counts, routed)
         return _sum_back(_SumCopies.apply(out, order, everyone.shape[0], top_k), self.group)
 
@@ -344,8 +348,7 @@ class ExpertShard:
             # its output unused, so it adds nothing to any gradient; `arrived` (empty) stays in the graph so that
             # this rank's backward joins the exchange's as every other rank's does.
             zero = torch.cat([arrived, arrived.new_zeros(1, arrived.shape[1])])
-            out = compute(zero, local_counts + torch.nn.functional.one_hot(
-                torch.tensor(self.local - 1, device=received.device), self.local).to(received.dtype))[:0]
+            out = compute(zero, self._one_more_row(local_counts))[:0]
         return all_to_all_single(out.new_empty(rows.shape[0], out.shape[1]), out, send, recv, group=self.group)
 
 
