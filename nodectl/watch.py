@@ -376,17 +376,23 @@ def _lost_node(run_nodes: list[RunNode], answers: dict, last_good: dict[str, flo
 @dataclass
 class StallWatch:
     """A live rank stalls when its heartbeat is older than `stall_after`; a rank that writes none (a script not
-    written for nodectl) when its log has not grown for that long after its first line. Each stall (rank and
-    step, or log size) is told once."""
+    written for nodectl) when its log has not grown for that long after its first line.
+
+    Each stall (rank and step, or log size) is told once, and one hang once for the whole run, not once per rank:
+    the ranks of a hung job fall silent one after the other, and each would otherwise start its own diagnosis of
+    the same hang. Another rank's stall is told only once some rank has moved on (a new step, a longer log) since
+    the last one told."""
 
     stall_after: float | None
     grew: dict[int, tuple[int, float]] = field(default_factory=dict)   # rank -> (log size, when it last changed)
-    told: set = field(default_factory=set)
+    told: set = field(default_factory=set)      # (rank, step or log size) of each stall told
+    still: frozenset = frozenset()   # every live rank's (rank, step or log size) when the last stall was told
 
     def check(self, states: dict[str, NodeResult]) -> Failure | None:
         if not self.stall_after:
             return None
         now = time.monotonic()
+        where, found = set(), None
         for name, result in states.items():
             for rank in (result.value.ranks if result.ok else ()):
                 if not rank.alive:
@@ -395,6 +401,8 @@ class StallWatch:
                 if size != rank.log_size:
                     self.grew[rank.rank] = (rank.log_size, now)
                     since = now
+                key = (rank.rank, rank.step if rank.heartbeat_age is not None else rank.log_size)
+                where.add(key)
                 if rank.heartbeat_age is not None:
                     age, why = rank.heartbeat_age, f"no heartbeat for {rank.heartbeat_age:.0f}s (last step {rank.step})"
                 elif not rank.log_size:
@@ -402,11 +410,13 @@ class StallWatch:
                 else:
                     age = now - since
                     why = f"no heartbeat (the script writes none) and no output for {age:.0f}s"
-                key = (rank.rank, rank.step if rank.heartbeat_age is not None else size)
-                if age > self.stall_after and key not in self.told:
-                    self.told.add(key)
-                    return Failure(FailureKind.STALLED, name, rank.rank, detail=why, time=time.time())
-        return None
+                if age > self.stall_after and key not in self.told and found is None:
+                    found = key, Failure(FailureKind.STALLED, name, rank.rank, detail=why, time=time.time())
+        if found is None or self.still and where <= self.still:
+            return None
+        self.told.add(found[0])
+        self.still = frozenset(where)
+        return found[1]
 
 
 def _vanished(states) -> Failure | None:

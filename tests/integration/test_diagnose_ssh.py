@@ -202,6 +202,8 @@ def test_a_third_party_script_hung_on_purpose_is_diagnosed_and_kept_alive(ssh_cl
         assert stopped.exit_code == 0, stopped.output
         assert controller.wait(timeout=60) == 1
         assert run_processes(run_id) == []
+        # one hang, one diagnosis: not one more for each rank that fell silent after the first
+        assert (said + controller.stderr.read()).count("diagnosing every rank") == 1
     finally:
         if controller.poll() is None:
             controller.kill()
