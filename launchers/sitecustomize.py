@@ -10,7 +10,8 @@ collective (torch releases the GIL there) or spins in Python (the GIL is handed 
   the latest collectives with their sequence ids, ops, sizes and states, without the recorded stack traces
   (symbolising them took 3 s of CPU per rank on the first dump; the threads' stacks say where each rank is). The answer holds a trimmed JSON copy;
   the full dump goes next to it as the pickle torch writes, for torch's own analyser (`torchfrtrace`).
-The answer is written to flight/rank<R>.answer.json in the run folder, atomically, with the request's id.
+The answer is written to flight/rank<R>.answer.json in the run folder, atomically, with the ids of the requests
+it answers and the time its snapshot began.
 
 A second daemon thread keeps the rank's pace (NODECTL_PACE_EVERY seconds, 0: off): every few seconds it copies the
 latest collectives from the flight recorder (process group, sequence id, when this rank reached it, and on NCCL
@@ -105,8 +106,8 @@ def _serve(fifo: str, run_dir: str, rank: str) -> None:
             fd = os.open(fifo, os.O_RDONLY)   # blocks (the GIL released) until runctl opens it to write
         except OSError:
             return                            # the run folder is gone: nothing will ask again
-        with os.fdopen(fd, "rb") as handle:
-            request = handle.read(256).decode("ascii", "replace").strip()
+        with os.fdopen(fd, "rb") as handle:   # two asking at once (two diagnoses): both ids, one answer
+            requests = handle.read(4096).decode("ascii", "replace").split()
         interval = sys.getswitchinterval()
         sys.setswitchinterval(1e-5)   # a main thread spinning in Python holds the GIL 5 ms per hand-over
         try:
@@ -115,7 +116,7 @@ def _serve(fifo: str, run_dir: str, rank: str) -> None:
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             sys.setswitchinterval(interval)
-        answer["request"] = request
+        answer["requests"] = requests[:16]
         _write_json(os.path.join(run_dir, layout.rank_answer(rank)), answer)
 
 
@@ -261,6 +262,7 @@ def _snapshot(folder: str, rank: str) -> dict:
     import time
     import traceback
 
+    taken = time.time()   # before anything is read: the answer is as new as this
     names = {t.ident: (t.name, t.native_id) for t in threading.enumerate()}
     me, main = threading.get_ident(), threading.main_thread().ident
     threads = []
@@ -272,7 +274,7 @@ def _snapshot(folder: str, rank: str) -> dict:
         threads.append({"name": name, "main": ident == main, "native_id": native,
                         "frames": [[f.filename, f.lineno, f.name, f.line or ""] for f in stack]})
     threads.sort(key=lambda t: not t["main"])
-    answer = {"pid": os.getpid(), "time": time.time(), "threads": threads, "flight": _flight_recorder(folder, rank),
+    answer = {"pid": os.getpid(), "time": taken, "threads": threads, "flight": _flight_recorder(folder, rank),
               "listener_tid": threading.get_native_id()}   # its own CPU is not the rank's
     torch = sys.modules.get("torch")
     if torch is not None:

@@ -65,13 +65,13 @@ def _size(path: str) -> int:
 
 def _listener_stack(run_dir: str, rank: int, wait: float = 5.0) -> str:
     """Every thread's stack from the rank's own listener (lib/sitecustomize.py), as text; "" without an answer."""
-    request_id = f"stacks-{time.time_ns()}-{os.getpid()}"
+    request_id, asked = f"stacks-{time.time_ns()}-{os.getpid()}", time.time()
     deadline = time.monotonic() + wait
     if not _ask_listener(os.path.join(run_dir, layout.rank_request(rank)), request_id, time.monotonic() + 1.0):
         return ""
     while time.monotonic() < deadline:
         answer = read_json(os.path.join(run_dir, layout.rank_answer(rank)))
-        if isinstance(answer, dict) and answer.get("request") == request_id and answer.get("threads"):
+        if _answers(answer, request_id, asked) and answer.get("threads"):
             lines = [f"Process {answer.get('pid')} (rank {rank}; from its listener)"]
             for thread in answer["threads"]:
                 lines.append(f"Thread {thread.get('native_id')} ({thread.get('name')})"
@@ -111,6 +111,16 @@ def _cpu_use(before: dict, after: dict, seconds: float, skip=None) -> dict:
             "seconds": round(seconds, 2)}
 
 
+def _answers(answer, request_id: str, asked: float) -> bool:
+    """Whether a listener's answer does for a request: one to it, or one whose snapshot began after it was asked.
+    Another diagnosis asking at the same moment may have had its own answered in between and written over this
+    one's; a snapshot taken since is as new as the one asked for."""
+    if not isinstance(answer, dict):
+        return False
+    taken = answer.get("time")
+    return request_id in (answer.get("requests") or ()) or isinstance(taken, (int, float)) and taken >= asked
+
+
 def _ask_listener(fifo: str, request_id: str, deadline: float) -> bool:
     """Write a request to a rank's listener (launchers/sitecustomize.py); False when none reads the FIFO (the
     program is not Python, ran with -S or -I, or ended)."""
@@ -147,14 +157,14 @@ def cmd_diagnose(args: list, request: dict) -> dict:
     states = {rank: rank_state(run_dir, rank, time.time(), markers) for rank in node["ranks"]}
     live = {rank: state["pid"] for rank, state in states.items() if state["alive"]}
     before = {rank: _cpu_ticks(pid) for rank, pid in live.items()}
-    request_id = f"{time.time_ns()}-{os.getpid()}"
+    request_id, asked_at = f"{time.time_ns()}-{os.getpid()}", time.time()
     asked = {rank for rank in live
              if _ask_listener(os.path.join(run_dir, layout.rank_request(rank)), request_id, started + 1.0)}
     answers, deadline = {}, started + wait
     while len(answers) < len(asked) and time.monotonic() < deadline:
         for rank in asked - set(answers):
             answer = read_json(os.path.join(run_dir, layout.rank_answer(rank)))
-            if isinstance(answer, dict) and answer.get("request") == request_id:
+            if _answers(answer, request_id, asked_at):
                 answers[rank] = answer
         time.sleep(0.05)
     time.sleep(max(0.0, 1.0 - (time.monotonic() - started)))   # CPU use over a second at least

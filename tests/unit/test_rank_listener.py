@@ -45,7 +45,7 @@ def ask(run_dir: Path, request: str) -> dict:
     while time.time() < deadline:
         if answer_path.exists():
             answer = json.loads(answer_path.read_text())
-            if answer.get("request") == request:
+            if request.split() == answer.get("requests"):
                 return answer
         time.sleep(0.05)
     raise AssertionError("the listener did not answer")
@@ -61,10 +61,40 @@ def test_the_listener_answers_from_a_busy_process_and_only_the_rank_runs_one(tmp
         main = next(t for t in answer["threads"] if t["main"])
         assert main["frames"][-1][0].endswith("program.py") and main["frames"][-1][3].startswith("while spins")
         assert answer["flight"] == {} and answer["pid"] == proc.pid
-        assert ask(run_dir, "second")["request"] == "second"   # it listens again after answering
+        assert ask(run_dir, "second")["requests"] == ["second"]   # it listens again after answering
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_two_diagnoses_asking_at_once_both_get_an_answer(tmp_path):
+    """Two users' `nodectl diagnose` (or the launch's own and a user's) ask a rank at the same moment: their ids can
+    land in one read of the FIFO, or one's answer be written over by the other's before it is read. Each still
+    gets a snapshot taken after it asked, within the time one answer takes."""
+    import threading
+
+    sys.path.insert(0, str(LAUNCHERS))
+    from runctl.diagnose import _listener_stack
+
+    proc, run_dir = start(tmp_path)
+    try:
+        assert proc.stdout.readline().strip() == "helper variable left: None"
+        proc.stdout.readline()
+        both = ask(run_dir, "one\ntwo")      # two ids in one read: one answer, to both
+        assert both["requests"] == ["one", "two"]
+        stacks = [None] * 6
+        askers = [threading.Thread(target=lambda i=i: stacks.__setitem__(i, _listener_stack(str(run_dir), 0, 5.0)))
+                  for i in range(len(stacks))]
+        for asker in askers:
+            asker.start()
+        for asker in askers:
+            asker.join()
+        assert all(f"Process {proc.pid} (rank 0; from its listener)" in text and "while spins" in text
+                   for text in stacks), stacks
+    finally:
+        proc.kill()
+        proc.wait()
+        sys.path.remove(str(LAUNCHERS))
 
 
 def test_a_sitecustomize_already_on_the_path_still_runs(tmp_path):
@@ -114,7 +144,7 @@ def test_a_program_that_takes_sigterm_with_sigtimedwait_gets_it_past_the_listene
     waiting = subprocess.Popen([sys.executable, "-u", str(tmp_path / "program.py")], env=env, stdout=subprocess.PIPE,
                                text=True, cwd=tmp_path)
     assert waiting.stdout.readline().strip() == "waiting"
-    assert ask(run_dir, "alive")["request"] == "alive"   # the listener runs
+    assert ask(run_dir, "alive")["requests"] == ["alive"]   # the listener runs
     waiting.send_signal(signal.SIGTERM)
     out, _ = waiting.communicate(timeout=30)
     assert waiting.returncode == 0 and "took SIGTERM: checkpoint saved" in out
