@@ -14,6 +14,12 @@ trainer's `traffic` record checks against the counted collectives; on 4 H200s th
   network   bytes across nodes from the whole node (GPUs per node x the per-GPU average) / --network-gbs
             (100 Gb/s = 12.5 GB/s each way at best; TCP gets less);
 and the step lies between max(compute, NVLink, network) (all overlapped) and their sum (nothing overlapped).
+
+With --auto-rows R it prints instead what `train.micro_batch_size: auto` and `model.activation_checkpointing: auto`
+would choose for R rows per rank and step on that cluster (trainer/layout.py plan: the line rank 0 prints), and
+every split's memory and time estimate:
+
+    python bench/step_model.py --shape qwen3-30b-a3b --nodes 1 --gpus 1 --auto-rows 4
 """
 from __future__ import annotations
 
@@ -61,11 +67,15 @@ def main() -> None:
     parser.add_argument("--compute-s", type=float, default=1.96)
     parser.add_argument("--nvlink-gbs", type=float, default=350.0)
     parser.add_argument("--network-gbs", type=float, default=12.5)
+    parser.add_argument("--auto-rows", type=int, default=0, help="rows per rank and step: print auto's split")
     args = parser.parse_args()
     from trainer import layout
 
     shape = skeleton_shape(args.shape, args.micro, args.seq, args.checkpointed)
     world = args.nodes * args.gpus
+    if args.auto_rows:
+        auto_split(args, shape, world)
+        return
     auto = layout.choose("auto", shape, args.memory_gb * 1e9, world, args.nodes, args.gpus)
     print(f"{args.shape}: {shape.frozen_bytes / 1e9:.1f} GB frozen ({shape.expert_bytes / 1e9:.1f} GB routed "
           f"experts), {shape.trainable / 1e9:.2f}B LoRA parameters; {args.nodes} nodes x {args.gpus} GPUs, "
@@ -84,6 +94,33 @@ def main() -> None:
         fits = "" if memory <= layout.FITS * args.memory_gb else "  (does not fit)"
         print(f"{name:14} {memory:7.0f} {inside:10.1f} {across:10.2f} {node_out:12.1f} {nvlink:9.2f} {network:10.2f} "
               f"{low:14.2f} .. {high:6.2f}{fits}")
+
+
+def auto_split(args, shape, world: int) -> None:
+    import dataclasses
+
+    from trainer import layout
+    from trainer.model import checkpointed_layers
+
+    memory = args.memory_gb * 1e9
+    chosen, split = layout.plan("auto", shape, memory, world, args.nodes, args.gpus, rows=args.auto_rows,
+                                max_length=args.seq, micro=None, share=None)
+    print(f"{args.shape}: {args.nodes} node(s) x {args.gpus} GPU(s) of {args.memory_gb:.0f} GB, {args.auto_rows} "
+          f"row(s) of {args.seq} tokens per rank and step")
+    print(chosen.describe())
+    print(split.reason)
+    print(f"{'micro':>5} " + " ".join(f"{f'{s:.0%} ckpt':>17}" for s in layout.CHECKPOINT_SHARES)
+          + "   (est. GB per GPU / us per token; * does not fit)")
+    for micro in (m for m in range(args.auto_rows, 0, -1) if args.auto_rows % m == 0):
+        cells = []
+        for share in layout.CHECKPOINT_SHARES:
+            trial = dataclasses.replace(shape, tokens=micro * args.seq,
+                                        checkpointed=len(checkpointed_layers(shape.layers, share)))
+            need = layout.per_gpu_bytes(chosen.name, trial, world, args.gpus)
+            pace = layout.seconds_per_token(chosen.name, trial, world, args.nodes, args.gpus)
+            mark = "*" if need > layout.FITS * memory else " "
+            cells.append(f"{need / 1e9:6.0f}{mark}/{pace * 1e6:7.1f}  ")
+        print(f"{micro:5} " + " ".join(f"{c:>17}" for c in cells))
 
 
 if __name__ == "__main__":

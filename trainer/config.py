@@ -23,7 +23,8 @@ class ConfigError(Exception):
 class ModelConfig:
     path: str = "demo"                 # a local folder with config.json, tokenizer and safetensors; or "demo"
     dtype: str = "auto"                # auto: bf16 on GPUs, fp32 on CPU ranks
-    activation_checkpointing: bool | float = True  # true, false, or the share of decoder layers (0.25)
+    activation_checkpointing: bool | float | str = True  # true, false, the share of decoder layers (0.25), or
+                                       # auto: the least that fits beside the micro-batch (trainer/layout.py plan)
     compile: bool = False              # torch.compile each decoder layer's forward
     compile_numerics: str = "eager"    # eager: fused kernels round to bf16 where eager PyTorch does, so the
                                        # loss curve is eager's; fused: Inductor's fp32 between fused ops (~2% faster)
@@ -77,8 +78,10 @@ class DataConfig:
 @dataclass(frozen=True)
 class TrainConfig:
     steps: int = 60
-    micro_batch_size: int = 8
+    micro_batch_size: int | str = 8    # rows per rank and forward; auto: the split of train.batch_size estimated
+                                       # fastest among those that fit, the rest accumulated (printed with why)
     grad_accum: int = 1
+    batch_size: int = 0                # rows per rank and step, for micro_batch_size: auto (else micro x accum)
     lr: float = 3e-3
     warmup_steps: int = 5
     weight_decay: float = 0.0
@@ -130,7 +133,17 @@ SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "train
 
 def _coerce(section: str, spec: dataclasses.Field, value: Any) -> Any:
     key, kind = f"{section}.{spec.name}", spec.type
-    if kind == "bool | float":  # a switch or a share
+    if kind == "int | str":     # a count or auto
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
+            value = int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected a positive integer or auto, got {value!r}")
+    if kind == "bool | float | str":  # a switch, a share, or auto
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
             return value.lower() in ("true", "yes")
         if isinstance(value, bool):
@@ -141,7 +154,7 @@ def _coerce(section: str, spec: dataclasses.Field, value: Any) -> Any:
             share = -1.0
         if 0.0 <= share <= 1.0:
             return share
-        raise ConfigError(f"{key}: expected true, false or a share of the layers from 0 to 1, got {value!r}")
+        raise ConfigError(f"{key}: expected true, false, a share of the layers from 0 to 1 or auto, got {value!r}")
     if kind == "bool":
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
@@ -226,8 +239,19 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
                 "lora.r": recipe.lora.r, "train.log_every": recipe.train.log_every,
                 "train.keep_last": recipe.train.keep_last}
     for key, value in positive.items():
-        if value < 1:
+        if value != "auto" and value < 1:
             raise ConfigError(f"{key}: expected a positive integer, got {value}")
+    if recipe.train.micro_batch_size == "auto":
+        if recipe.train.batch_size < 1:
+            raise ConfigError("train.micro_batch_size: auto splits train.batch_size (rows per rank and step) into "
+                              "micro-batches: set train.batch_size")
+        if recipe.train.grad_accum != 1:
+            raise ConfigError("train.micro_batch_size: auto chooses the accumulation from train.batch_size; leave "
+                              "train.grad_accum unset")
+    elif recipe.train.batch_size and recipe.train.batch_size != recipe.train.micro_batch_size * recipe.train.grad_accum:
+        raise ConfigError(f"train.batch_size: {recipe.train.batch_size} rows per step is not train.micro_batch_size "
+                          f"x train.grad_accum ({recipe.train.micro_batch_size} x {recipe.train.grad_accum}); set "
+                          f"train.micro_batch_size: auto to split it, or leave it unset")
     for section in ("model", "lora", "data", "train"):
         for key, value in vars(getattr(recipe, section)).items():
             if isinstance(value, float) and not math.isfinite(value):

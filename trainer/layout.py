@@ -17,6 +17,7 @@ It never picks expert: on the measured runs (docs/PERFORMANCE.md) sharding the e
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -45,6 +46,8 @@ class Shape:
     top_k: int               # experts per token (0: dense)
     mlp_ratio: float = 3.5   # the MLP's width over hidden (top-k experts' widths on a Mixture-of-Experts model)
     element: int = 2         # bytes of a gathered adapter weight and of a hidden state (bf16; fp32 on CPU ranks)
+    active_bytes: int = 0    # of frozen_bytes, what one token passes through (the top-k of the routed experts);
+                             # 0: all of it
 
     @property
     def activations(self) -> float:
@@ -151,6 +154,88 @@ def choose(setting: str, shape: Shape, memory: float | None, world: int, nodes: 
     return Layout(chosen, world, nodes, per_node, "auto: " + why)
 
 
+# What `auto` for train.micro_batch_size and model.activation_checkpointing weighs: an estimate of the time per
+# token of each split that fits, not a measurement. A token costs about 4 x the active weights in FLOPs (forward;
+# backward for the inputs only, the base being frozen), a checkpointed layer's forward once more (2 x), at an
+# achieved rate that falls for small micro-batches (half the rate at HALF_RATE_TOKENS); a sharded base's
+# all-gathers run beside the compute (over NVLink inside a node, the network across), and EXPOSED of the shorter
+# of the two is still waited for. Against the runs of docs/PERFORMANCE.md: GLM-4.5-Air over 4 H200s, 2 x 4096 half
+# checkpointed, est. 317 us per token per GPU (measured 317); 1 x 4096 all checkpointed, est. 452 (measured 481);
+# Qwen3-30B-A3B on one H200, 2 x 4096 with 10% checkpointed, est. 65 (measured 64-66).
+CHECKPOINT_SHARES = (0.0, 0.1, 0.25, 0.5, 0.75, 1.0)
+GPU_FLOPS, NVLINK, NETWORK = 250e12, 350e9, 40e9    # achieved bf16 FLOP/s; bytes/s a GPU sends inside, across nodes
+HALF_RATE_TOKENS = 1024
+EXPOSED = 0.4               # of the shorter of compute and all-gathers, what the overlap leaves waited for
+
+
+@dataclass(frozen=True)
+class Split:
+    """A micro-batch and checkpointed share, under a layout, with what it is estimated to need and cost."""
+    layout: str
+    micro: int
+    share: float
+    need: float               # bytes per GPU
+    seconds_per_token: float
+    reason: str = ""
+
+    def describe(self, rows: int, layers: int) -> str:
+        checkpointed = round(self.share * layers)
+        return (f"micro-batch {self.micro} of {rows} row(s) per step ({rows // self.micro} accumulated), "
+                f"{checkpointed}/{layers} layers checkpointed")
+
+
+def seconds_per_token(name: str, shape: Shape, world: int, nodes: int, per_node: int) -> float:
+    """The estimated time per token of a micro-batch of `shape` under a layout (see GPU_FLOPS)."""
+    active = (shape.active_bytes or shape.frozen_bytes) / shape.element
+    recompute = shape.checkpointed / max(1, shape.layers)
+    compute = shape.tokens * (4 + 2 * recompute) * active / GPU_FLOPS * (1 + HALF_RATE_TOKENS / shape.tokens)
+    sent = traffic(Layout(name, world, nodes if nodes > 1 else 1, per_node, ""), shape, True)
+    wire = sent["intra_node_bytes"] / NVLINK + sent["inter_node_bytes"] / NETWORK
+    return (max(compute, wire) + EXPOSED * min(compute, wire)) / shape.tokens
+
+
+def plan(setting: str, shape: Shape, memory: float | None, world: int, nodes: int, per_node: int, *,
+         rows: int, max_length: int, micro: int | None, share: float | None, leaves_out: bool = True,
+         unit: str = "GPU") -> tuple[Layout, Split]:
+    """The layout, micro-batch and checkpointed share for a step of `rows` rows per rank: `micro` or `share` None
+    (auto) tries every divisor of `rows` and every share of CHECKPOINT_SHARES. The layout is the first, in auto's
+    order (choose), with a split estimated to fit; the split, the one of those estimated fastest. The split's
+    reason names the runner-up."""
+    from .model import checkpointed_layers
+
+    layouts = [setting] if setting != "auto" else (
+        ["replicate"] if world == 1 else
+        [n for n in ("replicate", "hsdp", "fsdp") if (n != "replicate" or leaves_out) and (n != "hsdp" or nodes > 1)])
+    micros = [micro] if micro else [m for m in range(rows, 0, -1) if rows % m == 0]
+    shares = [share] if share is not None else list(CHECKPOINT_SHARES)
+    budget = FITS * memory if memory else None
+    splits = []
+    for name in layouts:
+        for m in micros:
+            for s in shares:
+                trial = dataclasses.replace(shape, tokens=m * max_length,
+                                            checkpointed=len(checkpointed_layers(shape.layers, s)))
+                splits.append(Split(name, m, s, per_gpu_bytes(name, trial, world, per_node),
+                                    seconds_per_token(name, trial, world, nodes, per_node)))
+    fitting = [x for x in splits if budget is None or x.need <= budget]
+    # the layout as auto orders them (the measured runs' order: the less sharded, the faster), then the split
+    first = next((name for name in layouts if any(x.layout == name for x in fitting)), None)
+    fitting = sorted((x for x in fitting if x.layout == first), key=lambda x: (x.seconds_per_token, -x.micro, x.share))
+    best = fitting[0] if fitting else min(splits, key=lambda x: x.need)
+    trial = dataclasses.replace(shape, tokens=best.micro * max_length,
+                                checkpointed=len(checkpointed_layers(shape.layers, best.share)))
+    layout = choose(setting, trial, memory, world, nodes, per_node, leaves_out, unit)
+    gib, memory_text = 1e9, f"{memory / 1e9:.0f} GB" if memory else "unknown"
+    why = (f"auto: {best.describe(rows, shape.layers)}: est. {best.need / gib:.0f} GB of {memory_text}, "
+           f"{best.seconds_per_token * 1e6:.1f} us per token")
+    runner_up = next((x for x in fitting[1:] if (x.micro, x.share) != (best.micro, best.share)), None)
+    if runner_up:
+        why += f"; next: {runner_up.describe(rows, shape.layers)} ({runner_up.seconds_per_token * 1e6:.1f} us)"
+    if not fitting:
+        why += "; nothing fits by the estimate: the smallest split is tried (lower train.batch_size)"
+    return layout, dataclasses.replace(best, reason=why)
+
+
 def mesh(layout: Layout, device_type: str):
     """The DeviceMesh FSDP shards over: (replicate, shard) across and inside nodes, or one dimension."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -237,6 +322,8 @@ def shape_of(model, recipe) -> Shape:
     from .model import checkpointed_layers, decoder_layers, parameter_counts
 
     trainable, _ = parameter_counts(model)
+    share, micro = recipe.model.activation_checkpointing, recipe.train.micro_batch_size
+    share = 0.0 if share == "auto" else share     # placeholders for auto, which tries them all (plan)
     frozen_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
     expert_bytes = sum(p.numel() * p.element_size() for m in model.modules() if "Expert" in type(m).__name__
                        for p in m.parameters(recurse=False) if p.dim() == 3 and not p.requires_grad)
@@ -245,12 +332,15 @@ def shape_of(model, recipe) -> Shape:
     top_k = int(getattr(config, "num_experts_per_tok", 0) or 0) if expert_bytes else 0
     expert_width = getattr(config, "moe_intermediate_size", None) or getattr(config, "intermediate_size", 0)
     mlp = top_k * expert_width if top_k else getattr(config, "intermediate_size", 0) or 3.5 * config.hidden_size
+    experts = int(getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)
+                  or getattr(config, "num_local_experts", 0) or 0)
+    active = frozen_bytes - (expert_bytes * (1 - top_k / experts) if top_k and experts else 0)
     return Shape(frozen_bytes=frozen_bytes, trainable=trainable, expert_bytes=expert_bytes, layers=layers,
-                 hidden=config.hidden_size, checkpointed=len(checkpointed_layers(layers,
-                                                                                 recipe.model.activation_checkpointing)),
-                 tokens=recipe.train.micro_batch_size * recipe.data.max_length,
+                 hidden=config.hidden_size, checkpointed=len(checkpointed_layers(layers, share)),
+                 tokens=(micro if isinstance(micro, int) else 1) * recipe.data.max_length,
                  top_k=top_k, mlp_ratio=mlp / config.hidden_size,
-                 element=next(p.element_size() for p in model.parameters() if not p.requires_grad))
+                 element=next(p.element_size() for p in model.parameters() if not p.requires_grad),
+                 active_bytes=int(active))
 
 
 def device_memory(device) -> float | None:

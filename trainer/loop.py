@@ -96,10 +96,7 @@ def train(recipe: Recipe) -> dict:
     examples = load_examples(data_path, tokenizer, recipe.data.max_length, recipe.data.packing,
                              recipe.data.overlong, log=say)
     shape = layouts.shape_of(model, recipe)
-    chosen = layouts.choose(recipe.model.layout, shape, layouts.device_memory(ctx.device), *layouts.topology(),
-                            leaves_out=layouts.fsdp_leaves_params_out(), unit="GPU" if ctx.on_gpu else "rank")
-    if ctx.rank == 0:
-        print(chosen.describe(), flush=True)
+    chosen, recipe = _layout(recipe, shape, ctx)
     dist.init_process_group("nccl" if ctx.on_gpu else "gloo", device_id=ctx.device if ctx.on_gpu else None,
                             timeout=timedelta(seconds=recipe.train.collective_timeout_s))
     mesh = layouts.mesh(chosen, ctx.device.type)
@@ -119,6 +116,29 @@ def train(recipe: Recipe) -> dict:
     out_dir = recipe.output_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     return _loop(recipe, ctx, model, parallel, examples, tokenizer, out_dir)
+
+
+def _layout(recipe: Recipe, shape, ctx: Context):
+    """The layout (model.parallelism), and the recipe with train.micro_batch_size and model.activation_checkpointing
+    as chosen where they say auto; what was chosen and why printed by rank 0."""
+    memory, topology = layouts.device_memory(ctx.device), layouts.topology()
+    unit, leaves_out = "GPU" if ctx.on_gpu else "rank", layouts.fsdp_leaves_params_out()
+    micro, share = recipe.train.micro_batch_size, recipe.model.activation_checkpointing
+    if "auto" not in (micro, share):
+        chosen = layouts.choose(recipe.model.layout, shape, memory, *topology, leaves_out=leaves_out, unit=unit)
+        if ctx.rank == 0:
+            print(chosen.describe(), flush=True)
+        return chosen, recipe
+    rows = recipe.train.batch_size if micro == "auto" else micro * recipe.train.grad_accum
+    chosen, split = layouts.plan(recipe.model.layout, shape, memory, *topology, rows=rows,
+                                 max_length=recipe.data.max_length, micro=None if micro == "auto" else micro,
+                                 share=None if share == "auto" else float(share), leaves_out=leaves_out, unit=unit)
+    if ctx.rank == 0:
+        print(chosen.describe(), flush=True)
+        print(split.reason, flush=True)
+    return chosen, replace(recipe, train=replace(recipe.train, micro_batch_size=split.micro,
+                                                 grad_accum=rows // split.micro, batch_size=rows),
+                           model=replace(recipe.model, activation_checkpointing=split.share))
 
 
 class EarlyStop:

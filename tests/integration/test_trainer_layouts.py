@@ -60,3 +60,26 @@ def test_every_layout_trains_to_fsdps_losses_and_sends_what_it_says(tmp_path, de
     assert "(layout fsdp 2x2 -> replicate 2x2)" in procs[0].stdout
     continued = {m["step"]: m["loss"] for m in metrics(tmp_path / "fsdp" / "node0") if "loss" in m}
     assert sorted(continued)[-2:] == [5, 6] and continued[6] < continued[4]
+
+
+def test_auto_micro_batch_and_checkpointing_say_what_they_chose_and_train_as_that_recipe(tmp_path, demo_cache,
+                                                                                       qwen3_moe):
+    """train.micro_batch_size: auto over train.batch_size rows, model.activation_checkpointing: auto: rank 0 says
+    which split it took and why; the losses are those of the same split written out by hand."""
+    import re
+
+    common = [f"model.path={qwen3_moe}", f"data.path={qwen3_moe / 'train.jsonl'}", "data.max_length=48",
+              "train.steps=2", "train.log_every=1", "train.lr=0.01"]
+    procs = torchrun_nodes(1, 2, tmp_path / "auto", demo_cache, *common, "train.micro_batch_size=auto",
+                           "train.batch_size=4", "model.activation_checkpointing=auto")
+    assert all(p.returncode == 0 for p in procs), "\n".join(p.stderr[-2000:] for p in procs)
+    said = re.search(r"auto: micro-batch (\d) of 4 row\(s\) per step \((\d) accumulated\), (\d+)/(\d+) layers "
+                     r"checkpointed: est\. \d+ GB of \d+ GB, [\d.]+ us per token", procs[0].stdout)
+    assert said, procs[0].stdout
+    micro, accum, checkpointed, layers = map(int, said.groups())
+    assert micro * accum == 4 and "layout: replicate over 2 rank(s) (auto: " in procs[0].stdout
+    by_hand = torchrun_nodes(1, 2, tmp_path / "by_hand", demo_cache, *common, f"train.micro_batch_size={micro}",
+                             f"train.grad_accum={accum}", f"model.activation_checkpointing={checkpointed / layers}")
+    assert all(p.returncode == 0 for p in by_hand), "\n".join(p.stderr[-2000:] for p in by_hand)
+    auto = [m["loss"] for m in metrics(tmp_path / "auto" / "node0") if "loss" in m]
+    assert len(auto) == 2 and auto == [m["loss"] for m in metrics(tmp_path / "by_hand" / "node0") if "loss" in m]

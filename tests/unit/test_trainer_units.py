@@ -298,6 +298,70 @@ def test_auto_layout_replicates_what_fits_keeps_shards_inside_nodes_and_says_why
         layout.choose("replicate", _shape(), h200, 4, 1, 4, leaves_out=False)
 
 
+def _glm(**changes):
+    return _shape(**{**dict(frozen_bytes=int(213.8e9), trainable=int(1.83e9), expert_bytes=int(202e9), layers=46,
+                            hidden=4096, checkpointed=46, tokens=4096, mlp_ratio=2.75,
+                            active_bytes=int(213.8e9 - 202e9 * (1 - 8 / 128))), **changes})
+
+
+def test_the_split_estimate_ranks_the_measured_runs_as_they_ran():
+    """seconds_per_token against the runs of docs/PERFORMANCE.md (tokens/s per GPU on H200s): GLM-4.5-Air over 4
+    GPUs, 2 x 4096 half checkpointed (3,151) and 1 x 4096 all checkpointed (2,078); Qwen3-30B-A3B alone, 2 x 4096
+    with 5 of 48 layers checkpointed (15,205-15,567). Within 10% of each, and in their order."""
+    layout = trainer_module("layout")
+    qwen = _shape(active_bytes=int(61.1e9 - 57.8e9 * (1 - 8 / 128)))
+    estimates = {"glm mb2 half": layout.seconds_per_token("fsdp", _glm(tokens=8192, checkpointed=23), 4, 1, 4),
+                 "glm mb1 all": layout.seconds_per_token("fsdp", _glm(), 4, 1, 4),
+                 "qwen mb2 10%": layout.seconds_per_token("replicate", qwen, 1, 1, 1)}
+    measured = {"glm mb2 half": 1 / 3151, "glm mb1 all": 1 / 2078, "qwen mb2 10%": 1 / 15386}
+    for run, seconds in estimates.items():
+        assert abs(seconds / measured[run] - 1) < 0.10, (run, seconds * 1e6, measured[run] * 1e6)
+    assert estimates["glm mb2 half"] < estimates["glm mb1 all"]
+
+
+def test_auto_split_picks_the_fastest_micro_batch_and_checkpointing_that_fit_and_says_why():
+    layout = trainer_module("layout")
+    h200, h100 = 150.1e9, 85.0e9
+    qwen = _shape(active_bytes=int(61.1e9 - 57.8e9 * (1 - 8 / 128)))
+    chosen, split = layout.plan("auto", qwen, h200, 1, 1, 1, rows=4, max_length=4096, micro=None, share=None)
+    assert chosen.name == "replicate" and split.micro == 2 and split.need <= layout.FITS * h200
+    assert split.reason.startswith("auto: micro-batch 2 of 4 row(s) per step (2 accumulated), ")
+    assert " GB of 150 GB, " in split.reason and "; next: micro-batch" in split.reason
+    # a micro-batch given: the least checkpointing that fits beside it, as fast as anything that fits
+    _, given = layout.plan("auto", qwen, h200, 1, 1, 1, rows=4, max_length=4096, micro=4, share=None)
+    assert given.micro == 4 and 0 < given.share < 1 and given.need <= layout.FITS * h200
+    less = [s for s in layout.CHECKPOINT_SHARES if s < given.share]
+    assert all(layout.per_gpu_bytes("replicate", _shape(tokens=4 * 4096, checkpointed=round(s * 48)), 1, 1)
+               > layout.FITS * h200 for s in less)
+    # GLM over 4 GPUs: sharded; never the smallest, slowest split when a larger one fits
+    chosen, split = layout.plan("auto", _glm(), h200, 4, 1, 4, rows=4, max_length=4096, micro=None, share=None)
+    assert chosen.name == "fsdp" and (split.micro, split.share) != (1, 1.0) and split.need <= layout.FITS * h200
+    # the layout's own reason is the one for the chosen split
+    assert f"est. {split.need / 1e9:.0f} GB" in chosen.reason
+    # nothing fits: the smallest split, said so
+    _, squeezed = layout.plan("auto", _glm(), h100, 2, 1, 2, rows=4, max_length=4096, micro=None, share=None)
+    assert (squeezed.micro, squeezed.share) == (1, 1.0) and "nothing fits by the estimate" in squeezed.reason
+
+
+def test_recipe_auto_split_settings_are_checked():
+    config = trainer_module("config")
+    recipe = config.load_recipe(None, ["train.micro_batch_size=auto", "train.batch_size=8",
+                                       "model.activation_checkpointing=auto"])
+    assert recipe.train.micro_batch_size == "auto" and recipe.model.activation_checkpointing == "auto"
+    with pytest.raises(config.ConfigError, match="micro_batch_size: auto splits train.batch_size"):
+        config.load_recipe(None, ["train.micro_batch_size=auto"])
+    with pytest.raises(config.ConfigError, match="leave train.grad_accum unset"):
+        config.load_recipe(None, ["train.micro_batch_size=auto", "train.batch_size=8", "train.grad_accum=2"])
+    with pytest.raises(config.ConfigError, match=r"train.batch_size: 6 rows per step is not .* \(4 x 1\)"):
+        config.load_recipe(None, ["train.micro_batch_size=4", "train.batch_size=6"])
+    assert config.load_recipe(None, ["train.micro_batch_size=4", "train.grad_accum=2",
+                                     "train.batch_size=8"]).train.batch_size == 8
+    with pytest.raises(config.ConfigError, match="train.micro_batch_size: expected a positive integer or auto"):
+        config.load_recipe(None, ["train.micro_batch_size=most"])
+    with pytest.raises(config.ConfigError, match="expected true, false, a share of the layers from 0 to 1 or auto"):
+        config.load_recipe(None, ["model.activation_checkpointing=some"])
+
+
 def test_layout_bytes_keep_the_heavy_traffic_inside_the_node():
     """Per GPU and step, GLM-4.5-Air over 2 x 2: whole-world FSDP all-gathers the base across the node boundary;
     HSDP and the node-local expert split send only the adapter gradients' shards across it."""
