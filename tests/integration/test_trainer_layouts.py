@@ -30,8 +30,11 @@ def test_every_layout_trains_to_fsdps_losses_and_sends_what_it_says(tmp_path, de
     matches the layout's own (ring accounting), and what crosses the node boundary under the layouts that keep
     the all-gathers inside a node is under a quarter of FSDP's."""
     common = [f"model.path={qwen3_moe}", f"data.path={qwen3_moe / 'train.jsonl'}",
-              "data.max_length=48", "train.steps=4", "train.log_every=1", "train.lr=0.01", "train.traffic_at=3"]
-    losses, traffic = {}, {}
+              "data.max_length=48", "train.steps=4", "train.log_every=1", "train.lr=0.01", "train.traffic_at=3",
+              # 5 held-out rows over 4 ranks: ranks short of rows fill their eval batches (the gathered expert
+              # exchange needs every rank's batch of one shape)
+              "data.eval_holdout=5", "train.eval_every=2"]
+    losses, traffic, evals = {}, {}, {}
     for name in ("fsdp", "replicate", "hsdp", "expert"):
         out = tmp_path / name
         procs = torchrun_nodes(2, 2, out, demo_cache, *common, f"model.parallelism={name}")
@@ -39,10 +42,12 @@ def test_every_layout_trains_to_fsdps_losses_and_sends_what_it_says(tmp_path, de
         assert f"layout: {name} over 2 node(s) x 2 (forced by model.parallelism)" in procs[0].stdout
         records = metrics(out / "node0")
         losses[name] = [m["loss"] for m in records if "loss" in m]
+        evals[name] = [m["eval_loss"] for m in records if "eval_loss" in m]
         traffic[name] = next(m for m in records if m.get("event") == "traffic")
     assert len(losses["fsdp"]) == 4 and losses["fsdp"][-1] < 0.9 * losses["fsdp"][0]
     for name, curve in losses.items():
         assert max(abs(a - b) for a, b in zip(curve, losses["fsdp"])) < 1e-4, (name, curve, losses["fsdp"])
+        assert len(evals[name]) == 2 and max(abs(a - b) for a, b in zip(evals[name], evals["fsdp"])) < 1e-4, evals
     for name in ("fsdp", "replicate", "hsdp"):  # full rows aside (the exchange's share follows real tokens)
         for kind in ("intra", "inter"):
             counted, said = traffic[name][f"counted_{kind}_node_bytes"], traffic[name][f"layout_{kind}_node_bytes"]
@@ -53,7 +58,7 @@ def test_every_layout_trains_to_fsdps_losses_and_sends_what_it_says(tmp_path, de
         assert 0 < traffic[name]["counted_inter_node_bytes"] < fsdp_across / 4, (name, traffic[name], fsdp_across)
 
     # FSDP's final checkpoint continues with the base replicated: read through its whole-state copy
-    again = [c for c in common if not c.startswith(("train.steps", "train.traffic_at"))]
+    again = [c for c in common if not c.startswith(("train.steps", "train.traffic_at", "train.eval"))]
     procs = torchrun_nodes(2, 2, tmp_path / "fsdp", demo_cache, *again, "train.steps=6", "model.parallelism=replicate")
     assert all(p.returncode == 0 for p in procs), "\n".join(p.stderr[-2000:] for p in procs)
     assert "resuming at step 4" in procs[0].stdout
