@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Mapping
 
+from nodectl.probe_report import ProbeReport
+
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 
 
@@ -23,8 +25,6 @@ class CheckResult:
 
 def unreadable(report, section: str) -> str | None:
     """Why a section of the probe report (a ProbeReport, or its JSON) holds no facts, or None: facts.py."""
-    from nodectl.probe_report import ProbeReport
-
     return ProbeReport.of(report).unreadable(section)
 
 
