@@ -7,6 +7,9 @@
 #     bash bench/gpu_scaling.sh glm      # the whole GLM-4.5-Air: 1x4 and 2x2 (auto), bytes against fsdp's
 #     bash bench/gpu_scaling.sh glm-mb2  # GLM-4.5-Air 1x4 at micro-batch 2, half the layers checkpointed
 #     bash bench/gpu_scaling.sh dense    # 8B dense: 1x1, 2x1 (auto) and 2x1 with the base sharded (fsdp)
+#     bash bench/gpu_scaling.sh qwen-auto  # Qwen3-30B-A3B on 1 GPU, 4 rows a step: the hand-picked split (micro-batch
+#                                          # 2, 10% checkpointed) and micro_batch_size / activation_checkpointing auto
+#     bash bench/gpu_scaling.sh glm-auto   # the same for GLM-4.5-Air on 1x4 (hand-picked: micro-batch 2, half)
 # Every nodectl run goes through `nodectl launch` on local "nodes" (each its own CUDA_VISIBLE_DEVICES); random bf16
 # weights (model.init: random), rows of 4096 tokens, LoRA r 16 on attention and routed experts. WORK (default
 # /tmp/w) keeps the written model configs between calls on a warm machine. Figures: $WORK/<phase>.json.
@@ -14,9 +17,10 @@ set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 WORK=${WORK:-/tmp/w}
-PHASE=${1:?phase: qwen-a, qwen-b, qwen-ep, glm, glm-mb2 or dense}
+PHASE=${1:?phase: qwen-a, qwen-b, qwen-ep, glm, glm-mb2, dense, qwen-auto or glm-auto}
 Q=train.micro_batch_size=2,model.activation_checkpointing=0.1,model.compile=true
 G=train.micro_batch_size=1,model.activation_checkpointing=true,model.compile=true
+AUTO=train.micro_batch_size=auto,train.batch_size=4,model.activation_checkpointing=auto,model.compile=true
 case "$PHASE" in
   qwen-a)
     python3 bench/gpu_moe_speed.py --work "$WORK/q" --shape qwen3-30b-a3b --steps 14 --skip 5 --ref-steps 8 \
@@ -40,5 +44,13 @@ case "$PHASE" in
   dense)
     python3 bench/gpu_train.py --work "$WORK/d" --random-weights --parts 1x1,2x1,2x1-fsdp --steps 16 --skip 5 \
       --checkpoint-every 0 --out "$WORK/dense.json" ;;
+  qwen-auto)
+    python3 bench/gpu_moe_speed.py --work "$WORK/q" --shape qwen3-30b-a3b --steps 10 --skip 4 --no-ref \
+      --examples 240 --launch "q-hand:1x1:train.micro_batch_size=2,train.grad_accum=2,model.activation_checkpointing=0.1,model.compile=true" \
+      --launch "q-auto:1x1:$AUTO" --base q-hand --out "$WORK/qwen-auto.json" ;;
+  glm-auto)
+    python3 bench/gpu_moe_speed.py --work "$WORK/g" --shape glm-4.5-air --steps 6 --skip 2 --no-ref \
+      --examples 60 --launch "g-hand:1x4:train.micro_batch_size=2,train.grad_accum=2,model.activation_checkpointing=0.5,model.compile=true" \
+      --launch "g-auto:1x4:$AUTO" --base g-hand --out "$WORK/glm-auto.json" ;;
   *) echo "unknown phase $PHASE" >&2; exit 2 ;;
 esac
