@@ -64,7 +64,7 @@ def test_activation_checkpointing_takes_a_switch_or_a_share_of_layers():
     model_cfg = trainer_module("config").load_recipe
     assert model_cfg(None, ["model.activation_checkpointing=false"]).model.activation_checkpointing is False
     assert model_cfg(None, ["model.activation_checkpointing=0.25"]).model.activation_checkpointing == 0.25
-    with pytest.raises(config.ConfigError, match="model.activation_checkpointing: expected true, false or a share"):
+    with pytest.raises(config.ConfigError, match="model.activation_checkpointing: expected true, false, a share of the layers from 0 to 1 or auto"):
         model_cfg(None, ["model.activation_checkpointing=1.5"])
     layers = trainer_module("model").checkpointed_layers
     assert layers(32, True) == list(range(32)) and layers(32, False) == []
