@@ -121,20 +121,17 @@ def train(recipe: Recipe) -> dict:
 def _layout(recipe: Recipe, shape, ctx: Context):
     """The layout (model.parallelism), and the recipe with train.micro_batch_size and model.activation_checkpointing
     as chosen where they say auto; what was chosen and why printed by rank 0."""
-    memory, topology = layouts.device_memory(ctx.device), layouts.topology()
-    unit, leaves_out = "GPU" if ctx.on_gpu else "rank", layouts.fsdp_leaves_params_out()
     micro, share = recipe.train.micro_batch_size, recipe.model.activation_checkpointing
-    if "auto" not in (micro, share):
-        chosen = layouts.choose(recipe.model.layout, shape, memory, *topology, leaves_out=leaves_out, unit=unit)
-        if ctx.rank == 0:
-            print(chosen.describe(), flush=True)
-        return chosen, recipe
     rows = recipe.train.batch_size if micro == "auto" else micro * recipe.train.grad_accum
-    chosen, split = layouts.plan(recipe.model.layout, shape, memory, *topology, rows=rows,
-                                 max_length=recipe.data.max_length, micro=None if micro == "auto" else micro,
-                                 share=None if share == "auto" else float(share), leaves_out=leaves_out, unit=unit)
+    chosen, split = layouts.plan(recipe.model.layout, shape, layouts.device_memory(ctx.device), *layouts.topology(),
+                                 rows=rows, max_length=recipe.data.max_length, micro=None if micro == "auto" else micro,
+                                 share=None if share == "auto" else float(share),
+                                 leaves_out=layouts.fsdp_leaves_params_out(), unit="GPU" if ctx.on_gpu else "rank")
     if ctx.rank == 0:
         print(chosen.describe(), flush=True)
+    if "auto" not in (micro, share):
+        return chosen, recipe
+    if ctx.rank == 0:
         print(split.reason, flush=True)
     return chosen, replace(recipe, train=replace(recipe.train, micro_batch_size=split.micro,
                                                  grad_accum=rows // split.micro, batch_size=rows),
