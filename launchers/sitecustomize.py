@@ -24,10 +24,22 @@ distribution's, a virtualenv's) still runs: it is imported after this one. Stand
 """
 from __future__ import annotations
 
+# Everything the daemon threads use is imported here, by the program's thread at start-up: a daemon thread that
+# imports races the interpreter's exit, whose teardown frees the import lock (a 3-line script that exits at once
+# was killed by SIGSEGV in 4% of runs on a loaded machine, the pace thread inside `import` in the core dump).
+import atexit
+import json
 import os
+import pickle
+import signal
 import sys
+import threading
+import time
+import traceback
+import warnings
 
-import runlayout as layout   # beside this file in lib/: the run folder's names, written once
+import flightpace            # beside this file in lib/, as the two below
+import runlayout as layout   # the run folder's names, written once
 from nodeio import write_file
 
 ENTRIES_PER_GROUP = 32      # the latest collectives of each process group kept in the JSON answer
@@ -41,8 +53,6 @@ def _start() -> None:
     run_dir, rank = os.environ.get("NODECTL_RUN_DIR"), os.environ.get("RANK")
     if not fifo or not run_dir or rank is None:
         return
-    import threading
-
     listener = threading.Thread(target=_serve, args=(fifo, run_dir, rank),
                                 name="nodectl-diagnose", daemon=True)
     listener.start()
@@ -68,9 +78,6 @@ def _quiet_fork(ours: list) -> None:
     fork only because of nodectl's threads, which wait in open() or sleep holding no lock: so while they are the
     only other threads (by the kernel's count and by Python's), that warning is filtered out for the fork. A
     program that runs threads of its own still gets it, as it should."""
-    import threading
-    import warnings
-
     held = []
 
     def before() -> None:
@@ -95,8 +102,6 @@ def _quiet_fork(ours: list) -> None:
 
 
 def _serve(fifo: str, run_dir: str, rank: str) -> None:
-    import signal
-
     # Every signal blocked in this thread: a signal sent to the process then goes to the program's own threads,
     # never here. A program that blocks SIGTERM and takes it with sigtimedwait (to checkpoint first) was killed
     # by the default action through this thread, which had it unblocked.
@@ -125,15 +130,6 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
     recorder is served to runctl through torch's worker server, and this thread ends. Where this torch cannot,
     every `every` seconds (at wall-clock multiples of it, the same moment on every rank) the latest collectives
     are copied in-process to flight/rank<R>.pace.json."""
-    import atexit
-    import json
-    import pickle
-    import signal
-    import threading
-    import time
-
-    import flightpace
-
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     path = os.path.join(run_dir, layout.rank_pace(rank))
     timed = os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"
@@ -180,12 +176,6 @@ _SERVERS: list = []   # the worker server this process keeps for its life
 def _serve_recorder(c10d, run_dir: str, rank: str, settings: dict) -> bool:
     """torch's worker server on flight/rank<R>.sock, its address and JSON dump handlers written to the pace file
     for runctl; False where this torch has no such server or handler (the caller copies in-process)."""
-    import atexit
-    import json
-    import time
-
-    import flightpace
-
     server_type = getattr(c10d, "_WorkerServer", None)
     if server_type is None:
         return False
@@ -258,10 +248,6 @@ def _quietly(call):
 
 
 def _snapshot(folder: str, rank: str) -> dict:
-    import threading
-    import time
-    import traceback
-
     taken = time.time()   # before anything is read: the answer is as new as this
     names = {t.ident: (t.name, t.native_id) for t in threading.enumerate()}
     me, main = threading.get_ident(), threading.main_thread().ident
@@ -288,8 +274,6 @@ def _flight_recorder(folder: str, rank: str) -> dict:
     c10d = sys.modules.get("torch._C._distributed_c10d")
     if c10d is None:
         return {}
-    import pickle
-
     found = {}
     for backend, name in (("nccl", "_dump_nccl_trace"), ("gloo", "_dump_fr_trace")):
         dump_trace = getattr(c10d, name, None)
@@ -344,8 +328,6 @@ def _plain(value):
 
 
 def _write_json(path: str, value: dict) -> None:
-    import json
-
     try:
         write_file(path, json.dumps(value))
     except OSError:
