@@ -10,6 +10,11 @@
 #     bash bench/gpu_scaling.sh qwen-auto  # Qwen3-30B-A3B on 1 GPU, 4 rows a step: the hand-picked split (micro-batch
 #                                          # 2, 10% checkpointed) and micro_batch_size / activation_checkpointing auto
 #     bash bench/gpu_scaling.sh glm-auto   # the same for GLM-4.5-Air on 1x4 (hand-picked: micro-batch 2, half)
+#     bash bench/gpu_scaling.sh qwen-fp8   # Qwen3-30B-A3B on 1 GPU, auto's split: the routed experts' frozen base in
+#                                          # bf16 and in FP8 (model.fp8_experts), 30 steps' losses side by side
+#     bash bench/gpu_scaling.sh glm-2gpu   # GLM-4.5-Air's shape, 32 of its 46 layers, 1x2 (nvidia-h200-x2): the
+#                                          # 2026-11-27 command (auto = fsdp, micro-batch 2, all checkpointed),
+#                                          # the expert layout with auto's split, and the same with FP8 experts
 # Every nodectl run goes through `nodectl launch` on local "nodes" (each its own CUDA_VISIBLE_DEVICES); random bf16
 # weights (model.init: random), rows of 4096 tokens, LoRA r 16 on attention and routed experts. WORK (default
 # /tmp/w) keeps the written model configs between calls on a warm machine. Figures: $WORK/<phase>.json.
@@ -17,7 +22,7 @@ set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 WORK=${WORK:-/tmp/w}
-PHASE=${1:?phase: qwen-a, qwen-b, qwen-ep, glm, glm-mb2, dense, qwen-auto or glm-auto}
+PHASE=${1:?phase: qwen-a, qwen-b, qwen-ep, glm, glm-mb2, dense, qwen-auto, glm-auto, qwen-fp8 or glm-2gpu}
 Q=train.micro_batch_size=2,model.activation_checkpointing=0.1,model.compile=true
 G=train.micro_batch_size=1,model.activation_checkpointing=true,model.compile=true
 AUTO=train.micro_batch_size=auto,train.batch_size=4,model.activation_checkpointing=auto,model.compile=true
@@ -52,5 +57,16 @@ case "$PHASE" in
     python3 bench/gpu_moe_speed.py --work "$WORK/g" --shape glm-4.5-air --steps 6 --skip 2 --no-ref \
       --examples 60 --launch "g-hand:1x4:train.micro_batch_size=2,train.grad_accum=2,model.activation_checkpointing=0.5,model.compile=true" \
       --launch "g-auto:1x4:$AUTO" --base g-hand --out "$WORK/glm-auto.json" ;;
+  qwen-fp8)
+    python3 bench/gpu_moe_speed.py --work "$WORK/q" --shape qwen3-30b-a3b --steps 30 --skip 5 --no-ref \
+      --examples 240 --launch "q-bf16:1x1:$AUTO" --launch "q-fp8:1x1:$AUTO,model.fp8_experts=true" --base q-bf16 \
+      --compare q-bf16,q-fp8 --out "$WORK/qwen-fp8.json" ;;
+  glm-2gpu)
+    A2=train.micro_batch_size=auto,train.batch_size=2,model.activation_checkpointing=auto,model.compile=true
+    python3 bench/gpu_moe_speed.py --work "$WORK/g" --shape glm-4.5-air --layers 32 --no-ref --steps 10 --skip 4 \
+      --examples 100 --launch "g1x2:1x2:train.micro_batch_size=2,model.activation_checkpointing=true,model.compile=true" \
+      --launch "g1x2-expert-auto:1x2:$A2,model.parallelism=expert" \
+      --launch "g1x2-expert-auto-fp8:1x2:$A2,model.parallelism=expert,model.fp8_experts=true" --base g1x2 \
+      --compare g1x2-expert-auto,g1x2-expert-auto-fp8 --out "$WORK/glm-2gpu.json" ;;
   *) echo "unknown phase $PHASE" >&2; exit 2 ;;
 esac

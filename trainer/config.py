@@ -37,6 +37,9 @@ class ModelConfig:
     moe_kernel: str = "grouped"        # routed-expert LoRA: grouped (base and adapter as grouped GEMMs on the routed
                                        # tokens, no B@A formed; trainer/moe.py) or peft (peft's ParamWrapper: the
                                        # whole expert stack's W + B@A on every forward)
+    fp8_experts: bool = False          # the routed experts' frozen base as e4m3 with per-channel scales (grouped
+                                       # path, Hopper GPUs; layouts that keep experts unsharded by FSDP:
+                                       # replicate, expert); adapters and gradients stay bf16 (trainer/fp8.py)
     expert_parallel: bool = False      # routed experts split over the ranks (E/world each, never all-gathered;
                                        # tokens travel to them by all_to_all); the rest FSDP as usual. The same
                                        # as parallelism: expert-global
@@ -274,6 +277,8 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
         raise ConfigError(f"model.expert_parallel: true is model.parallelism: expert-global; it contradicts "
                           f"model.parallelism: {recipe.model.parallelism} (set only one of them)")
     expert_key = "model.expert_parallel" if recipe.model.expert_parallel else "model.parallelism"
+    if recipe.model.fp8_experts and recipe.model.moe_kernel != "grouped":
+        raise ConfigError("model.fp8_experts: needs model.moe_kernel: grouped")
     if recipe.model.layout.startswith("expert") and recipe.model.moe_kernel != "grouped":
         raise ConfigError(f"{expert_key}: needs model.moe_kernel: grouped")
     if recipe.model.layout.startswith("expert") and recipe.model.load == "broadcast" and \

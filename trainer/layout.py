@@ -31,6 +31,12 @@ WORKSPACE = 3e9             # CUDA context, NCCL buffers, kernels' scratch
 # GB measured); Qwen3-30B-A3B, 2 x 4096, 10% checkpointed (118.6 GB); GLM-4.5-Air over 4 GPUs, 2 x 4096, half
 # checkpointed (125.4 GB), and over 2 x 2 GPUs, 1 x 4096, all checkpointed (136.2 GB).
 BASE_WIDTHS, MLP_WIDTHS, ROUTED_WIDTHS = 6.0, 3.0, 1.75
+# The expert layouts' gathered exchange (trainer/moe.py, ExpertShard.gathered: groups up to top-k GPUs) keeps per
+# layer about the group's routed copies once more, g x top-k hidden states per token. Fitted on 2 H200s
+# (2026-11-28): Qwen3-30B-A3B, micro-batch 2 x 4096, 10% checkpointed, 106.5 GB measured (108.2 estimated with it,
+# 84.6 without); GLM-4.5-Air's 32 layers, 2 x 4096, all checkpointed, 94.6 (92.9); the same at 1 x 4096 with no
+# layer checkpointed measured 146.6 against 135.3, the one this misses.
+GATHERED_COPIES = 1.0
 
 
 @dataclass(frozen=True)
@@ -50,11 +56,19 @@ class Shape:
                              # 0: all of it
 
     @property
+    def width(self) -> int:
+        """Bytes of one hidden-state-sized tensor of the micro-batch."""
+        return self.tokens * self.hidden * 2
+
+    @property
+    def holding_layers(self) -> int:
+        """Layers whose activations are held at once: those not checkpointed, and the one recomputing."""
+        return self.layers - self.checkpointed + (1 if self.checkpointed else 0)
+
+    @property
     def activations(self) -> float:
-        kept = self.layers - self.checkpointed
-        width = self.tokens * self.hidden * 2
         per_layer = BASE_WIDTHS + MLP_WIDTHS * self.mlp_ratio + ROUTED_WIDTHS * self.top_k
-        return width * (per_layer * (kept + (1 if self.checkpointed else 0)) + self.checkpointed)
+        return self.width * (per_layer * self.holding_layers + self.checkpointed)
 
 
 @dataclass(frozen=True)
@@ -99,8 +113,11 @@ def per_gpu_bytes(name: str, shape: Shape, world: int, per_node: int) -> float:
     adapter_share = world if name in ("fsdp", "expert-global") else per_node
     gathered = 0.0 if name == "replicate" or world == 1 else 2 * (shape.frozen_bytes - shape.expert_bytes *
                                                                    (name.startswith("expert"))) / shape.layers
+    group = {"expert": per_node, "expert-global": world}.get(name, 0) if world > 1 else 0
+    exchange = GATHERED_COPIES * group * shape.top_k * shape.width * shape.holding_layers \
+        if 1 < group <= shape.top_k else 0.0
     return (shape.frozen_bytes / frozen_share + 16 * shape.trainable / max(1, adapter_share) + gathered
-            + shape.activations + WORKSPACE)
+            + shape.activations + exchange + WORKSPACE)
 
 
 def fsdp_leaves_params_out() -> bool:

@@ -97,6 +97,8 @@ def train(recipe: Recipe) -> dict:
                              recipe.data.overlong, log=say)
     shape = layouts.shape_of(model, recipe)
     chosen, recipe = _layout(recipe, shape, ctx)
+    if recipe.model.fp8_experts:
+        _check_fp8(chosen, ctx)
     dist.init_process_group("nccl" if ctx.on_gpu else "gloo", device_id=ctx.device if ctx.on_gpu else None,
                             timeout=timedelta(seconds=recipe.train.collective_timeout_s))
     mesh = layouts.mesh(chosen, ctx.device.type)
@@ -110,12 +112,31 @@ def train(recipe: Recipe) -> dict:
         materialise_sliced(model, model_path, ctx.device, recipe.train.seed, parallel.experts)
     else:
         materialise(model, model_path, ctx.device, ctx.rank, recipe.train.seed)
+    if recipe.model.fp8_experts:
+        from . import fp8, moe
+
+        converted = fp8.quantize_experts(model, moe.PROJECTIONS, moe._base_weight)
+        if ctx.rank == 0:
+            print(f"fp8_experts: {converted} routed-expert weights held as e4m3 (per-channel scales)", flush=True)
     if ctx.rank == 0:
         print(f"weights loaded ({recipe.model.init if recipe.model.init == 'random' else recipe.model.load}) in "
               f"{time.perf_counter() - loading:.1f}s", flush=True)
     out_dir = recipe.output_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     return _loop(recipe, ctx, model, parallel, examples, tokenizer, out_dir)
+
+
+def _check_fp8(chosen, ctx: Context) -> None:
+    """model.fp8_experts where it can run: FSDP must not shard the experts (it would gather them in bf16), and the
+    GPU and torch must have FP8 grouped GEMMs. The same answer on every rank."""
+    from . import fp8
+
+    if chosen.frozen_sharded and not chosen.name.startswith("expert"):
+        raise ConfigError(f"model.fp8_experts: the {chosen.name} layout shards the experts' frozen weights through "
+                          f"FSDP; set model.parallelism: replicate or expert, or turn fp8_experts off")
+    why = fp8.supported(ctx.device)
+    if why:
+        raise ConfigError(f"model.fp8_experts: {why}")
 
 
 def _layout(recipe: Recipe, shape, ctx: Context):

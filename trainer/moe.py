@@ -20,6 +20,8 @@ import functools
 import torch
 from torch import nn
 
+from . import fp8
+
 PROJECTIONS = ("gate_up_proj", "up_proj", "down_proj")
 
 
@@ -181,7 +183,10 @@ _SumRowsBack = _with_adjoint_gradient(_sum_rows_back, _gather_rows)
 
 
 def _project(x: torch.Tensor, experts: nn.Module, name: str, lora, offsets: torch.Tensor) -> torch.Tensor:
-    out = grouped_mm(x, _base_weight(experts, name), offsets)
+    if fp8.has_fp8(experts, name):
+        out = fp8.grouped_mm(x, experts, name, offsets)
+    else:
+        out = grouped_mm(x, _base_weight(experts, name), offsets)
     if lora is not None:
         down, up, scale = lora
         out = out + grouped_mm(grouped_mm(x, down, offsets) * scale, up, offsets)
@@ -424,6 +429,9 @@ def grouped_wrapper_type() -> type:
                 w.merged or len(w.active_adapters) != 1 for w in chain)
             if peft_only and getattr(experts, "expert_shard", None) is not None:
                 raise RuntimeError("experts sharded by model.expert_parallel run only the grouped path (no merged "
+                                   "adapters, one active adapter)")
+            if peft_only and any(fp8.has_fp8(experts, name) for name in PROJECTIONS):
+                raise RuntimeError("experts in FP8 (model.fp8_experts) run only the grouped path (no merged "
                                    "adapters, one active adapter)")
             if peft_only:
                 return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)

@@ -283,6 +283,47 @@ def test_the_grouped_expert_path_gives_peft_outputs_and_gradients(layout, target
         torch.testing.assert_close(fast_grads[name], grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def _scaled_grouped_mm_as_documented(a, b, scale_a, scale_b, offs=None, bias=None, scale_result=None,
+                                     out_dtype=None, use_fast_accum=False):
+    """torch._scaled_grouped_mm's product for a 2-D a and 3-D b (CUDA-only in torch): rows offs[g-1]:offs[g] of
+    a * scale_a times b[g] * scale_b[g], per column; the layout and scales trainer/fp8.py hands it are checked here,
+    the kernel itself on the GPU (bench/fp8_experts.py)."""
+    assert a.dtype == b.dtype == torch.float8_e4m3fn and a.is_contiguous() and b.transpose(-2, -1).is_contiguous()
+    assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
+    out, start = torch.zeros(a.shape[0], b.shape[2]), 0
+    for group, stop in enumerate(offs.tolist()):
+        out[start:stop] = (a[start:stop].float() * scale_a[start:stop, None]) @ (b[group].float() * scale_b[group])
+        start = stop
+    return out.to(out_dtype)
+
+
+def test_fp8_experts_compute_what_the_bf16_weights_do_within_e4m3s_precision(monkeypatch):
+    """model.fp8_experts: each frozen expert stack becomes two e4m3 copies (forward and input gradient), its bf16
+    storage released (shape and count kept); logits and every adapter gradient stay those of the full-precision
+    grouped path within e4m3's 3 mantissa bits; peft's own forward (a merged adapter) is refused rather than run on
+    the released weights."""
+    moe, fp8 = trainer_module("moe"), trainer_module("fp8")
+    model = _peft_moe("qwen3_moe", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
+    ids = torch.randint(3, 300, (2, 17), generator=torch.Generator().manual_seed(1))
+    moe.install(model)
+    logits, grads = _forward_backward(model, ids)
+    stacks = {n: p.shape for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))}
+    assert fp8.quantize_experts(model, moe.PROJECTIONS, moe._base_weight) == len(stacks) == 4
+    after = dict(model.named_parameters())
+    for name, shape in stacks.items():
+        assert after[name].shape == shape and after[name].untyped_storage().nbytes() <= 4, name
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", _scaled_grouped_mm_as_documented, raising=False)
+    fast_logits, fast_grads = _forward_backward(model, ids)
+    assert 0 < (fast_logits - logits).norm() / logits.norm() < 0.05
+    for name in grads:
+        error = (fast_grads[name] - grads[name]).norm() / grads[name].norm()
+        assert error < 0.1, (name, float(error))
+    wrapper = next(m for m in model.modules() if type(m) is moe.grouped_wrapper_type())
+    wrapper.merged_adapters.append("default")   # as after merge_adapter: peft's own forward would read W
+    with pytest.raises(RuntimeError, match="model.fp8_experts"):
+        model(input_ids=ids)
+
+
 def test_the_grouped_path_leaves_merged_and_disabled_adapters_to_peft():
     moe = trainer_module("moe")
     model = _peft_moe("qwen3_moe", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))

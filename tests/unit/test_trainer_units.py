@@ -319,6 +319,22 @@ def test_the_split_estimate_ranks_the_measured_runs_as_they_ran():
     assert estimates["glm mb2 half"] < estimates["glm mb1 all"]
 
 
+def test_the_memory_estimate_holds_what_the_expert_layouts_gathered_exchange_keeps():
+    """The expert layout on 2 H200s (docs/PERFORMANCE.md): Qwen3-30B-A3B, 2 x 4096, 5 of 48 layers checkpointed,
+    peaked at 106.5 GB, which the estimate put at 84.6 before it counted the group's routed copies each layer keeps
+    (GLM-4.5-Air's 32 layers: 94.6 GB measured, all checkpointed). A split that auto takes must fit for real."""
+    layout = trainer_module("layout")
+    qwen = layout.per_gpu_bytes("expert", _shape(), 2, 2)
+    assert abs(qwen / 106.5e9 - 1) < 0.05
+    glm = layout.per_gpu_bytes("expert", _glm(layers=32, checkpointed=32, tokens=8192, trainable=int(1.26e9),
+                                             frozen_bytes=int(148.1e9), expert_bytes=int(137.3e9)), 2, 2)
+    assert abs(glm / 94.6e9 - 1) < 0.05
+    # groups above top-k exchange by all_to_all and keep no gathered copies; replicate none at all
+    assert layout.per_gpu_bytes("expert-global", _shape(top_k=2), 4, 4) < \
+        layout.per_gpu_bytes("expert-global", _shape(top_k=4), 4, 4)
+    assert layout.per_gpu_bytes("replicate", _shape(), 2, 2) < qwen + 61.1e9 / 2
+
+
 def test_auto_split_picks_the_fastest_micro_batch_and_checkpointing_that_fit_and_says_why():
     layout = trainer_module("layout")
     h200, h100 = 150.1e9, 85.0e9
@@ -375,6 +391,26 @@ def test_layout_bytes_keep_the_heavy_traffic_inside_the_node():
     assert across["hsdp"] == across["expert"] == across["replicate"] == pytest.approx(4 * 1.83e9 / 2)
     assert across["expert-global"] > 5 * across["expert"]                     # tokens cross the node boundary
     assert sent["expert"]["intra_node_bytes"] < sent["hsdp"]["intra_node_bytes"]  # experts never gathered
+
+
+def test_fp8_experts_are_refused_where_they_cannot_run_with_what_to_change():
+    """model.fp8_experts needs the grouped expert path, a layout in which FSDP does not shard (and gather in bf16)
+    the experts, and a GPU with torch's FP8 grouped GEMM: each missing one is named before any process group."""
+    import torch
+
+    config, layout, loop = trainer_module("config"), trainer_module("layout"), trainer_module("loop")
+    with pytest.raises(config.ConfigError, match="model.fp8_experts: needs model.moe_kernel: grouped"):
+        config.load_recipe(None, ["model.fp8_experts=true", "model.moe_kernel=peft"])
+    assert config.load_recipe(None, ["model.fp8_experts=true"]).model.fp8_experts is True
+    cpu = loop.Context(rank=0, world=2, local_rank=0, device=torch.device("cpu"), on_gpu=False)
+    with pytest.raises(config.ConfigError, match="the fsdp layout shards the experts' frozen weights through FSDP; "
+                                                 "set model.parallelism: replicate or expert"):
+        loop._check_fp8(layout.Layout("fsdp", 2, 1, 2, "auto"), cpu)
+    for allowed in ("replicate", "expert", "expert-global"):
+        with pytest.raises(config.ConfigError, match="model.fp8_experts: FP8 grouped GEMMs need a CUDA GPU"):
+            loop._check_fp8(layout.Layout(allowed, 2, 1, 2, "forced"), cpu)
+    with pytest.raises(config.ConfigError, match="FP8 grouped GEMMs need a CUDA GPU"):
+        loop._check_fp8(layout.Layout("fsdp", 1, 1, 1, "one rank"), cpu)   # one rank: nothing sharded
 
 
 def test_recipe_refuses_unknown_or_contradicting_layouts():
