@@ -116,6 +116,9 @@ def train(recipe: Recipe) -> dict:
         from . import fp8, moe
 
         converted = fp8.quantize_experts(model, moe.PROJECTIONS, moe._base_weight)
+        if not converted:   # the same model on every rank: every rank stops here alike
+            raise ConfigError("model.fp8_experts: this model has no fused routed experts on the grouped path "
+                              f"({', '.join(parallel.peft_path) or 'a dense model'}); turn fp8_experts off")
         if ctx.rank == 0:
             print(f"fp8_experts: {converted} routed-expert weights held as e4m3 (per-channel scales)", flush=True)
     if ctx.rank == 0:
