@@ -72,11 +72,7 @@ def main() -> None:
     wrapped = Experts(n_experts, hidden, inter).to(device, torch.bfloat16)
     wrapped.load_state_dict(bf16.state_dict())
     for name in ("gate_up_proj", "down_proj"):  # quantize_experts' conversion, on a bare module
-        stored = getattr(wrapped, name)
-        w, ws = fp8.quantize_rows(stored.contiguous())
-        wt, wts = fp8.quantize_rows(stored.transpose(-2, -1).contiguous())
-        for part, value in (("", w), ("_scale", ws), ("_t", wt), ("_t_scale", wts)):
-            wrapped.register_buffer(f"{name}_fp8{part}", value, persistent=False)
+        fp8.hold_in_fp8(wrapped, name, getattr(wrapped, name).detach())
     x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
     grad = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
 

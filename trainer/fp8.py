@@ -83,11 +83,17 @@ def quantize_experts(model: nn.Module, projections: tuple[str, ...], weight_of) 
             param = getattr(experts, name, None)
             if not isinstance(param, torch.Tensor) or param.dim() != 3 or has_fp8(experts, name):
                 continue
-            stored = weight_of(experts, name).transpose(-2, -1)  # (experts, out, in)
-            w, w_scale = quantize_rows(stored.contiguous())
-            wt, wt_scale = quantize_rows(stored.transpose(-2, -1).contiguous())
-            for part, value in (("", w), ("_scale", w_scale), ("_t", wt), ("_t_scale", wt_scale)):
-                experts.register_buffer(f"{name}_fp8{part}", value, persistent=False)
-            param.data = param.data.new_zeros(1).expand(param.shape)
+            hold_in_fp8(experts, name, weight_of(experts, name).transpose(-2, -1))
             converted += 1
     return converted
+
+
+def hold_in_fp8(experts: nn.Module, name: str, stored: torch.Tensor) -> None:
+    """experts' frozen `name`, given as (experts, out, in), kept as its two e4m3 copies (buffers beside it, not in
+    the state dict), and its bf16 storage released."""
+    w, w_scale = quantize_rows(stored.contiguous())
+    wt, wt_scale = quantize_rows(stored.transpose(-2, -1).contiguous())
+    for part, value in (("", w), ("_scale", w_scale), ("_t", wt), ("_t_scale", wt_scale)):
+        experts.register_buffer(f"{name}_fp8{part}", value, persistent=False)
+    param = getattr(experts, name)
+    param.data = param.data.new_zeros(1).expand(param.shape)
