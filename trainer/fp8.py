@@ -66,24 +66,24 @@ def has_fp8(experts: nn.Module, name: str) -> bool:
     return hasattr(experts, f"{name}_fp8")
 
 
-def quantize_experts(model: nn.Module, projections: tuple[str, ...], weight_of) -> int:
+def quantize_experts(model: nn.Module) -> int:
     """Give every experts module on the grouped path (moe.install) e4m3 copies of its frozen projections and
     release their bf16 storage (the parameter keeps its shape and dtype as a one-element broadcast view, so counts
-    and names stay; nothing reads its values on the grouped path). `weight_of(experts, name)` is the weight as
-    (experts, in, out). Returns how many weights were converted."""
-    from .moe import grouped_wrapper_type, _wrapper_chain
+    and names stay; nothing reads its values on the grouped path). Returns how many weights were converted."""
     from peft.tuners.lora.layer import ParamWrapper
+
+    from .moe import PROJECTIONS, _base_weight, _wrapper_chain, grouped_wrapper_type
 
     converted = 0
     for module in model.modules():
         if type(module) is not grouped_wrapper_type():
             continue
         _, experts = _wrapper_chain(module, ParamWrapper)
-        for name in projections:
+        for name in PROJECTIONS:
             param = getattr(experts, name, None)
             if not isinstance(param, torch.Tensor) or param.dim() != 3 or has_fp8(experts, name):
                 continue
-            hold_in_fp8(experts, name, weight_of(experts, name).transpose(-2, -1))
+            hold_in_fp8(experts, name, _base_weight(experts, name).transpose(-2, -1))  # (experts, out, in)
             converted += 1
     return converted
 
