@@ -138,7 +138,7 @@ def test_stop_fail_fast_and_ctrl_c_remove_the_containers(cluster, image, project
     run_id = latest_run_id(project)
     try:
         wait_for(lambda: len(containers_of(run_id)) == 2 and
-                 "rank=3" in run_nodectl(["tail", "rank3"], env=env, cwd=project).stdout, timeout=90)
+                 "rank=3" in run_nodectl(["tail", "rank3"], env=env, cwd=project).stdout, timeout=180)
         stacks = run_nodectl(["stacks", "--run", run_id], env=env, cwd=project)
         assert stacks.exit_code == 0, stacks.output
         assert "probe.py" in stacks.stdout   # the rank's own frames, read from inside its container
@@ -157,11 +157,11 @@ def test_stop_fail_fast_and_ctrl_c_remove_the_containers(cluster, image, project
     finally:
         kill_leftovers(run_id)
 
-    proc = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", inv, *base[2:], "--", "probe.py"], env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", sleepy, *base[2:], "--", "probe.py"], env=env,
                             cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         run_id = wait_for(lambda: latest_run_id(project) != run_id and latest_run_id(project))
-        wait_for(lambda: len(containers_of(run_id)) == 2 and len(run_processes(run_id)) >= 6, timeout=90)
+        wait_for(lambda: len(containers_of(run_id)) == 2 and len(run_processes(run_id)) >= 6, timeout=180)
         time.sleep(1)
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=90)

@@ -31,7 +31,7 @@ def test_a_quota_held_rank_is_named_shown_by_status_and_left_out(ssh_cluster, pr
     inventory = str(ssh_cluster.inventory(count=2))
     launch = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", inventory, "launch", "--skip-preflight",
                                "--gpus", "2", "--max-restarts", "1", "--on-straggler", "exclude",
-                               "--straggler-hold", "45", "--", "ddp_plain.py", "1000000", "640"],
+                               "--straggler-hold", "45", "--", "ddp_plain.py", "1000000", "640", "0.05"],
                               env=env, cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     said: list[tuple[float, str]] = []
     reader = threading.Thread(target=lambda: said.extend((time.monotonic(), line) for line in launch.stderr),
