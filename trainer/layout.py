@@ -12,8 +12,11 @@ over the ranks, and over which process groups the collectives run:
   every GPU of the node when it has at most top-k of them, else by all_to_all); the rest as hsdp.
 - expert-global: the routed experts split over every rank; the rest as fsdp (model.expert_parallel: true).
 
-auto picks the first of replicate, hsdp (several nodes), fsdp whose estimated memory fits the GPU, and says why.
-It never picks expert: on the measured runs (docs/PERFORMANCE.md) sharding the experts with the rest was faster.
+auto picks the first of replicate, expert, hsdp (several nodes), fsdp whose estimated memory fits the GPU, and
+says why. expert only where the routed experts run on the grouped path and a node's GPUs are between 2 and top-k
+(the gathered exchange): where the whole base does not fit on each GPU, it gathers no expert weight, and on 2
+H200s it ran GLM-4.5-Air's shape at 1.40x fsdp's tokens/s (docs/PERFORMANCE.md). Where the base fits, replicate
+stays first: it was faster than expert (0.63x) on Qwen3-30B-A3B.
 """
 from __future__ import annotations
 
@@ -33,9 +36,10 @@ WORKSPACE = 3e9             # CUDA context, NCCL buffers, kernels' scratch
 BASE_WIDTHS, MLP_WIDTHS, ROUTED_WIDTHS = 6.0, 3.0, 1.75
 # The expert layouts' gathered exchange (trainer/moe.py, ExpertShard.gathered: groups up to top-k GPUs) keeps per
 # layer about the group's routed copies once more, g x top-k hidden states per token. Fitted on 2 H200s
-# (2026-11-28): Qwen3-30B-A3B, micro-batch 2 x 4096, 10% checkpointed, 106.5 GB measured (108.2 estimated with it,
-# 84.6 without); GLM-4.5-Air's 32 layers, 2 x 4096, all checkpointed, 94.6 (92.9); the same at 1 x 4096 with no
-# layer checkpointed measured 146.6 against 135.3, the one this misses.
+# (2026-11-28) while each rank's partial sums were placed in a zero-filled buffer: Qwen3-30B-A3B, micro-batch
+# 2 x 4096, 10% checkpointed, 106.5 GB measured (108.2 estimated with it, 84.6 without). Since the sum is compiled
+# as gathers added up (moe._added_up) the same run peaks at 83.4 GB and GLM-4.5-Air's 32 layers at 1 x 4096, no
+# layer checkpointed, at 130.0 (135.3 estimated; 146.6 before): kept as a margin, 25 GB over on the first.
 GATHERED_COPIES = 1.0
 
 
@@ -54,6 +58,8 @@ class Shape:
     element: int = 2         # bytes of a gathered adapter weight and of a hidden state (bf16; fp32 on CPU ranks)
     active_bytes: int = 0    # of frozen_bytes, what one token passes through (the top-k of the routed experts);
                              # 0: all of it
+    experts: int = 0         # routed experts per layer
+    grouped: bool = False    # whether they run on the grouped path with LoRA (what the expert layouts shard)
 
     @property
     def width(self) -> int:
@@ -106,6 +112,20 @@ def topology() -> tuple[int, int, int]:
     return world, world // per_node, per_node
 
 
+def auto_order(shape: Shape, world: int, nodes: int, per_node: int, leaves_out: bool = True) -> list[str]:
+    """The layouts auto tries, in its order: the first whose estimate fits is taken. The less a layout gathers, the
+    earlier: replicate gathers nothing; expert gathers the base less its routed experts, and its tokens travel
+    inside the node (only where they come gathered, 2 to top-k GPUs a node); hsdp gathers the base inside the
+    node; fsdp across nodes."""
+    if world == 1:
+        return ["replicate"]
+    names = ["replicate"] if leaves_out else []
+    if (leaves_out and shape.grouped and shape.top_k and 1 < per_node <= shape.top_k and shape.experts
+            and shape.experts % per_node == 0):
+        names.append("expert")
+    return names + (["hsdp"] if nodes > 1 else []) + ["fsdp"]
+
+
 def per_gpu_bytes(name: str, shape: Shape, world: int, per_node: int) -> float:
     """Estimated peak bytes on one GPU under a layout."""
     frozen_share = {"replicate": 1, "hsdp": per_node, "fsdp": world, "expert": per_node,
@@ -150,16 +170,18 @@ def choose(setting: str, shape: Shape, memory: float | None, world: int, nodes: 
         return Layout("replicate", 1, 1, 1, "one rank: the whole model here, nothing to gather")
     gib = 1e9
     budget = FITS * memory if memory else None
-    need = {name: per_gpu_bytes(name, shape, world, per_node) for name in ("replicate", "hsdp", "fsdp")}
-    fits = [name for name in ("replicate", "hsdp", "fsdp") if (budget is None or need[name] <= budget)
-            and (leaves_out or name != "replicate")]
-    if nodes == 1 and "hsdp" in fits:
-        fits.remove("hsdp")   # one node: hsdp is fsdp
+    need = {name: per_gpu_bytes(name, shape, world, per_node) for name in ("replicate", "expert", "hsdp", "fsdp")}
+    fits = [name for name in auto_order(shape, world, nodes, per_node, leaves_out)
+            if budget is None or need[name] <= budget]
     chosen = fits[0] if fits else "fsdp"
     memory_text = f"{memory / gib:.0f} GB" if memory else "unknown"
     why = {"replicate": f"the frozen base ({shape.frozen_bytes / gib:.1f} GB) fits on every {unit}: est. "
                         f"{need['replicate'] / gib:.0f} GB of {memory_text}; nothing to all-gather, only adapter "
                         f"gradients are reduced",
+           "expert": f"the base does not fit whole on every {unit} (est. {need['replicate'] / gib:.0f} GB of "
+                     f"{memory_text}); the routed experts ({shape.expert_bytes / gib:.1f} GB) split over a node's "
+                     f"{per_node} {unit}s and never gathered, each token's hidden state gathered to them inside "
+                     f"the node, the rest sharded: est. {need['expert'] / gib:.0f} GB",
            "hsdp": f"the base sharded over a node's {per_node} {unit}s fits (est. {need['hsdp'] / gib:.0f} GB of "
                    f"{memory_text}; whole on each: {need['replicate'] / gib:.0f} GB); all-gathers stay inside the "
                    f"node, only gradient shards cross it",
@@ -220,9 +242,7 @@ def plan(setting: str, shape: Shape, memory: float | None, world: int, nodes: in
     reason names the runner-up."""
     from .model import checkpointed_layers
 
-    layouts = [setting] if setting != "auto" else (
-        ["replicate"] if world == 1 else
-        [n for n in ("replicate", "hsdp", "fsdp") if (n != "replicate" or leaves_out) and (n != "hsdp" or nodes > 1)])
+    layouts = [setting] if setting != "auto" else auto_order(shape, world, nodes, per_node, leaves_out)
     micros = [micro] if micro else [m for m in range(rows, 0, -1) if rows % m == 0]
     shares = [share] if share is not None else list(CHECKPOINT_SHARES)
     budget = FITS * memory if memory else None
@@ -235,7 +255,7 @@ def plan(setting: str, shape: Shape, memory: float | None, world: int, nodes: in
                 splits.append(Split(name, m, s, per_gpu_bytes(name, trial, world, per_node),
                                     seconds_per_token(name, trial, world, nodes, per_node)))
     fitting = [x for x in splits if budget is None or x.need <= budget]
-    # the layout as auto orders them (the measured runs' order: the less sharded, the faster), then the split
+    # the layout as auto orders them (auto_order: the less gathered, the faster on the measured runs), then the split
     first = next((name for name in layouts if any(x.layout == name for x in fitting)), None)
     fitting = sorted((x for x in fitting if x.layout == first), key=lambda x: (x.seconds_per_token, -x.micro, x.share))
     best = fitting[0] if fitting else min(splits, key=lambda x: x.need)
@@ -336,6 +356,7 @@ def traffic(layout: Layout, shape: Shape, reshard_after_forward: bool) -> dict[s
 
 def shape_of(model, recipe) -> Shape:
     """The estimates' inputs from the model skeleton (meta device, LoRA applied) and the recipe."""
+    from . import moe
     from .model import checkpointed_layers, decoder_layers, parameter_counts
 
     trainable, _ = parameter_counts(model)
@@ -352,12 +373,13 @@ def shape_of(model, recipe) -> Shape:
     experts = int(getattr(config, "num_experts", 0) or getattr(config, "n_routed_experts", 0)
                   or getattr(config, "num_local_experts", 0) or 0)
     active = frozen_bytes - (expert_bytes * (1 - top_k / experts) if top_k and experts else 0)
+    grouped = bool(top_k) and recipe.model.moe_kernel == "grouped" and moe.coverable(model)
     return Shape(frozen_bytes=frozen_bytes, trainable=trainable, expert_bytes=expert_bytes, layers=layers,
                  hidden=config.hidden_size, checkpointed=len(checkpointed_layers(layers, share)),
                  tokens=(micro if isinstance(micro, int) else 1) * recipe.data.max_length,
                  top_k=top_k, mlp_ratio=mlp / config.hidden_size,
                  element=next(p.element_size() for p in model.parameters() if not p.requires_grad),
-                 active_bytes=int(active))
+                 active_bytes=int(active), experts=experts, grouped=grouped)
 
 
 def device_memory(device) -> float | None:
