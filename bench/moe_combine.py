@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_experts import timed  # noqa: E402  (CUDA events over repeated calls, after three warm-ups)
 from trainer import moe  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (128, 8, 2048), "glm-4.5-air": (128, 8, 4096)}  # experts, top-k, hidden
@@ -64,19 +66,6 @@ def triton_gather_sum(rows: torch.Tensor, index: torch.Tensor, residual: torch.T
     _triton_kernel()[(tokens, -(-hidden // block))](rows, index, residual, out, hidden, TOP_K=top_k, BLOCK=block,
                                                      num_warps=4)
     return out
-
-
-def timed(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / repeats
 
 
 def main() -> None:
