@@ -67,7 +67,7 @@ def _listener_stack(run_dir: str, rank: int, wait: float = 5.0) -> str:
     """Every thread's stack from the rank's own listener (lib/sitecustomize.py), as text; "" without an answer."""
     request_id, asked = f"stacks-{time.time_ns()}-{os.getpid()}", time.time()
     deadline = time.monotonic() + wait
-    if not _ask_listener(os.path.join(run_dir, layout.rank_request(rank)), request_id, time.monotonic() + 1.0):
+    if not _ask_listener(run_dir, rank, request_id, deadline):
         return ""
     while time.monotonic() < deadline:
         answer = read_json(os.path.join(run_dir, layout.rank_answer(rank)))
@@ -121,9 +121,16 @@ def _answers(answer, request_id: str, asked: float) -> bool:
     return request_id in (answer.get("requests") or ()) or isinstance(taken, (int, float)) and taken >= asked
 
 
-def _ask_listener(fifo: str, request_id: str, deadline: float) -> bool:
+LISTENER_GRACE = 1.0   # seconds a rank whose listener never answered may leave its FIFO unread
+
+
+def _ask_listener(run_dir: str, rank: int, request_id: str, deadline: float) -> bool:
     """Write a request to a rank's listener (launchers/sitecustomize.py); False when none reads the FIFO (the
-    program is not Python, ran with -S or -I, or ended)."""
+    program is not Python, ran with -S or -I, or ended). While the listener answers another diagnosis it reads
+    nothing: one that has answered before is waited for until `deadline` (on 2 loaded cores one answer took over a
+    second, and a third asker gave up), one that never has for LISTENER_GRACE."""
+    fifo = os.path.join(run_dir, layout.rank_request(rank))
+    grace = time.monotonic() + LISTENER_GRACE
     while True:
         try:   # the FIFO the rank made: never a link, a host file or a device put in its place
             fd = open_nofollow(fifo, os.O_WRONLY | os.O_NONBLOCK)
@@ -131,7 +138,9 @@ def _ask_listener(fifo: str, request_id: str, deadline: float) -> bool:
                 os.close(fd)
                 return False
         except OSError as exc:
-            if exc.errno == errno.ENXIO and time.monotonic() < deadline:   # between two requests: it reopens
+            now = time.monotonic()
+            if exc.errno == errno.ENXIO and now < deadline and (   # between two requests: it reopens
+                    now < grace or lstat_nofollow(os.path.join(run_dir, layout.rank_answer(rank))) is not None):
                 time.sleep(0.05)
                 continue
             return False
@@ -158,9 +167,9 @@ def cmd_diagnose(args: list, request: dict) -> dict:
     live = {rank: state["pid"] for rank, state in states.items() if state["alive"]}
     before = {rank: _cpu_ticks(pid) for rank, pid in live.items()}
     request_id, asked_at = f"{time.time_ns()}-{os.getpid()}", time.time()
-    asked = {rank for rank in live
-             if _ask_listener(os.path.join(run_dir, layout.rank_request(rank)), request_id, started + 1.0)}
-    answers, deadline = {}, started + wait
+    deadline = started + wait
+    asked = {rank for rank in live if _ask_listener(run_dir, rank, request_id, deadline)}
+    answers = {}
     while len(answers) < len(asked) and time.monotonic() < deadline:
         for rank in asked - set(answers):
             answer = read_json(os.path.join(run_dir, layout.rank_answer(rank)))

@@ -97,6 +97,47 @@ def test_two_diagnoses_asking_at_once_both_get_an_answer(tmp_path):
         sys.path.remove(str(LAUNCHERS))
 
 
+def test_askers_wait_out_a_listener_slow_to_answer_another(tmp_path):
+    """On a loaded node one answer can take over a second, and the listener reads no request while it answers: a
+    diagnosis asking then waits for the listener it has seen answer before, rather than giving up after a second
+    (CI, 2 cores: one of six askers got nothing). The rank is stopped for 1.5 s while six ask."""
+    import signal
+    import threading
+
+    sys.path.insert(0, str(LAUNCHERS))
+    from runctl.diagnose import _listener_stack
+
+    proc, run_dir = start(tmp_path)
+    try:
+        proc.stdout.readline()
+        proc.stdout.readline()
+        ask(run_dir, "first")   # the listener has answered once
+        stacks = [None] * 6
+
+        def asker(i):
+            time.sleep(0.02 * i)
+            stacks[i] = _listener_stack(str(run_dir), 0, 5.0)
+
+        def pause():
+            time.sleep(0.01)
+            os.kill(proc.pid, signal.SIGSTOP)
+            time.sleep(1.5)
+            os.kill(proc.pid, signal.SIGCONT)
+
+        threads = [threading.Thread(target=asker, args=(i,)) for i in range(len(stacks))]
+        threads.append(threading.Thread(target=pause))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert all("while spins" in text for text in stacks), stacks
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+        sys.path.remove(str(LAUNCHERS))
+
+
 def test_a_sitecustomize_already_on_the_path_still_runs(tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir()
