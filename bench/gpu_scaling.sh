@@ -9,7 +9,8 @@
 #     bash bench/gpu_scaling.sh dense    # 8B dense: 1x1, 2x1 (auto) and 2x1 with the base sharded (fsdp)
 #     bash bench/gpu_scaling.sh qwen-auto  # Qwen3-30B-A3B on 1 GPU, 4 rows a step: the hand-picked split (micro-batch
 #                                          # 2, 10% checkpointed) and micro_batch_size / activation_checkpointing auto
-#     bash bench/gpu_scaling.sh glm-auto   # the same for GLM-4.5-Air on 1x4 (hand-picked: micro-batch 2, half)
+#     bash bench/gpu_scaling.sh glm-auto   # GLM-4.5-Air on 1x4: everything auto (layout, micro-batch,
+#                                          # checkpointing), then fsdp with micro-batch 2, half checkpointed
 #     bash bench/gpu_scaling.sh qwen-fp8   # Qwen3-30B-A3B on 1 GPU, auto's split: the routed experts' frozen base in
 #                                          # bf16 and in FP8 (model.fp8_experts), 30 steps' losses side by side
 #     bash bench/gpu_scaling.sh glm-2gpu   # GLM-4.5-Air's shape, 32 of its 46 layers, 1x2 (nvidia-h200-x2): the
@@ -55,10 +56,11 @@ case "$PHASE" in
     python3 bench/gpu_moe_speed.py --work "$WORK/q" --shape qwen3-30b-a3b --steps 10 --skip 4 --no-ref \
       --examples 240 --launch "q-hand:1x1:train.micro_batch_size=2,train.grad_accum=2,model.activation_checkpointing=0.1,model.compile=true" \
       --launch "q-auto:1x1:$AUTO" --base q-hand --out "$WORK/qwen-auto.json" ;;
-  glm-auto)
+  glm-auto)  # auto (the expert layout since issue 54) first, then the 2026-11-27 best by hand: fsdp, mb 2, half
     python3 bench/gpu_moe_speed.py --work "$WORK/g" --shape glm-4.5-air --steps 6 --skip 2 --no-ref \
-      --examples 60 --launch "g-hand:1x4:train.micro_batch_size=2,train.grad_accum=2,model.activation_checkpointing=0.5,model.compile=true" \
-      --launch "g-auto:1x4:$AUTO" --base g-hand --out "$WORK/glm-auto.json" ;;
+      --examples 60 --launch "g-auto:1x4:$AUTO" \
+      --launch "g-fsdp:1x4:train.micro_batch_size=2,train.grad_accum=2,model.activation_checkpointing=0.5,model.compile=true,model.parallelism=fsdp" \
+      --base g-fsdp --out "$WORK/glm-auto.json" ;;
   qwen-fp8)
     python3 bench/gpu_moe_speed.py --work "$WORK/q" --shape qwen3-30b-a3b --steps 30 --skip 5 --no-ref \
       --examples 240 --launch "q-bf16:1x1:$AUTO" --launch "q-fp8:1x1:$AUTO,model.fp8_experts=true" --base q-bf16 \

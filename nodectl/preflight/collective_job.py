@@ -56,21 +56,21 @@ def run_collective(inventory: Inventory, session: Session, *, gpus: int | None, 
     if gpu_run:  # NCCL says which transport each connection took
         inventory = replace(inventory, nodes=tuple(replace(n, env={"NCCL_DEBUG": "INFO", **n.env})
                                                    for n in inventory.nodes))
-    empty = tempfile.mkdtemp(prefix="nodectl-preflight-")
-    sweep = ("--max-bytes", str(max_bytes), *(("--min-bytes", str(min_bytes)) if min_bytes else ()),
-             "--deadline-s", str(deadline or DEFAULT_DEADLINE_S))
-    spec = JobSpec(inventory, command=("../lib/collective.py", *sweep), sync_dir=empty,
-                   files=tuple(sync.nodectl_files(False, None, ("collective.py",))), gpus=gpus, facts=facts or {},
-                   kind="preflight", argv=("nodectl", "preflight", "(collective test)"))
-    try:
-        outcome = launch(LaunchRequest(spec, Attending(grace=grace), skip_preflight=True), session, STAGES)
-    except StartFailed as failed:
-        return None, {}, str(failed.message), failed.run_id
-    run_nodes, cluster = outcome.run.nodes(), session.cluster(inventory.nodes)
-    logs = ""
-    for run_node in run_nodes:
-        logs += tail_lines(cluster, run_node, [run_node.ranks[0]], 5000).get(run_node.ranks[0], NO_LOG).text
-    return result_in(logs), transports_in(logs), _failure_text(cluster, run_nodes, outcome.failure), outcome.job.run_id
+    with tempfile.TemporaryDirectory(prefix="nodectl-preflight-") as empty:  # the job's project: nothing to send
+        sweep = ("--max-bytes", str(max_bytes), *(("--min-bytes", str(min_bytes)) if min_bytes else ()),
+                 "--deadline-s", str(deadline or DEFAULT_DEADLINE_S))
+        spec = JobSpec(inventory, command=("../lib/collective.py", *sweep), sync_dir=empty,
+                       files=tuple(sync.nodectl_files(False, None, ("collective.py",))), gpus=gpus, facts=facts or {},
+                       kind="preflight", argv=("nodectl", "preflight", "(collective test)"))
+        try:
+            outcome = launch(LaunchRequest(spec, Attending(grace=grace), skip_preflight=True), session, STAGES)
+        except StartFailed as failed:
+            return None, {}, str(failed.message), failed.run_id
+        run_nodes, cluster = outcome.run.nodes(), session.cluster(inventory.nodes)
+        logs = ""
+        for run_node in run_nodes:
+            logs += tail_lines(cluster, run_node, [run_node.ranks[0]], 5000).get(run_node.ranks[0], NO_LOG).text
+        return result_in(logs), transports_in(logs), _failure_text(cluster, run_nodes, outcome.failure), outcome.job.run_id
 
 
 def add_collectives(report, inventory: Inventory, session: Session, *, gpus: int | None, tier: Tier,

@@ -71,9 +71,13 @@ def test_a_socket_ifname_naming_no_interface_fails_quick_preflight_on_that_node(
 
 def test_full_runs_a_collective_on_each_node_pair(ssh_cluster, tmp_path):
     inventory = ssh_cluster.inventory(count=3, gpus=1)
-    result = run_nodectl(["-i", str(inventory), "--json", "preflight", "--full"], env=ssh_cluster.env(),
-                         cwd=tmp_path, timeout=300)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    result = run_nodectl(["-i", str(inventory), "--json", "preflight", "--full"],
+                         env={**ssh_cluster.env(), "TMPDIR": str(scratch)}, cwd=tmp_path, timeout=300)
     assert result.exit_code == 0, result.output[-3000:]
+    # four collective jobs (the all-reduce, three pairs), and not one of their scratch folders left behind
+    assert sorted(p.name for p in scratch.iterdir()) == [], sorted(p.name for p in scratch.iterdir())
     pairs = result.json()["collective"]["pairs"]
     assert [p["nodes"] for p in pairs] == [["node0", "node1"], ["node1", "node2"], ["node2", "node0"]]
     assert all(p["busbw_gbs"] > 0 for p in pairs)
