@@ -72,10 +72,11 @@ def test_activation_checkpointing_takes_a_switch_or_a_share_of_layers():
     assert len(layers(5, 0.5)) == 2
 
 
-@pytest.mark.parametrize("head_kind", ["frozen", "lora"])
+@pytest.mark.parametrize("head_kind", ["frozen", "lora", "lora-in-model"])
 def test_chunked_head_loss_matches_the_full_logits_loss_and_gradients(head_kind, monkeypatch):
     """The loss paths that never hold the batch's full-vocabulary logits give Hugging Face's loss and the same
-    gradients, across chunk boundaries, with ignored targets."""
+    gradients (the hidden states' and the adapter's), across chunk boundaries, with ignored targets: a frozen head
+    takes the fused path; a LoRA layer on it, alone or inside its model, the checkpointed one."""
     import torch
     import torch.nn.functional as F
 
@@ -83,25 +84,30 @@ def test_chunked_head_loss_matches_the_full_logits_loss_and_gradients(head_kind,
     monkeypatch.setattr(loss, "CHUNK_ROWS", 7)
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 50, bias=False).requires_grad_(False)
-    if head_kind == "lora":
+    if head_kind != "frozen":
         import peft
 
-        head = peft.get_peft_model(torch.nn.Sequential(head), peft.LoraConfig(r=4, target_modules=["0"]))
-        torch.nn.init.normal_(head.base_model.model[0].lora_B.default.weight)
+        model = peft.get_peft_model(torch.nn.Sequential(head), peft.LoraConfig(r=4, target_modules=["0"]))
+        head = model if head_kind == "lora-in-model" else model.base_model.model[0]
+        torch.nn.init.normal_(model.base_model.model[0].lora_B.default.weight)
     hidden = torch.randn(3, 9, 16, dtype=torch.float64, requires_grad=True)
     head = head.double()
+    adapter = [p for p in head.parameters() if p.requires_grad]
+    assert len(adapter) == (0 if head_kind == "frozen" else 2)
     labels = torch.randint(0, 50, (3, 9))
     labels[0, :4] = -100
     labels[2, -2:] = -100
 
     got = loss.head_loss_sum(hidden, head, labels)
-    (got_grad,) = torch.autograd.grad(got * 0.5, hidden)
+    got_grads = torch.autograd.grad(got * 0.5, [hidden, *adapter])
     logits = head(hidden)
     want = F.cross_entropy(logits[:, :-1].reshape(-1, 50), labels[:, 1:].reshape(-1), reduction="sum")
-    (want_grad,) = torch.autograd.grad(want * 0.5, hidden)
+    want_grads = torch.autograd.grad(want * 0.5, [hidden, *adapter])
     torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(got_grad, want_grad)
-    assert got_grad[0, :3].abs().sum() == 0  # positions whose next token is ignored get no gradient
+    torch.testing.assert_close(got_grads[0], want_grads[0])
+    for got_grad, want_grad in zip(got_grads[1:], want_grads[1:], strict=True):  # through the fp32 upcast
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-5, atol=1e-6)
+    assert got_grads[0][0, :3].abs().sum() == 0  # positions whose next token is ignored get no gradient
     with torch.no_grad():
         torch.testing.assert_close(loss.head_loss_sum(hidden, head, labels), want.float().detach())
 
