@@ -51,6 +51,32 @@ def ask(run_dir: Path, request: str) -> dict:
     raise AssertionError("the listener did not answer")
 
 
+def ask_at_once(run_dir: Path, count: int, wait: float, stagger: float = 0.0) -> tuple[list[str], list]:
+    """`count` diagnoses asking the rank's listener for its stacks at once (runctl's _listener_stack, each with
+    `wait` seconds, the i-th after i * stagger s): what each got, and (seconds taken, first lines) of each."""
+    import threading
+
+    sys.path.insert(0, str(LAUNCHERS))
+    try:
+        from runctl.diagnose import _listener_stack
+    finally:
+        sys.path.remove(str(LAUNCHERS))
+    stacks, took = [""] * count, [0.0] * count
+
+    def asker(i: int) -> None:
+        time.sleep(stagger * i)
+        began = time.monotonic()
+        stacks[i] = _listener_stack(str(run_dir), 0, wait)
+        took[i] = round(time.monotonic() - began, 2)
+
+    threads = [threading.Thread(target=asker, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return stacks, [(seconds, text.splitlines()[:4]) for seconds, text in zip(took, stacks)]
+
+
 def test_the_listener_answers_from_a_busy_process_and_only_the_rank_runs_one(tmp_path):
     proc, run_dir = start(tmp_path)
     try:
@@ -70,12 +96,7 @@ def test_the_listener_answers_from_a_busy_process_and_only_the_rank_runs_one(tmp
 def test_two_diagnoses_asking_at_once_both_get_an_answer(tmp_path):
     """Two users' `nodectl diagnose` (or the launch's own and a user's) ask a rank at the same moment: their ids can
     land in one read of the FIFO, or one's answer be written over by the other's before it is read. Each still
-    gets a snapshot taken after it asked, within the time one answer takes."""
-    import threading
-
-    sys.path.insert(0, str(LAUNCHERS))
-    from runctl.diagnose import _listener_stack
-
+    gets a snapshot taken after it asked."""
     proc, run_dir = start(tmp_path)
     try:
         assert proc.stdout.readline().strip() == "helper variable left: None"
@@ -85,25 +106,12 @@ def test_two_diagnoses_asking_at_once_both_get_an_answer(tmp_path):
         # Six at once: the listener reads whoever has written when it opens the FIFO, so on 2 loaded cores they
         # may take several answers in turn (one took over a second in CI, and 5 s did not always cover them all).
         # What this test asks is that each gets one, so each may wait 30 s; unloaded, all are in within a second.
-        stacks, took = [None] * 6, [None] * 6
-
-        def asker(i: int) -> None:
-            began = time.monotonic()
-            stacks[i] = _listener_stack(str(run_dir), 0, 30.0)
-            took[i] = round(time.monotonic() - began, 2)
-
-        askers = [threading.Thread(target=asker, args=(i,)) for i in range(len(stacks))]
-        for thread in askers:
-            thread.start()
-        for thread in askers:
-            thread.join()
-        said = [(seconds, text.splitlines()[:4]) for seconds, text in zip(took, stacks)]
+        stacks, said = ask_at_once(run_dir, 6, wait=30.0)
         assert all(f"Process {proc.pid} (rank 0; from its listener)" in text and "program.py:" in text
                    for text in stacks), said
     finally:
         proc.kill()
         proc.wait()
-        sys.path.remove(str(LAUNCHERS))
 
 
 def test_askers_wait_out_a_listener_slow_to_answer_another(tmp_path):
@@ -113,19 +121,11 @@ def test_askers_wait_out_a_listener_slow_to_answer_another(tmp_path):
     import signal
     import threading
 
-    sys.path.insert(0, str(LAUNCHERS))
-    from runctl.diagnose import _listener_stack
-
     proc, run_dir = start(tmp_path)
     try:
         proc.stdout.readline()
         proc.stdout.readline()
         ask(run_dir, "first")   # the listener has answered once
-        stacks = [None] * 6
-
-        def asker(i):
-            time.sleep(0.02 * i)
-            stacks[i] = _listener_stack(str(run_dir), 0, 5.0)
 
         def pause():
             time.sleep(0.01)
@@ -133,18 +133,15 @@ def test_askers_wait_out_a_listener_slow_to_answer_another(tmp_path):
             time.sleep(1.5)
             os.kill(proc.pid, signal.SIGCONT)
 
-        threads = [threading.Thread(target=asker, args=(i,)) for i in range(len(stacks))]
-        threads.append(threading.Thread(target=pause))
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert all("while spins" in text for text in stacks), stacks
+        pausing = threading.Thread(target=pause)
+        pausing.start()
+        stacks, said = ask_at_once(run_dir, 6, wait=5.0, stagger=0.02)
+        pausing.join()
+        assert all("while spins" in text for text in stacks), said
     finally:
         os.kill(proc.pid, signal.SIGCONT)
         proc.kill()
         proc.wait()
-        sys.path.remove(str(LAUNCHERS))
 
 
 def test_a_sitecustomize_already_on_the_path_still_runs(tmp_path):
