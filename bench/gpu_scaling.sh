@@ -16,6 +16,8 @@
 #     bash bench/gpu_scaling.sh glm-2gpu   # GLM-4.5-Air's shape, 32 of its 46 layers, 1x2 (nvidia-h200-x2): the
 #                                          # 2026-11-27 command (auto = fsdp, micro-batch 2, all checkpointed),
 #                                          # the expert layout with auto's split, and the same with FP8 experts
+#     bash bench/gpu_scaling.sh qwen-lora  # Qwen3-30B-A3B on 1 GPU, FP8 experts, auto's split: the experts' adapters
+#                                          # on torch's grouped GEMMs, then in Triton (model.expert_lora_kernel)
 #     OLD=/tmp/old ROUND=1 bash bench/gpu_scaling.sh combine-ab   # Qwen3-30B-A3B, FP8 experts, 1 GPU: the tree in
 #                                          # OLD (`git archive --prefix=old/ COMMIT | tar -x -C /tmp`), then this one
 # Every nodectl run goes through `nodectl launch` on local "nodes" (each its own CUDA_VISIBLE_DEVICES); random bf16
@@ -25,7 +27,7 @@ set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 WORK=${WORK:-/tmp/w}
-PHASE=${1:?phase: qwen-a, qwen-b, qwen-ep, glm, glm-mb2, dense, qwen-auto, glm-auto, qwen-fp8, glm-2gpu or combine-ab}
+PHASE=${1:?phase: qwen-a, qwen-b, qwen-ep, glm, glm-mb2, dense, qwen-auto, glm-auto, qwen-fp8, glm-2gpu, qwen-lora or combine-ab}
 Q=train.micro_batch_size=2,model.activation_checkpointing=0.1,model.compile=true
 G=train.micro_batch_size=1,model.activation_checkpointing=true,model.compile=true
 AUTO=train.micro_batch_size=auto,train.batch_size=4,model.activation_checkpointing=auto,model.compile=true
@@ -72,6 +74,12 @@ case "$PHASE" in
       --launch "g1x2-expert-auto:1x2:$A2,model.parallelism=expert" \
       --launch "g1x2-expert-auto-fp8:1x2:$A2,model.parallelism=expert,model.fp8_experts=true" --base g1x2 \
       --compare g1x2-expert-auto,g1x2-expert-auto-fp8 --out "$WORK/glm-2gpu.json" ;;
+  qwen-lora)
+    F="$AUTO,model.fp8_experts=true"
+    python3 bench/gpu_moe_speed.py --work "$WORK/q" --shape qwen3-30b-a3b --steps 14 --skip 5 --no-ref \
+      --examples 240 --launch "q-torch:1x1:$F,model.expert_lora_kernel=torch" \
+      --launch "q-triton:1x1:$F,model.expert_lora_kernel=triton" --base q-torch --compare q-torch,q-triton \
+      --out "$WORK/qwen-lora.json" ;;
   combine-ab)   # Qwen3-30B-A3B with FP8 experts on 1 GPU, auto's split, 20 steps: the tree in $OLD (an earlier
                 # commit's `git archive`) first, then this one, in one call; run twice for the second pair
     F="$AUTO,model.fp8_experts=true"

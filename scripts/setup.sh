@@ -29,4 +29,11 @@ VENV=${NODECTL_VENV:-.venv}
 "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null
 "$VENV/bin/python" -m pip install -q "${NODECTL_TORCH:-torch==2.13.0}"
 "$VENV/bin/python" -m pip install -q -e ".[train,test]"
+# Triton for the experts' LoRA kernel tests, which run it interpreted on the CPU (tests/unit/test_expert_lora.py),
+# in a folder of its own: in the venv, every process that imports torch._dynamo (each trainer rank the suite
+# starts) would load it too. CUDA builds of torch bring their own.
+if [ "$(uname -sm)" = "Linux x86_64" ] && [ ! -d .triton/triton ]; then
+  "$VENV/bin/python" -m pip install -q --no-deps --target .triton "triton>=3.2" \
+    || echo "note: Triton could not be installed; the expert LoRA kernel tests will be skipped" >&2
+fi
 echo "set up: $VENV/bin/nodectl"

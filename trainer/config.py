@@ -37,6 +37,9 @@ class ModelConfig:
     moe_kernel: str = "grouped"        # routed-expert LoRA: grouped (base and adapter as grouped GEMMs on the routed
                                        # tokens, no B@A formed; trainer/moe.py) or peft (peft's ParamWrapper: the
                                        # whole expert stack's W + B@A on every forward)
+    expert_lora_kernel: str = "auto"   # the grouped path's adapter products: triton (trainer/expert_lora.py, one
+                                       # kernel per tile for the forward and one for the input gradient), torch
+                                       # (torch's grouped GEMMs, six launches), auto: triton on CUDA where installed
     fp8_experts: bool = False          # the routed experts' frozen base as e4m3 with per-channel scales (grouped
                                        # path, Hopper GPUs; layouts that keep experts unsharded by FSDP:
                                        # replicate, expert); adapters and gradients stay bf16 (trainer/fp8.py)
@@ -271,6 +274,9 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
         raise ConfigError(f"model.init: expected checkpoint or random, got {recipe.model.init!r}")
     if recipe.model.moe_kernel not in ("grouped", "peft"):
         raise ConfigError(f"model.moe_kernel: expected grouped or peft, got {recipe.model.moe_kernel!r}")
+    if recipe.model.expert_lora_kernel not in ("auto", "triton", "torch"):
+        raise ConfigError(f"model.expert_lora_kernel: expected auto, triton or torch, got "
+                          f"{recipe.model.expert_lora_kernel!r}")
     if recipe.model.parallelism not in LAYOUTS:
         raise ConfigError(f"model.parallelism: expected one of {', '.join(LAYOUTS)}, got {recipe.model.parallelism!r}")
     if recipe.model.expert_parallel and recipe.model.parallelism not in ("auto", "expert-global"):

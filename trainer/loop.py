@@ -99,6 +99,12 @@ def train(recipe: Recipe) -> dict:
     chosen, recipe = _layout(recipe, shape, ctx)
     if recipe.model.fp8_experts:
         _check_fp8(chosen, ctx)
+    if recipe.model.expert_lora_kernel == "triton":
+        from .moe import triton_kernels_here
+
+        why = "the ranks run on CPUs" if not ctx.on_gpu else triton_kernels_here()
+        if why:
+            raise ConfigError(f"model.expert_lora_kernel: triton needs a CUDA GPU and Triton ({why}); set auto")
     dist.init_process_group("nccl" if ctx.on_gpu else "gloo", device_id=ctx.device if ctx.on_gpu else None,
                             timeout=timedelta(seconds=recipe.train.collective_timeout_s))
     mesh = layouts.mesh(chosen, ctx.device.type)
@@ -211,6 +217,7 @@ def _loop(recipe: Recipe, ctx: Context, model, parallel: Parallel, examples, tok
     covered, skipped = parallel.grouped, parallel.peft_path
     if ctx.rank == 0 and (covered or skipped):
         print(f"routed experts: grouped LoRA path in {covered} layer(s)"
+              + (f", adapter products in {parallel.lora_kernel}" if covered else "")
               + (f"; peft's path in {len(skipped)} ({skipped[0]}, ...)" if skipped else ""), flush=True)
     if ctx.rank == 0:
         print(f"training {trainable:,} LoRA parameters over a frozen base of {frozen:,} on {ctx.world} rank(s)"

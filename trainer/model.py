@@ -231,6 +231,7 @@ class Parallel:
     peft_path: tuple[str, ...] = ()   # those left on peft's path, and why
     # expert layouts: a fused expert weight's name -> (first expert held, last + 1, full shape)
     experts: Mapping[str, tuple[int, int, tuple[int, ...]]] = field(default_factory=dict)
+    lora_kernel: str = ""      # the grouped path's adapter products: triton or torch (model.expert_lora_kernel)
 
 
 def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool, layout=None, experts_over=None,
@@ -247,11 +248,12 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool, layout=None,
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
-    sharded, experts, grouped, peft_path = [], {}, 0, []
+    sharded, experts, grouped, peft_path, lora_kernel = [], {}, 0, [], ""
     if recipe.model.moe_kernel == "grouped":
         from . import moe
 
-        grouped, peft_path = moe.install(model)
+        lora_kernel = moe.lora_kernel(recipe.model.expert_lora_kernel, mesh.device_type)
+        grouped, peft_path = moe.install(model, lora_kernel)
         if experts_over is not None:
             sharded, experts = moe.shard_experts(model, *experts_over)
     layers = decoder_layers(model)
@@ -277,7 +279,7 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool, layout=None,
     from . import loss
 
     loss.attach(model)
-    return Parallel(layout, shape, grouped, tuple(peft_path), experts)
+    return Parallel(layout, shape, grouped, tuple(peft_path), experts, lora_kernel)
 
 
 def _lora_init(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor | None:

@@ -206,15 +206,41 @@ _GatherRows = _with_adjoint_gradient(_gather_rows, _sum_rows_back)
 _SumRowsBack = _with_adjoint_gradient(_sum_rows_back, _gather_rows)
 
 
-def _project(x: torch.Tensor, experts: nn.Module, name: str, lora, offsets: torch.Tensor) -> torch.Tensor:
+def triton_kernels_here() -> str | None:
+    """None where the adapter's Triton kernels (trainer/expert_lora.py) can run on this machine's GPUs, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "Triton is not installed"
+    return None
+
+
+def lora_kernel(setting: str, device_type: str) -> str:
+    """model.expert_lora_kernel as it runs on ranks of `device_type`: auto is triton on CUDA ranks where Triton is
+    installed, torch elsewhere."""
+    if setting != "auto":
+        return setting
+    return "triton" if device_type == "cuda" and triton_kernels_here() is None else "torch"
+
+
+def _project(x: torch.Tensor, experts: nn.Module, name: str, lora, offsets: torch.Tensor,
+             ends: torch.Tensor | None) -> torch.Tensor:
+    """x's rows through the projection `name` of their experts, adapter included; `ends` (the row tiles'
+    ends, expert_lora.tile_ends) where the adapter runs in the Triton kernels, else None."""
     if fp8.has_fp8(experts, name):
         out = fp8.grouped_mm(x, experts, name, offsets)
     else:
         out = grouped_mm(x, _base_weight(experts, name), offsets)
-    if lora is not None:
-        down, up, scale = lora
-        out = out + grouped_mm(grouped_mm(x, down, offsets) * scale, up, offsets)
-    return out
+    if lora is None:
+        return out
+    down, up, scale = lora
+    if ends is not None:
+        from . import expert_lora
+
+        return expert_lora.add_lora(out, x, down, up, scale, offsets, ends)
+    return out + grouped_mm(grouped_mm(x, down, offsets) * scale, up, offsets)
 
 
 def grouped_forward(experts: nn.Module, adapters: dict[str, tuple | None], hidden_states: torch.Tensor,
@@ -258,14 +284,19 @@ def _experts_on_rows(experts: nn.Module, adapters: dict, rows: torch.Tensor, cou
     counts[e] rows for expert e; the routing weights applied where the down projection allows (or by the
     caller, weights None)."""
     offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    ends = None
+    if any(adapters.values()) and getattr(experts, "lora_kernel", "torch") == "triton":
+        from . import expert_lora
+
+        ends = expert_lora.tile_ends(counts)
     gated = getattr(experts, "has_gate", True)
     first = "gate_up_proj" if gated else "up_proj"
-    out = _project(rows, experts, first, adapters.get(first), offsets)
+    out = _project(rows, experts, first, adapters.get(first), offsets, ends)
     out = experts._apply_gate(out) if gated else experts.act_fn(out)
     inside = weights is not None and not getattr(experts, "has_post_expert_norm", False)
     if inside:  # down_proj is linear (no norm after it): scale its narrower input
         out = out * weights.unsqueeze(-1).to(out.dtype)
-    out = _project(out, experts, "down_proj", adapters.get("down_proj"), offsets)
+    out = _project(out, experts, "down_proj", adapters.get("down_proj"), offsets, ends)
     if getattr(experts, "has_post_expert_norm", False):
         out = experts.post_expert_norm(out)
     if weights is not None and not inside:
@@ -480,14 +511,18 @@ def coverable(model: nn.Module) -> bool:
     return any(reason is None for _, _, reason in _outer_wrappers(model))
 
 
-def install(model: nn.Module) -> tuple[int, list[str]]:
-    """Give the outermost LoRA wrapper of every fused experts module the grouped forward. Returns how many
-    modules it covers and, for the others, why not (they keep peft's forward)."""
+def install(model: nn.Module, kernel: str = "torch") -> tuple[int, list[str]]:
+    """Give the outermost LoRA wrapper of every fused experts module the grouped forward, its adapter's products
+    in `kernel`: triton or torch (lora_kernel resolves auto). Returns how many modules it covers and, for the
+    others, why not (they keep peft's forward)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
     covered, skipped = 0, []
     for name, module, reason in list(_outer_wrappers(model)):
         if reason:
             skipped.append(f"{name}: {reason}")
             continue
         module.__class__ = grouped_wrapper_type()
+        _wrapper_chain(module, ParamWrapper)[1].lora_kernel = kernel
         covered += 1
     return covered, skipped
