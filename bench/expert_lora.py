@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from trainer import expert_lora, moe  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fp8_experts import SHAPES, timed  # noqa: E402  (experts, top-k, hidden, inter; CUDA-event timing)
 
-SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "glm-4.5-air": (128, 8, 4096, 1408)}  # experts, top-k, hidden, inter
+from trainer import expert_lora, moe  # noqa: E402
 
 
 def routed_counts(tokens: int, experts: int, top_k: int, device) -> torch.Tensor:
@@ -83,19 +84,6 @@ def kernels(fn, repeats: int = 5) -> dict[str, float]:
         if event.device_type == torch.autograd.DeviceType.CUDA and event.device_time_total > 0:
             times[event.name[:80]] = times.get(event.name[:80], 0.0) + event.device_time_total / repeats
     return dict(sorted(times.items(), key=lambda item: -item[1]))
-
-
-def timed(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / repeats
 
 
 def main() -> None:

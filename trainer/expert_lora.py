@@ -57,8 +57,8 @@ def _tile_configs():
 @triton.autotune(configs=_tile_configs(), key=["K", "N", "rank", "BLOCK_M"])
 @triton.jit
 def _forward_kernel(x_ptr, a_ptr, b_ptr, base_ptr, out_ptr, h_ptr, offsets_ptr, tile_ends_ptr, scale, experts,
-                    K, N, rank, RANK: tl.constexpr, PRECISION: tl.constexpr, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    K, N, rank, RANK: tl.constexpr, PRECISION: tl.constexpr, EXPERTS_POW2: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     expert, first, end = _find_tile(tile_ends_ptr, offsets_ptr, experts, EXPERTS_POW2, BLOCK_M)
     if expert >= experts:
         return
@@ -91,8 +91,8 @@ def _forward_kernel(x_ptr, a_ptr, b_ptr, base_ptr, out_ptr, h_ptr, offsets_ptr, 
 @triton.autotune(configs=_tile_configs(), key=["K", "N", "rank", "BLOCK_M"])
 @triton.jit
 def _input_grad_kernel(g_ptr, a_ptr, b_ptr, du_ptr, dx_ptr, offsets_ptr, tile_ends_ptr, scale, experts,
-                       K, N, rank, RANK: tl.constexpr, PRECISION: tl.constexpr, EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       K, N, rank, RANK: tl.constexpr, PRECISION: tl.constexpr, EXPERTS_POW2: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     expert, first, end = _find_tile(tile_ends_ptr, offsets_ptr, experts, EXPERTS_POW2, BLOCK_M)
     if expert >= experts:
         return
@@ -117,16 +117,16 @@ def _input_grad_kernel(g_ptr, a_ptr, b_ptr, du_ptr, dx_ptr, offsets_ptr, tile_en
         at = k + cols
         a = tl.load(a_expert + ranks[:, None] * K + at[None, :], mask=rank_ok[:, None] & (at[None, :] < K), other=0.0)
         ok = row_ok[:, None] & (at[None, :] < K)
-        tl.store(dx_ptr + rows[:, None].to(tl.int64) * K + at[None, :], tl.dot(du, a, input_precision=PRECISION).to(dx_ptr.dtype.element_ty),
-                 mask=ok)
+        dx = tl.dot(du, a, input_precision=PRECISION).to(dx_ptr.dtype.element_ty)
+        tl.store(dx_ptr + rows[:, None].to(tl.int64) * K + at[None, :], dx, mask=ok)
 
 
 @triton.autotune(configs=_configs([triton.Config({"BLOCK_M": m, "BLOCK_C": c}, num_warps=w, num_stages=s)
                                    for m in (64, 128) for c in (64, 128, 256) for w in (4, 8) for s in (2, 3)]),
                  key=["C", "rank"])
 @triton.jit
-def _expert_sums_kernel(lhs_ptr, rhs_ptr, out_ptr, offsets_ptr, C, rank, RANK: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_C: tl.constexpr):
+def _expert_sums_kernel(lhs_ptr, rhs_ptr, out_ptr, offsets_ptr, C, rank, RANK: tl.constexpr, PRECISION: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[e] = lhs[rows of e]^T @ rhs[rows of e]: lhs (rows, rank), rhs (rows, C), out (experts, rank, C)."""
     expert = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -173,8 +173,8 @@ def expert_lora(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, base: torch.T
     h = x.new_empty(x.shape[0], rank)
     if x.shape[0]:
         _forward_kernel[_tiles(x.shape[0], experts)](
-            x, a, b, base, out, h, offsets, ends, scale, experts, k, n, rank, RANK=_rank_block(rank), PRECISION=_precision(x),
-            EXPERTS_POW2=triton.next_power_of_2(experts), BLOCK_M=TILE_M)
+            x, a, b, base, out, h, offsets, ends, scale, experts, k, n, rank, RANK=_rank_block(rank),
+            PRECISION=_precision(x), EXPERTS_POW2=triton.next_power_of_2(experts), BLOCK_M=TILE_M)
     return out, h
 
 
@@ -197,8 +197,8 @@ def expert_lora_backward(grad: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b
     db = torch.zeros_like(b) if not rows else torch.empty_like(b)
     if rows:
         _input_grad_kernel[_tiles(rows, experts)](
-            grad, a, b, du, dx, offsets, ends, scale, experts, k, n, rank, RANK=_rank_block(rank), PRECISION=_precision(x),
-            EXPERTS_POW2=triton.next_power_of_2(experts), BLOCK_M=TILE_M)
+            grad, a, b, du, dx, offsets, ends, scale, experts, k, n, rank, RANK=_rank_block(rank),
+            PRECISION=_precision(x), EXPERTS_POW2=triton.next_power_of_2(experts), BLOCK_M=TILE_M)
         for lhs, rhs, out, width in ((du, x, da, k), (h, grad, db, n)):
             _expert_sums_kernel[lambda meta, width=width: (experts, triton.cdiv(width, meta["BLOCK_C"]))](
                 lhs, rhs, out, offsets, width, rank, RANK=_rank_block(rank), PRECISION=_precision(x))
