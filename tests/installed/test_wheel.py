@@ -101,6 +101,7 @@ def test_installed_cli_starts_and_every_command_has_help(installed, tmp_path):
         assert shown.returncode == 0 and "Usage:" in shown.stdout, f"{name}: {shown.stderr[-1000:]}"
 
 
+@pytest.mark.timeout(600)   # launch and collect: about 60 s on CI's machine, 300 s on a slow day of this one
 def test_installed_local_demo_launch(installed, tmp_path, demo_cache):
     """The README's main job, from the wheel: the built-in trainer's demo on two local "nodes" learns its task,
     writes its adapter, and comes home with collect; status's heartbeat holds the last record's own loss."""
