@@ -34,6 +34,7 @@ VERBS = {
     "pull": Verb("collect", "run", "PullAnswer"),
     "start": Verb("start", "run", "StartAnswer"),
     "poll": Verb("watch", "run", "PollAnswer"),
+    "watch": Verb("watch", "run", "Done", stream=True),   # poll's answers as a stream of lines, until stdin ends
     "tail": Verb("watch", "run", "TailAnswer"),
     "stop": Verb("stop", "run", "StopAnswer"),
     "stacks": Verb("diagnose", "run", "StacksAnswer"),

@@ -11,6 +11,7 @@ from nodectl.errors import interruptible, uninterruptible
 from nodectl.pace import PaceWatch, Straggler
 from nodectl.resources.launchers import runlayout as layout
 from nodectl.remote.answers import NO_LOG, LogChunk
+from nodectl.remote.liveness import Health, Liveness
 from nodectl.remote.poller import Poller
 from nodectl.runs import RunNode, RunState
 from nodectl.transport import Cluster, NodeResult
@@ -30,7 +31,7 @@ class FailureKind(str, Enum):
         return self.value
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Failure:
     kind: FailureKind
     node: str
@@ -41,8 +42,13 @@ class Failure:
     last_lines: str = ""
     processes_left: dict = field(default_factory=dict)
     diagnosed: str = ""      # a stall's diagnosis, naming the rank that holds the others up
+    evidence: str = ""       # what else was seen and points at this cause (survivors' failures after a node was lost)
 
     def describe(self) -> str:
+        said = self._said()
+        return f"{said}; {self.evidence}" if self.evidence else said
+
+    def _said(self) -> str:
         if self.kind == FailureKind.STALLED and self.diagnosed:
             return f"stalled: {self.diagnosed}"
         if self.kind == FailureKind.RANK:
@@ -87,7 +93,11 @@ def poll(cluster: Cluster, run_nodes: list[RunNode], offsets: dict[int, int] | N
     return {r.node.name: r for r in cluster.fan_out(work, [rn.node for rn in run_nodes])}
 
 
-STOP_SLACK = 10.0   # seconds beyond the grace a node gets to confirm a stop (runctl needs at most grace + ~6)
+# Seconds beyond the grace a node gets to confirm a stop: runctl needs at most grace + ~6 on an idle node. The
+# launch's fail-fast stop waits STOP_SLACK (a node that does not confirm is named and the failure reported);
+# `nodectl stop`, which the user asked for and waits on, gives a busy node (ending eight ranks) STOP_COMMAND_SLACK.
+STOP_SLACK = 10.0
+STOP_COMMAND_SLACK = 30.0
 
 
 class StopHurried(KeyboardInterrupt):
@@ -100,8 +110,8 @@ class StopHurried(KeyboardInterrupt):
 
 
 def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
-               on_done=None, unstarted: bool = False) -> dict[str, NodeResult]:
-    """Stop the run on every node, waiting at most grace + STOP_SLACK on each: a hung node must not hold up the
+               on_done=None, unstarted: bool = False, slack: float = STOP_SLACK) -> dict[str, NodeResult]:
+    """Stop the run on every node, waiting at most grace + `slack` on each: a hung node must not hold up the
     report; its result then says it did not answer. `unstarted`: the run never started (its controller died
     while starting it): a node's prepared or half-prepared folder is removed.
 
@@ -114,7 +124,7 @@ def stop_nodes(cluster: Cluster, run_nodes: list[RunNode], grace: float,
     def stop_all(nodes: list, seconds: float, done) -> dict[str, NodeResult]:
         def work(transport):
             rn = by_name[transport.node.name]
-            return NodeClient(transport).stop(rn.run_dir, seconds, unstarted, timeout=seconds + STOP_SLACK)
+            return NodeClient(transport).stop(rn.run_dir, seconds, unstarted, timeout=seconds + slack)
 
         return {r.node.name: r for r in cluster.fan_out(work, nodes, on_done=done, abandon_on_interrupt=True)}
 
@@ -176,14 +186,14 @@ def rank_failures(states: dict[str, NodeResult]) -> list[Failure]:
         answer = result.value if result.ok else None
         if not answer:
             continue
-        failed_ranks = [Failure(FailureKind.RANK, name, rank.rank, rank.exit.code, rank.exit.time)
-                        for rank in answer.ranks if rank.exit and rank.exit.code != 0]
+        failed_ranks = [Failure(kind=FailureKind.RANK, node=name, rank=rank.rank, code=rank.exit.code,
+                                time=rank.exit.time) for rank in answer.ranks if rank.exit and rank.exit.code != 0]
         launcher = answer.launcher_exit
         if failed_ranks:
             failures += failed_ranks
         elif launcher and launcher.code != 0:
-            failures.append(Failure(FailureKind.LAUNCHER, name, None, launcher.code, launcher.time,
-                                    "(see logs/launcher.log on the node)"))
+            failures.append(Failure(kind=FailureKind.LAUNCHER, node=name, code=launcher.code, time=launcher.time,
+                                    detail="(see logs/launcher.log on the node)"))
     return sorted(failures, key=lambda f: (f.time, f.rank if f.rank is not None else 1 << 30))
 
 
@@ -281,48 +291,58 @@ class LogStream:
 
 
 def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream | None, *, interval: float = 1.0,
-                 lost_after: float = 15.0, stall_after: float | None = None,
+                 lost_after: float = 60.0, stall_after: float | None = None,
                  on_stall: Callable[[Failure], bool] | None = None, pace: PaceWatch | None = None,
                  on_pace: Callable[[list, PaceWatch], Straggler | None] | None = None,
-                 on_answers: Callable[[dict[str, NodeResult]], None] | None = None
-                 ) -> tuple[RunState, Failure | None]:
-    """Watch until the run succeeds (SUCCEEDED) or something fails (FAILED with the first failure).
+                 on_answers: Callable[[dict[str, NodeResult]], None] | None = None,
+                 on_health: Callable[[str, Health], None] | None = None) -> tuple[RunState, Failure | None]:
+    """Watch until the run succeeds (SUCCEEDED) or something fails (FAILED with the failure that caused it).
 
-    Every node is polled by a thread of its own (nodectl/remote/poller.py) and decisions use each node's latest answer,
-    so a node whose commands hang never delays what the others report; a node that has not answered properly
-    for `lost_after` seconds (unreachable, erroring, or hanging) is lost. A stall is told to `on_stall` first
-    (once per stalled rank and step), which says whether it ends the watch (True) or the run is kept. With `pace`,
-    each of its judgements (nodectl/pace.py) is told to `on_pace` with what changed; a straggler it gives back
-    ends the watch as the failure (--on-straggler exclude). `on_answers` sees each node's fresh answers (the
-    uploader's state rides on them)."""
+    Every node streams its state (nodectl/remote/poller.py) and decisions use each node's latest answer, so a
+    slow node never delays what the others report. A node is lost only as nodectl/remote/liveness.py judges it
+    (certain evidence, or a silence far past its own history and `lost_after`); a slow one is told to
+    `on_health` with its lag, and so is its recovery. A rank failure seen while a node is in doubt (silent past
+    its usual, or its stream broken) waits until that node is judged: a lost node is the cause, the survivors'
+    failures its evidence. A stall is told to `on_stall` first (once per stalled rank and step), which says whether
+    it ends the watch (True) or the run is kept. With `pace`, each of its judgements (nodectl/pace.py) is told to
+    `on_pace` with what changed; a straggler it gives back ends the watch as the failure (--on-straggler
+    exclude). `on_answers` sees each node's fresh answers (the uploader's state rides on them)."""
     offsets = (lambda: dict(stream.offsets)) if stream else dict
-    seen: dict[str, int] = {}
-    last_good: dict[str, float] = {}
     stalls = StallWatch(stall_after)
     asks = (lambda rn: pace.request(rn.node.name, list(rn.ranks))) if pace else None
-    with Poller(cluster, run_nodes, offsets, interval, timeout=lost_after, pace=asks) as poller:
+    shown: dict[str, Liveness] = {}
+    held = None   # since when a rank failure waits for a node in doubt
+    with Poller(cluster, run_nodes, offsets, interval, lost_after=lost_after, pace=asks) as poller:
         while True:
             time.sleep(interval)
+            drained = poller.drain()
+            for answer in drained:   # in order: each line's log text once
+                one = {answer.result.node.name: answer.result}
+                if stream:
+                    stream.feed(one)
+                if on_answers:
+                    on_answers(one)
+                if pace:
+                    _feed_pace(pace, answer)
             answers = poller.answers()
-            fresh = {name: a.result for name, a in answers.items() if seen.get(name) != a.seq}
-            seen.update({name: a.seq for name, a in answers.items()})
-            for name, a in answers.items():
-                if a.result.ok:
-                    last_good[name] = a.at
-            if stream:
-                stream.feed(fresh)
-            if on_answers:
-                on_answers(fresh)
+            health = {rn.node.name: poller.health(rn.node.name) for rn in run_nodes}
+            for name, said in health.items():
+                if on_health and said.state != Liveness.LOST and said.state != shown.get(name, Liveness.UP):
+                    on_health(name, said)
+                shown[name] = said.state
             latest = {name: a.result for name, a in answers.items()}
             outcome = _judge(latest, len(run_nodes))
+            if isinstance(outcome, Failure) and outcome.kind in (FailureKind.RANK, FailureKind.LAUNCHER):
+                held = held or time.monotonic()
+                outcome = _cause(outcome, latest, health, time.monotonic() - held < IN_DOUBT_HOLD * lost_after)
             if pace and outcome is None:
-                outcome = _pace(pace, answers, fresh, on_pace)
+                outcome = _pace(pace, on_pace)
             if outcome is None:
                 stall = stalls.check(latest)
                 if stall and (on_stall is None or on_stall(stall)):
                     outcome = stall
             if outcome is None:
-                outcome = _lost_node(run_nodes, answers, last_good, poller.started, lost_after)
+                outcome = _lost_node(run_nodes, health)
             if outcome:
                 lost = isinstance(outcome, Failure) and outcome.kind == FailureKind.LOST
                 if stream and not lost:   # what the followed ranks wrote after the answers that decided it
@@ -331,16 +351,50 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
                 return (RunState.FAILED, outcome) if isinstance(outcome, Failure) else (RunState.SUCCEEDED, None)
 
 
-def _pace(pace: PaceWatch, answers: dict, fresh: dict, on_pace) -> Failure | None:
-    """The fresh answers fed to the pace watch, its changes told; a straggler the caller acts on, as a failure."""
-    wall = time.time() - time.monotonic()
-    for name, result in fresh.items():
-        if result.ok and result.value:
-            pace.feed(name, result.value, answers[name].at + wall, answers[name].sent + wall)
+def _feed_pace(pace: PaceWatch, answer) -> None:
+    """One line fed to the pace watch, with the controller's times as the epoch (`sent` bounds the node's clock
+    where the line said which request it had read)."""
+    result = answer.result
+    if result.ok and result.value:
+        wall = time.time() - time.monotonic()
+        pace.feed(result.node.name, result.value, answer.at + wall,
+                  answer.sent + wall if answer.sent is not None else None)
+
+
+IN_DOUBT_HOLD = 2.0   # a rank failure waits while a node is in doubt, at most this many times lost_after
+
+
+def _cause(failure: Failure, latest: dict[str, NodeResult], health: dict[str, Health], wait: bool) -> Failure | None:
+    """The cause of a rank failure: a node lost meanwhile (the survivors' failures are what its loss did to
+    them: evidence, not the cause), None while a node is in doubt and `wait` (its verdict comes within
+    lost_after), else the failure itself."""
+    lost = [name for name, h in health.items() if h.state == Liveness.LOST]
+    if lost:
+        name = min(lost, key=lambda n: (not health[n].certain, -health[n].silent))
+        return _lost_failure(name, health[name], rank_failures(latest))
+    if wait and any(h.state == Liveness.SLOW for h in health.values()):
+        return None
+    return failure
+
+
+def _lost_failure(name: str, health: Health, survivors: list[Failure]) -> Failure:
+    evidence = ""
+    others = [f for f in survivors if f.node != name]
+    if others:
+        ranks = ", ".join(f"rank {f.rank} on {f.node}" for f in others[:4]) + (" ..." if len(others) > 4 else "")
+        evidence = f"after it, {ranks} failed: what its loss did to them, not the cause"
+    basis = "certain" if health.certain else "silence"
+    return Failure(kind=FailureKind.LOST, node=name, detail=f"{health.detail} [{basis}]", evidence=evidence,
+                   time=time.time() - health.silent)
+
+
+def _pace(pace: PaceWatch, on_pace) -> Failure | None:
+    """The pace watch's changes told; a straggler the caller acts on, as a failure."""
     changes = pace.judge()
     acted = on_pace(changes, pace) if on_pace and pace.judged else None
     if acted is not None:
-        return Failure(FailureKind.STRAGGLER, acted.node, acted.rank, detail=acted.describe(), time=time.time())
+        return Failure(kind=FailureKind.STRAGGLER, node=acted.node, rank=acted.rank, detail=acted.describe(),
+                       time=time.time())
     return None
 
 
@@ -355,22 +409,13 @@ def _judge(states: dict[str, NodeResult], nodes: int) -> Failure | str | None:
     return "succeeded" if len(states) == nodes and finished_ok(states) else None
 
 
-def _lost_node(run_nodes: list[RunNode], answers: dict, last_good: dict[str, float], started: float,
-               lost_after: float) -> Failure | None:
-    now = time.monotonic()
-    for rn in run_nodes:
-        name = rn.node.name
-        silent = now - last_good.get(name, started)
-        if silent < lost_after:
-            continue
-        answer = answers.get(name)
-        if answer is None or now - answer.at >= lost_after or answer.hung:
-            detail = f"no answer for {silent:.0f}s (its commands hang: a stuck login shell or file system?)"
-        else:
-            reason = answer.result.error
-            detail = f"unreachable for {silent:.0f}s ({reason})"
-        return Failure(FailureKind.LOST, name, detail=detail, time=time.time() - silent)   # `now` is monotonic
-    return None
+def _lost_node(run_nodes: list[RunNode], health: dict[str, Health]) -> Failure | None:
+    """The lost node, certain evidence first (when two go quiet, the one whose port refuses is the cause)."""
+    lost = [rn.node.name for rn in run_nodes if health[rn.node.name].state == Liveness.LOST]
+    if not lost:
+        return None
+    name = min(lost, key=lambda n: (not health[n].certain, -health[n].silent))
+    return _lost_failure(name, health[name], [])
 
 
 @dataclass
@@ -411,7 +456,8 @@ class StallWatch:
                     age = now - since
                     why = f"no heartbeat (the script writes none) and no output for {age:.0f}s"
                 if age > self.stall_after and key not in self.told and found is None:
-                    found = key, Failure(FailureKind.STALLED, name, rank.rank, detail=why, time=time.time())
+                    found = key, Failure(kind=FailureKind.STALLED, node=name, rank=rank.rank, detail=why,
+                                         time=time.time())
         if found is None or self.still and where <= self.still:
             return None
         self.told.add(found[0])
@@ -424,7 +470,6 @@ def _vanished(states) -> Failure | None:
     for name, result in states.items():
         answer = result.value if result.ok else None
         if answer and answer.started and answer.alive == 0 and not answer.launcher_exit:
-            return Failure(FailureKind.LAUNCHER, name, detail="its processes are gone and torchrun recorded no exit code "
-                                                    "(killed from outside?)",
-                           time=time.time())
+            return Failure(kind=FailureKind.LAUNCHER, node=name, time=time.time(),
+                           detail="its processes are gone and torchrun recorded no exit code (killed from outside?)")
     return None

@@ -1,9 +1,13 @@
-"""A run's state and its logs: poll, tail, a GPU sample, the uploader's record."""
+"""A run's state and its logs: poll, watch (the same state as a stream), tail, a GPU sample, the uploader's
+record."""
 from __future__ import annotations
 
+import json
 import os
+import select
 import stat
 import subprocess
+import sys
 import time
 
 import runlayout as layout
@@ -141,6 +145,88 @@ def cmd_poll(args: list, request: dict) -> dict:
     if isinstance(upload, dict):
         answer["upload"] = _upload_state(upload, now, run_markers(run_dir))
     return answer
+
+
+WATCH_INTERVAL = (0.2, 60.0)   # the bounds of the seconds between two state lines
+ASK_LIMIT = 1 << 20            # bytes of one request line; a longer one is dropped
+
+
+def cmd_watch(args: list, request: dict) -> dict:
+    """The run's state as a stream: `poll`'s answer, with its `seq` and the `asked` time of the latest request
+    line, written as one line every `interval` seconds until stdin ends (the controller closed its channel, or
+    its connection went) or stdout breaks. One process for the whole watch: a node under load answers with a
+    line on time instead of starting two interpreters a poll.
+
+    The watcher moves its own log offsets and pace marks on as it sends, so the controller needs to send
+    nothing; a request line (one JSON object) replaces `offsets`, raises `pace` marks and sets `gpus`,
+    `gpu_detail` and `sent` when the controller's view changes."""
+    run_dir = args[0]
+    ask = {"offsets": {}, "pace": None, "gpus": False, "gpu_detail": False, "sent": None}
+    _take(ask, request)
+    interval = min(max(_seconds(request.get("interval"), 1.0), WATCH_INTERVAL[0]), WATCH_INTERVAL[1])
+    pending, seq = bytearray(), 0
+    while True:
+        answer = cmd_poll([run_dir], {k: v for k, v in ask.items() if k != "sent"})
+        seq += 1
+        answer.update(seq=seq, asked=ask["sent"])
+        try:
+            sys.stdout.write(json.dumps(answer) + "\n")
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            return {"ended": "the controller stopped reading"}
+        if answer.get("no_run"):
+            return {"ended": "no such run"}
+        _moved_on(ask, answer)
+        deadline = time.monotonic() + interval
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([0], [], [], left)[0]:
+                continue
+            data = os.read(0, 1 << 16)
+            if not data:
+                return {"ended": "the controller closed the stream"}
+            pending += data
+            *lines, rest = bytes(pending).split(b"\n")
+            pending = bytearray(rest if len(rest) <= ASK_LIMIT else b"")
+            for line in lines:
+                try:
+                    _take(ask, json.loads(line))
+                except (ValueError, RecursionError):
+                    continue
+
+
+def _seconds(value, default: float) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value \
+        else default
+
+
+def _take(ask: dict, update) -> None:
+    """A request (line) applied to what the watcher asks; fields of the wrong type are ignored."""
+    if not isinstance(update, dict):
+        return
+    if isinstance(update.get("offsets"), dict):
+        ask["offsets"] = {str(r): int(o) for r, o in update["offsets"].items()
+                          if str(r).isdigit() and isinstance(o, int) and not isinstance(o, bool) and o >= 0}
+    if isinstance(update.get("pace"), dict):
+        marks = ask["pace"] if isinstance(ask["pace"], dict) else {}
+        for rank, since in update["pace"].items():
+            if str(rank).isdigit() and isinstance(since, int) and not isinstance(since, bool):
+                marks[str(rank)] = max(marks.get(str(rank), 0), since)
+        ask["pace"] = marks
+    for flag in ("gpus", "gpu_detail"):
+        if isinstance(update.get(flag), bool):
+            ask[flag] = update[flag]
+    if "sent" in update:
+        ask["sent"] = _seconds(update["sent"], None)
+
+
+def _moved_on(ask: dict, answer: dict) -> None:
+    """The offsets and pace marks after what this answer carried, as the controller will have them."""
+    for rank, chunk in answer.get("logs", {}).items():
+        ask["offsets"][rank] = chunk["offset"]
+    for rank, pace in ((answer.get("pace") or {}).get("ranks") or {}).items():
+        reached = pace.get("reached") if isinstance(pace, dict) else None
+        if reached and isinstance(ask["pace"], dict):
+            ask["pace"][rank] = max([ask["pace"].get(rank, 0), *reached])
 
 
 def _upload_state(upload: dict, now: float, markers: tuple) -> dict:

@@ -211,6 +211,12 @@ def _attended(app: AppContext, event: ev.Event) -> None:
                           f"{straggler.ended - straggler.since:.0f}s)")
     elif isinstance(event, ev.RunPace):
         app.err.print(f"[yellow]{escape(event.line)}[/]")
+    elif isinstance(event, ev.NodeLiveness):
+        if event.state == "slow":
+            app.err.print(f"[yellow]node {escape(event.node)} is slow[/]: {escape(event.detail)} (not lost: the run "
+                          f"goes on)")
+        else:
+            app.err.print(f"[green]node {escape(event.node)} answers on time again[/]")
     elif isinstance(event, ev.UploadTrouble):
         app.err.print(f"[yellow]outputs: node {escape(event.node)} could not upload[/]: {escape(event.error)} (the run "
                       f"goes on; nodectl status shows the uploader's state)")

@@ -73,8 +73,8 @@ def _first_failure(manifest, states: dict, run_state: RunState) -> Failure | Non
         return None
     if failure.get("kind") in ("rank", "launcher", "stalled", "lost"):
         rank, node = failure.get("rank"), failure.get("node")
-        return Failure(FailureKind(failure["kind"]), node if isinstance(node, str) else "",
-                       rank if isinstance(rank, int) and not isinstance(rank, bool) else None)
+        return Failure(kind=FailureKind(failure["kind"]), node=node if isinstance(node, str) else "",
+                       rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None)
     if run_state == RunState.STOPPED:
         return None
     failures = rank_failures(states)

@@ -13,10 +13,11 @@ from nodectl.cli.run_option import opened, run_option
 from nodectl.errors import EXIT_INTERRUPTED, exit_code_for
 from nodectl.launch.job import stop_run
 from nodectl.runs import RunState, controller_gone
-from nodectl.watch import StopHurried
+from nodectl.transport import NodeErrorKind
+from nodectl.watch import STOP_COMMAND_SLACK, StopHurried
 
 
-def report_stopped(app: AppContext, results: dict, unstarted: bool = False) -> dict:
+def report_stopped(app: AppContext, results: dict, unstarted: bool = False, run_id: str = "RUN") -> dict:
     """One line per node: what the stop ended there and what is left (`stop`, and a launch's Ctrl-C, say the
     same). Nodes the run never reached are taken out of `results`. Returns the per-node summary for --json."""
     summary = {}
@@ -29,7 +30,11 @@ def report_stopped(app: AppContext, results: dict, unstarted: bool = False) -> d
             continue
         if not answer:
             summary[name] = {"error": result.error}
-            app.err.print(f"[red]{escape(name)}[/]: {escape(result.said.partition(': ')[2])}")
+            if result.failure.kind == NodeErrorKind.TIMEOUT:
+                app.err.print(f"[red]{escape(result.said)}[/] (its processes may still be being signalled; "
+                              f"nodectl stop --run {escape(run_id)} again, or look on the node)")
+            else:
+                app.err.print(f"[red]{escape(name)}[/]: {escape(result.said.partition(': ')[2])}")
             continue
         summary[name] = asdict(answer)
         if answer.removed:
@@ -67,12 +72,13 @@ def command(app: AppContext, run_id: str | None, grace: float) -> None:
     with app.session() as session:
         try:
             results = stop_run(run, session.cluster(rn.node for rn in run_nodes), grace, RunState.STOPPED,
-                               progress=session.progress, remove_unstarted=unstarted, left_out=True, confirmed=True)
+                               progress=session.progress, remove_unstarted=unstarted, left_out=True, confirmed=True,
+                               slack=STOP_COMMAND_SLACK)
         except StopHurried as stopped:
             results, hurried = stopped.results, True
     if hurried:
         app.err.print("interrupted: what was left got SIGKILL without waiting out the grace period")
-    summary = report_stopped(app, results, unstarted)
+    summary = report_stopped(app, results, unstarted, run.run_id)
     code = exit_code_for(results.values())
     if app.json:
         app.emit_json({"run_id": run.run_id, "nodes": summary})

@@ -13,7 +13,7 @@ from typing import Callable
 
 from nodectl.launch.attending import Attending
 from nodectl.errors import RunFailed
-from nodectl.launch.events import (CheckingNodes, Diagnosed, Event, LeavingOut, NotAnswering,
+from nodectl.launch.events import (CheckingNodes, Diagnosed, Event, LeavingOut, NodeLiveness, NotAnswering,
                                    Restarting, RunPace, Stopping, StragglerSeen, UploadTrouble)
 from nodectl.pace import PaceWatch, Straggler, for_run
 from nodectl.launch.gate import NO_GATE, Gate
@@ -36,7 +36,7 @@ def attend(job: Job, run: Run, session: Session, attending: Attending, *, restar
     attempt's job and run, and its failure (None: it succeeded). A failure stops the run on every node first
     (fail-fast); each restart is the same run's next attempt, started by `restart(job, left_out)`."""
     restarts_left = attending.max_restarts
-    lost_after = session.options.connect_timeout + 5
+    lost_after = attending.lost_after
     while True:
         excluding = attending.on_straggler == "exclude" and restarts_left > 0
         failure = follow(run, session.cluster(np.node for np in job.plan.nodes), grace=attending.grace,
@@ -105,7 +105,9 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
 
     try:
         outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=lost_after, stall_after=stall_after,
-                                        on_stall=stalled, pace=pace, on_pace=paced, on_answers=uploads)
+                                        on_stall=stalled, pace=pace, on_pace=paced, on_answers=uploads,
+                                        on_health=lambda node, health: notify(NodeLiveness(
+                                            node=node, state=str(health.state), detail=health.detail)))
     finally:
         if stream:
             stream.flush()

@@ -39,6 +39,10 @@ class Attending:
     exclude_failed: bool = option(
         False, "--exclude-failed", "With --max-restarts: before each restart, run the quick preflight on the run's "
         "nodes and leave out the ones that fail it or are lost; the run goes on with the rest.", "flag")
+    lost_after: float = option(
+        60.0, "--lost-after", "A node whose watch stream stays silent this many seconds, and three times its own "
+        "longest silence so far, is lost (its SSH port refusing connections is lost at once; a slow node is shown "
+        "with its lag and never stopped). --connect-timeout only bounds connecting.", "seconds", low=1)
     stall_after: float | None = option(
         None, "--stall-after", "A live rank whose heartbeat is older than this many seconds (or, for a script that "
         "writes none, whose log has not grown for that long) stalls: the run is diagnosed (nodectl diagnose) and "

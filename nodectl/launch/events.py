@@ -138,6 +138,15 @@ class RunPace:
     line: str
 
 
+@dataclass(frozen=True, kw_only=True)
+class NodeLiveness:
+    """Stage.ATTEND: a node's watch stream fell behind its usual pace (slow, with its lag), or caught up again
+    (up). Slow is not lost: nothing is stopped for it."""
+    node: str
+    state: str               # nodectl.remote.liveness.Liveness: up, slow
+    detail: str = ""
+
+
 @dataclass(frozen=True)
 class Interrupting:
     """Ctrl-C or SIGTERM after the run was recorded: whatever may have started is being stopped."""
@@ -154,7 +163,7 @@ class Interrupted:
 
 Event = (EnvironmentsReady | PreflightReused | PreflightProbing | PreflightFailed | Planned | SharedWorkdirs
          | Recorded | CodeReady | Started | Stopping | NotAnswering | Restarting | CheckingNodes | LeavingOut
-         | AttemptRecorded | Diagnosed | StragglerSeen | RunPace | UploadTrouble | Interrupting | Interrupted)
+         | AttemptRecorded | Diagnosed | StragglerSeen | RunPace | UploadTrouble | NodeLiveness | Interrupting | Interrupted)
 Listener = Callable[[Event], None]
 
 

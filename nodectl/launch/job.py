@@ -29,7 +29,7 @@ from nodectl.render import RenderedNode, render_plan
 from nodectl.runs import Run, RunState, create_run, git_revision, this_controller
 from nodectl.secrets import redact_args
 from nodectl.transport import Cluster, NodeResult
-from nodectl.watch import StopHurried, stop_nodes
+from nodectl.watch import STOP_SLACK, StopHurried, stop_nodes
 
 @dataclass(frozen=True)
 class JobSpec:
@@ -170,7 +170,7 @@ def start_job(job: Job, run: Run, cluster: Cluster, *, grace: float, cancel: thr
 
 def stop_run(run: Run, cluster: Cluster, grace: float, state: RunState, *, progress: Progress = no_progress,
              failure: dict | None = None, remove_unstarted: bool = False, left_out: bool = False,
-             confirmed: bool = False) -> dict[str, NodeResult]:
+             confirmed: bool = False, slack: float = STOP_SLACK) -> dict[str, NodeResult]:
     """Stop the run's current attempt on every node (SIGTERM, SIGKILL after `grace`; with `left_out`, also the
     nodes a restart left out) and record `state`, also when a Ctrl-C hurried the stop (StopHurried is raised after
     the record). `remove_unstarted`: the run is being given up before it ran everywhere: a node's folder prepared
@@ -181,7 +181,7 @@ def stop_run(run: Run, cluster: Cluster, grace: float, state: RunState, *, progr
     results: dict[str, NodeResult] = {}
     try:
         with progress("stopping", len(run_nodes)) as advance:
-            results = stop_nodes(cluster, run_nodes, grace, on_done=advance, unstarted=remove_unstarted)
+            results = stop_nodes(cluster, run_nodes, grace, on_done=advance, unstarted=remove_unstarted, slack=slack)
         return results
     except StopHurried as hurried:
         results = hurried.results

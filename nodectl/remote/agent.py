@@ -8,13 +8,14 @@ import io
 import json
 import shlex
 import zipfile
+from contextlib import contextmanager
 from functools import lru_cache
 
 from nodectl.resources import resource_dir
 from nodectl.resources.launchers.nodeio import last_json
 from nodectl.remote import answers
 from nodectl.terminal_text import visible
-from nodectl.transport import NodeError, NodeErrorKind, Transport, quote_path
+from nodectl.transport import CommandTimeout, LineStream, NodeError, NodeErrorKind, Transport, quote_path
 
 AGENT_TIMEOUT = 120.0
 
@@ -94,20 +95,26 @@ def _answer(node, command: str, result):
     none: AgentError when runctl said why it could not, AnswerError when the answer is not what `command`
     answers."""
     answer = last_json(result.stdout)
-    what = f"runctl {command}"
     if answer is None:
+        what = f"runctl {command}"
         raise AgentError(explain_failure(node, f"`{what}`", result), kind=NodeErrorKind.EXITED, command=what,
                          exit_code=result.exit_code, last_lines=_printable(result.tail(8)))
+    return _typed(node, command, answer, result.exit_code)
+
+
+def _typed(node, command: str, answer: dict, exit_code: int | None = None):
+    """One JSON answer of runctl's as `command`'s type, or the error it carries."""
+    what = f"runctl {command}"
     if answer.get("unsafe"):
         raise unsafe_error(node, answer)
     if answer.get("error"):
         error = NoRun if answer.get("no_run") is True else AgentError
-        raise error(f"{node.name}: {_printable(answer['error'])}", command=what, exit_code=result.exit_code)
+        raise error(f"{node.name}: {_printable(answer['error'])}", command=what, exit_code=exit_code)
     try:
         return answers.parse(command, answer)
     except answers.AnswerError as exc:
         raise AgentError(f"{node.name} answered `{what}` malformed: {exc}", kind=NodeErrorKind.MALFORMED, command=what,
-                         exit_code=result.exit_code) from None
+                         exit_code=exit_code) from None
 
 
 def _printable(text) -> str:
@@ -183,7 +190,8 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
         source = _runctl()[0]
         bootstrap = " ".join([quote_path(node.python), "-S", "-c", shlex.quote(BOOTSTRAP), quote_path(path),
                               str(len(source)), shlex.quote(command), *_quoted(args)])
-        result = transport.run(bootstrap, stdin=source + body.encode(), timeout=timeout)
+        with _named(node, command, timeout):
+            result = transport.run(bootstrap, stdin=source + body.encode(), timeout=timeout)
         answer = _answer(node, command, result)
         transport.runctl_seen = True
         return answer
@@ -191,10 +199,11 @@ def call(transport: Transport, command: str, *args: str, request: dict | None = 
     # Usually one round trip. Only when this version of runctl is gone from the node or fails its check (the
     # marker comes back; a login banner may come with it) does a second command install it from stdin, and a third
     # repeat the call.
-    result = transport.run(invocation, stdin=body, timeout=timeout)
-    if MISSING in result.stdout.splitlines():
-        _install(transport, path, timeout)
+    with _named(node, command, timeout):
         result = transport.run(invocation, stdin=body, timeout=timeout)
+        if MISSING in result.stdout.splitlines():
+            _install(transport, path, timeout)
+            result = transport.run(invocation, stdin=body, timeout=timeout)
     return _answer(node, command, result)
 
 
@@ -209,8 +218,65 @@ def call_stream(transport: Transport, command: str, *args: str, produce, request
         sink.write(b"%d\n" % len(body) + body)
         produce(sink)
 
-    result = transport.run_stream(_invocation(transport.node, command, args), framed, timeout=timeout)
+    with _named(transport.node, command, timeout):
+        result = transport.run_stream(_invocation(transport.node, command, args), framed, timeout=timeout)
     return _answer(transport.node, command, result)
+
+
+@contextmanager
+def _named(node, command: str, timeout: float):
+    """A time-out said with the node and the verb, never the command line (a 2,000-character bootstrap)."""
+    try:
+        yield
+    except CommandTimeout:
+        raise CommandTimeout(f"{node.name}: {command} did not finish in {timeout:g} s") from None
+
+
+class Watching:
+    """A node's watcher of a run (runctl watch), started once over the node's connection and read a line at a
+    time: each line is that node's PollAnswer. `ask` sends it a request line (what to read from now on)."""
+
+    def __init__(self, transport: Transport, run_dir: str, request: dict) -> None:
+        self.transport, self.run_dir, self.request = transport, run_dir, request
+        self.lines = self._start()
+
+    def _start(self) -> LineStream:
+        body = json.dumps(self.request).encode()
+        return self.transport.open_lines(_invocation(self.transport.node, "watch", (self.run_dir,)),
+                                         b"%d\n" % len(body) + body)
+
+    def next(self, timeout: float) -> answers.PollAnswer | None:
+        """The next state line within `timeout` (None: none yet, or a line that is not one: a login banner).
+        EOFError once the stream is gone; AgentError (NoRun) when the node answered with an error."""
+        line = self.lines.readline(timeout)
+        if line is None:
+            return None
+        if line.strip() == MISSING.encode():   # this version's runctl is not there (a node wiped meanwhile)
+            self.lines.close()
+            _install(self.transport, agent_path(self.transport.node.workdir), AGENT_TIMEOUT)
+            self.lines = self._start()
+            return None
+        try:
+            raw = json.loads(line)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(raw, dict):
+            return None
+        if "ended" in raw and "now" not in raw:
+            raise EOFError(f"the node's watcher ended: {_printable(raw['ended'])}")
+        return _typed(self.transport.node, "poll", raw)
+
+    def ask(self, update: dict) -> None:
+        self.lines.send(json.dumps(update).encode() + b"\n")
+
+    def close(self) -> None:
+        self.lines.close()
+
+    def __enter__(self) -> "Watching":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def _install(transport: Transport, path: str, timeout: float) -> None:

@@ -148,6 +148,8 @@ class PollAnswer:
     upload: UploadState | None = None
     same_boot: bool | None = None     # the node has not restarted since the run started (None: not known)
     pace: PaceSample | None = None
+    seq: int | None = None            # a watch stream's line number (runctl watch), None for a poll
+    asked: float | None = None        # the `sent` time of the latest request line the watcher had read
 
 
 @dataclass(frozen=True)

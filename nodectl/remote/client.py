@@ -93,6 +93,11 @@ class NodeClient:
                    **({"pace": pace, "gpu_detail": gpu_detail} if pace is not None else {})}
         return agent.call(self.transport, "poll", run_dir, request=request, timeout=timeout)
 
+    def watch(self, run_dir: str, request: dict) -> agent.Watching:
+        """The run's state on this node as a stream of poll answers, one per `interval` seconds of the request
+        (its `offsets`, `pace`, `gpus` and `gpu_detail` as poll's), from one long-lived process on the node."""
+        return agent.Watching(self.transport, run_dir, request)
+
     def tail(self, run_dir: str, ranks: list, lines: int, timeout: float = 30) -> TailAnswer:
         return agent.call(self.transport, "tail", run_dir, request={"ranks": ranks, "lines": lines}, timeout=timeout)
 

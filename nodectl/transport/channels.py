@@ -78,7 +78,13 @@ class NodeError(Exception):
 
 
 class Unreachable(Exception):
-    """The node could not be reached (connect, auth or host key); the message says what to do."""
+    """The node could not be reached (connect, auth or host key); the message says what to do. `refused`: the
+    node's SSH port refused or reset the TCP connection itself, which only a host that is up but has no sshd
+    listening (down, rebooting, sshd killed) does: certain, unlike a time-out, which a busy path also gives."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class CommandTimeout(Exception):
@@ -180,6 +186,14 @@ class Transport:
         `timeout` bounds each block's progress and the wait for the answer."""
         raise NotImplementedError
 
+    def open_lines(self, argv: Sequence[str] | str, first: bytes = b"") -> "LineStream":
+        """Start a long-lived command (`first` written to its stdin at once) whose stdout is read a line at a
+        time and whose stdin stays open for more lines: the run's watcher on a node (nodectl/remote/poller.py)."""
+        raise NotImplementedError
+
+    def knock(self, timeout: float) -> "Knock":
+        return Knock.UNKNOWN
+
     def put(self, local: str | os.PathLike, remote: str) -> None:
         raise NotImplementedError
 
@@ -229,6 +243,14 @@ class LocalTransport(Transport):
             raise
         return CommandResult(command, proc.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
 
+    def open_lines(self, argv, first: bytes = b"") -> "LineStream":
+        proc = subprocess.Popen(["/bin/sh", "-c", to_command(argv)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, cwd=_home(), bufsize=0, start_new_session=True)
+        stream = _ProcessLines(proc)
+        if first:
+            stream.send(first)
+        return stream
+
     def put(self, local, remote) -> None:
         target = Path(os.path.expanduser(remote))
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -254,6 +276,7 @@ class SSHTransport(Transport):
     def __init__(self, node: Node, options: TransportOptions) -> None:
         self.node, self.options = node, options
         self._connection = None
+        self._address: tuple[str, int] | None = None   # the SSH port reached directly (None: through a proxy)
         self._lock = threading.Lock()  # a poller thread and the main thread may both (re)connect
 
     def _connect(self):
@@ -272,8 +295,9 @@ class SSHTransport(Transport):
             message = ssh.open_errors(conn, exc, self.options.connect_timeout)
             if message is None:
                 raise
-            raise Unreachable(message) from None
+            raise Unreachable(message, refused=not conn.gateway and ssh.refused(exc)) from None
         self._connection = conn
+        self._address = None if conn.gateway else (conn.host, int(conn.port or 22))
         return conn
 
     def open(self) -> None:
@@ -296,6 +320,21 @@ class SSHTransport(Transport):
             self._connection = None
             return Unreachable(f"connection to {self.node.host} lost: {exc or exc.__class__.__name__}")
         return exc
+
+    def knock(self, timeout: float) -> Knock:
+        """Whether the node's SSH port takes a TCP connection now, closed at once (the kernel answers it; nothing
+        starts on the node). UNKNOWN through a proxy or before the first connection: what a proxy says of the
+        node is the proxy's."""
+        if self._address is None:
+            return Knock.UNKNOWN
+        return knock(*self._address, timeout)
+
+    def open_lines(self, argv, first: bytes = b"") -> "LineStream":
+        channel = self._session(to_command(argv))
+        stream = _ChannelLines(channel, self._lost)
+        if first:
+            stream.send(first)
+        return stream
 
     @contextmanager
     def _channel(self, command: str) -> Iterator:
@@ -547,6 +586,127 @@ def _receive_file(channel, marker: bytes, local, stall: float) -> tuple[int, int
                 raise CommandTimeout(f"no data for {stall:g}s")
             else:
                 select.select([channel], [], [], 0.05)
+
+
+class Knock(str, Enum):
+    """What a TCP connection to a node's SSH port found."""
+    OPEN = "open"            # the node's kernel answered: the host is up
+    REFUSED = "refused"      # refused or reset: up, and nothing listens there (sshd gone)
+    SILENT = "silent"        # no answer within the time-out: down, cut off, or a path dropping packets
+    UNKNOWN = "unknown"      # not asked: the node is reached through a proxy, or was never reached
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def knock(host: str, port: int, timeout: float) -> Knock:
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return Knock.OPEN
+    except (ConnectionRefusedError, ConnectionResetError):
+        return Knock.REFUSED
+    except OSError:
+        return Knock.SILENT
+
+
+LINE_LIMIT = 16 << 20   # bytes of one line of a stream: a node that sends more without a newline is cut off
+
+
+class LineStream:
+    """A long-lived command: its stdout a line at a time, its stdin open for more. `readline` gives the next
+    line (without its newline), None when none came within `timeout`, and raises EOFError once the command or
+    the connection is gone (or a line outgrows LINE_LIMIT: a hostile node costs bounded memory)."""
+
+    def __init__(self) -> None:
+        self.buffer = bytearray()
+
+    def readline(self, timeout: float) -> bytes | None:
+        deadline = time.monotonic() + timeout
+        while True:
+            at = self.buffer.find(b"\n")
+            if at >= 0:
+                line = bytes(self.buffer[:at])
+                del self.buffer[:at + 1]
+                return line
+            if len(self.buffer) > LINE_LIMIT:
+                raise EOFError(f"a line of over {LINE_LIMIT >> 20} MiB without its end")
+            data = self._receive(max(0.0, deadline - time.monotonic()))
+            if data is None:
+                return None
+            if not data:
+                raise EOFError("the stream ended")
+            self.buffer += data
+
+    def _receive(self, timeout: float) -> bytes | None:
+        """What arrived within `timeout` (None: nothing yet), b"" at the end."""
+        raise NotImplementedError
+
+    def send(self, data: bytes) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> "LineStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _ChannelLines(LineStream):
+    def __init__(self, channel, lost: Callable[[Exception], Exception]) -> None:
+        super().__init__()
+        self.channel, self.lost = channel, lost
+
+    def _receive(self, timeout: float) -> bytes | None:
+        channel = self.channel
+        try:
+            if not channel.recv_ready():
+                if channel.closed or channel.eof_received:
+                    return b""
+                select.select([channel], [], [], timeout)
+                if not channel.recv_ready():
+                    return b"" if channel.closed or channel.eof_received else None
+            return channel.recv(1 << 16)
+        except (OSError, EOFError) as exc:
+            raise EOFError(str(self.lost(exc))) from None
+
+    def send(self, data: bytes) -> None:
+        try:
+            _send(self.channel, data, 5.0)
+        except (OSError, EOFError, CommandTimeout) as exc:
+            raise EOFError(f"the stream stopped reading: {exc}") from None
+
+    def close(self) -> None:
+        self.channel.close()   # the node's watcher reads the end of its stdin and exits
+
+
+class _ProcessLines(LineStream):
+    def __init__(self, proc: subprocess.Popen) -> None:
+        super().__init__()
+        self.proc = proc
+
+    def _receive(self, timeout: float) -> bytes | None:
+        readable, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        return os.read(self.proc.stdout.fileno(), 1 << 16) if readable else None
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.proc.stdin.write(data)
+        except OSError as exc:
+            raise EOFError(f"the stream stopped reading: {exc}") from None
+
+    def close(self) -> None:
+        _close_quietly(self.proc.stdin)
+        try:
+            self.proc.wait(2)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        _close_quietly(self.proc.stdout)
 
 
 class TransferError(NodeError):

@@ -28,6 +28,7 @@ class NodeFailure:
     command: str | None = None
     exit_code: int | None = None
     last_lines: str = ""
+    refused: bool = False   # unreachable because the node's SSH port refused or reset the connection: certain
 
     @property
     def unreachable(self) -> bool:
@@ -37,7 +38,7 @@ class NodeFailure:
 def failure_of(exc: BaseException) -> NodeFailure:
     """The one reading of an exception raised by one node's work."""
     if isinstance(exc, Unreachable):
-        return NodeFailure(NodeErrorKind.UNREACHABLE, str(exc))
+        return NodeFailure(NodeErrorKind.UNREACHABLE, str(exc), refused=exc.refused)
     if isinstance(exc, CommandTimeout):
         return NodeFailure(NodeErrorKind.TIMEOUT, str(exc) or "the command timed out")
     if isinstance(exc, NodeError):

@@ -267,6 +267,19 @@ def open_errors(conn, exc: BaseException, timeout: float) -> str | None:
     return None
 
 
+def refused(exc: BaseException) -> bool:
+    """The node's own kernel turned the connection away (refused, or reset before sshd's banner): a host that is
+    up with nothing listening on its SSH port. A time-out or a name that does not resolve is not this."""
+    import paramiko
+
+    if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+        return all(isinstance(e, ConnectionRefusedError) or getattr(e, "errno", None) == 111
+                   for e in exc.errors.values())
+    if isinstance(exc, (ConnectionRefusedError, ConnectionResetError)):
+        return True
+    return isinstance(exc, paramiko.SSHException) and "reset by peer" in str(exc)
+
+
 def _port_of(conn, exc) -> int | None:
     """The port of the hop whose key changed: the target's, or a gateway's of that host name."""
     hop = conn

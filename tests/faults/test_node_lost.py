@@ -49,6 +49,7 @@ def test_a_killed_node_is_left_out_and_the_run_goes_on_from_its_checkpoint(names
     env = cluster.env()
     controller = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", inventory, "--connect-timeout", "3",
                                    "launch", "--skip-preflight", "--grace", "2", "--config", "recipe.yaml",
+                                   "--lost-after", "10",
                                    "--max-restarts", "1", "--exclude-failed"], env=env, cwd=project,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_id = wait_for(lambda: (project / "runs").is_dir() and any((project / "runs").iterdir())
@@ -61,8 +62,9 @@ def test_a_killed_node_is_left_out_and_the_run_goes_on_from_its_checkpoint(names
         out, err = controller.communicate(timeout=240)
         assert controller.returncode == 0, err[-3000:]
         manifest = json.loads((project / "runs" / run_id / "manifest.json").read_text())
-        # lost after the connect timeout + 5 s, and node0's ranks stopped, before attempt 1 began
-        assert manifest["attempts"][0]["ended"] - cut < 3 + 5 + 10
+        # a cut link answers nothing (no refusal): lost after --lost-after 10 s of silence with its SSH port silent
+        # too (knocked every 5 s, 3 s each), and node0's ranks stopped, before attempt 1 began
+        assert manifest["attempts"][0]["ended"] - cut < 10 + 5 + 3 + 10
         # node1 comes back with attempt 0's ranks still running there (they never saw the stop): `stop` reaches
         # them through the manifest's left-out nodes, and nothing of the run is left anywhere
         sh("ip", "link", "set", "ncnsh1", "up")

@@ -516,7 +516,7 @@ def _kill_hung_sleeps() -> None:
             proc.kill()
 
 
-def test_a_hung_node_never_delays_a_failure_elsewhere_and_is_lost_after_the_grace(ssh_cluster, project):
+def test_a_hung_node_never_delays_a_failure_elsewhere_and_is_lost_only_when_its_stream_falls_silent(ssh_cluster, project):
     env = ssh_cluster.env()
     python = ssh_cluster.node_file(1, "hanging-python", HANG_PYTHON, mode=0o755)
     marker = ssh_cluster.nodes[1].home_dir / "hang"
@@ -546,23 +546,44 @@ def test_a_hung_node_never_delays_a_failure_elsewhere_and_is_lost_after_the_grac
     assert "node1 is not answering" in err
     assert reported < 20, reported     # was 30-50 s: every poll and the stop waited for the hung node
 
-    # the hung node alone: declared lost after the same grace as an unreachable one (connect timeout + 5 s = 15 s)
+    # the hung node alone: its watcher stopped too (its stream silent while its SSH port answers, every new
+    # command hanging): not lost at the first silence past its usual, as a poll's time-out made it, but after twice
+    # --lost-after (and three times its longest silence), said as hanging commands
     overrides = {0: {"env": {"SLEEP": "120"}}, 1: {"python": python, "env": {"SLEEP": "120"}}}
     inventory = str(ssh_cluster.inventory(indices=[0, 1], node_overrides=overrides))
     proc = subprocess.Popen([sys.executable, "-m", "nodectl", "-i", inventory, "--connect-timeout", "10", "launch",
-                             "--skip-preflight", "--grace", "1", "--", "train.py"], env=env, cwd=project,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--skip-preflight", "--grace", "1", "--lost-after", "5", "--", "train.py"], env=env,
+                            cwd=project, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    watcher = []
     try:
         run_id = wait_for(lambda: latest_run_id(project) != run_id and latest_run_id(project))
         wait_for(lambda: len(run_processes(run_id)) >= 8, timeout=60)
+        watcher = wait_for(lambda: _watchers(run_id, ssh_cluster.nodes[1].spec.user), timeout=30)
         marker.write_text("")
+        for process in watcher:
+            process.suspend()
         hung_at = time.monotonic()
         out, err = proc.communicate(timeout=120)
         detected = time.monotonic() - hung_at
     finally:
         proc.kill()
+        for process in watcher:
+            process.kill()
         marker.unlink(missing_ok=True)
         _kill_hung_sleeps()
     kill_leftovers(run_id)
-    assert proc.returncode == 1 and "node node1 was lost: no answer for" in err, err[-2000:]
-    assert 15 <= detected < 30, detected
+    assert proc.returncode == 1 and "node node1 was lost: no word for" in err, err[-2000:]
+    assert "its SSH port answers (its commands hang" in err, err[-2000:]
+    assert 10 <= detected < 60, detected
+
+
+def _watchers(run_id: str, user: str) -> list:
+    """The run's watcher on the node of `user` (runctl watch, started by the attached launch)."""
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline", "username"]):
+        line = process.info["cmdline"] or []
+        if process.info["username"] == user and "watch" in line and any(run_id in part for part in line):
+            found.append(process)
+    return found

@@ -1,0 +1,119 @@
+"""The watch's judge: a busy node is slow, never lost; lost needs certain evidence or a silence far past the node's
+own history; a survivor's failure is never named over a lost node; the records cannot take swapped fields."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from nodectl.inventory import Node
+from nodectl.remote.answers import ExitRecord, PollAnswer, RankState
+from nodectl.remote.liveness import Arrivals, Health, Liveness, judge
+from nodectl.remote.poller import Answer
+from nodectl.transport import Knock, NodeResult
+from nodectl.watch import Failure, FailureKind, _cause, _lost_node
+from nodectl.runs import RunNode
+
+
+def node(name: str) -> Node:
+    return Node(name=name, host="127.0.0.1", addr="127.0.0.1", index=0)
+
+
+def history(gaps: list[float], interval: float = 1.0) -> Arrivals:
+    arrivals = Arrivals(began=0.0, interval=interval)
+    at = 0.0
+    arrivals.arrived(at)
+    for gap in gaps:
+        at += gap
+        arrivals.arrived(at)
+    return arrivals
+
+
+def test_the_records_take_keywords_only():
+    """Answer(result, at, seq, sent, hung) built positionally gave `sent` the bool and `hung` the start time."""
+    result = NodeResult(node("n0"), value=None)
+    with pytest.raises(TypeError):
+        Answer(result, 1.0, 2, 0.5)   # noqa - the point: positional fields are refused
+    with pytest.raises(TypeError):
+        Failure(FailureKind.RANK, "n0")   # noqa
+    answer = Answer(result=result, at=1.0, seq=2, sent=0.5)
+    assert (answer.at, answer.seq, answer.sent) == (1.0, 2, 0.5)
+
+
+def test_a_busy_node_whose_answers_take_20s_is_slow_never_lost():
+    """A node whose lines came every 1 s, then every 20 s while its ranks imported torch: 50 s and 70 s of silence
+    (its port answering) are slow with the lag, not lost; the default lost_after is 60 s."""
+    arrivals = history([1.0] * 20 + [20.0, 20.0, 20.0])
+    arrivals.knock = Knock.OPEN
+    last = arrivals.last
+    for silent in (3.0, 20.0, 50.0, 70.0, 110.0):
+        health = judge(arrivals, last + silent, lost_after=60.0)
+        assert health.state != Liveness.LOST, (silent, health)
+    assert judge(arrivals, last + 50.0, lost_after=60.0).state == Liveness.SLOW
+    assert "50s behind" in judge(arrivals, last + 50.0, lost_after=60.0).detail
+    assert judge(arrivals, last + 1.2, lost_after=60.0).state == Liveness.UP
+
+
+def test_silence_far_past_its_own_history_with_its_port_silent_is_lost():
+    arrivals = history([1.0] * 30)
+    arrivals.knock = Knock.SILENT
+    assert judge(arrivals, arrivals.last + 59.0, lost_after=60.0).state == Liveness.SLOW
+    lost = judge(arrivals, arrivals.last + 61.0, lost_after=60.0)
+    assert lost.state == Liveness.LOST and not lost.certain
+    assert "no word for 61s" in lost.detail and "SSH port does not answer" in lost.detail
+    # a node that once went 30 s without a word needs three times that before it is lost
+    patient = history([1.0] * 30 + [30.0])
+    patient.knock = Knock.SILENT
+    assert judge(patient, patient.last + 80.0, lost_after=60.0).state == Liveness.SLOW
+    assert judge(patient, patient.last + 91.0, lost_after=60.0).state == Liveness.LOST
+
+
+def test_a_port_that_answers_gives_a_silent_node_twice_as_long_and_says_its_commands_hang():
+    arrivals = history([1.0] * 30)
+    arrivals.knock = Knock.OPEN
+    assert judge(arrivals, arrivals.last + 100.0, lost_after=60.0).state == Liveness.SLOW
+    lost = judge(arrivals, arrivals.last + 121.0, lost_after=60.0)
+    assert lost.state == Liveness.LOST and "commands hang" in lost.detail
+
+
+def test_a_refusal_is_certain_and_named_with_its_reason():
+    arrivals = history([1.0] * 5)
+    arrivals.refused = "its watch stream broke and its SSH port then refused the connection"
+    health = judge(arrivals, arrivals.last + 1.5, lost_after=60.0)
+    assert health.state == Liveness.LOST and health.certain and "refused" in health.detail
+    arrivals.arrived(arrivals.last + 2.0)   # it spoke again: the refusal is forgotten
+    assert judge(arrivals, arrivals.last + 0.5, lost_after=60.0).state == Liveness.UP
+
+
+def rank_failed(name: str, rank: int, ranks: tuple[int, ...]) -> NodeResult:
+    states = tuple(RankState(rank=r, exit=ExitRecord(code=1, time=time.time()) if r == rank else None)
+                   for r in ranks)
+    return NodeResult(node(name), value=PollAnswer(now=time.time(), node_rank=0, alive=1, ranks=states))
+
+
+UP = Health(state=Liveness.UP, silent=0.5, usual=1.0)
+
+
+def test_a_survivor_is_never_named_over_a_lost_node():
+    """node1 lost (its port refused); ranks on node0 and node2 then failed on their broken connections: the cause
+    is node1, the survivors are its evidence; while node1 is only in doubt the verdict waits."""
+    latest = {"node0": rank_failed("node0", 0, (0, 1)), "node2": rank_failed("node2", 4, (4, 5))}
+    survivor = Failure(kind=FailureKind.RANK, node="node0", rank=0, code=1, time=time.time())
+    lost = Health(state=Liveness.LOST, silent=4.0, usual=1.0, certain=True, detail="its SSH port refused")
+    verdict = _cause(survivor, latest, {"node0": UP, "node1": lost, "node2": UP}, wait=True)
+    assert verdict.kind == FailureKind.LOST and verdict.node == "node1"
+    said = verdict.describe()
+    assert said.startswith("node node1 was lost: its SSH port refused [certain]")
+    assert "rank 0 on node0" in said and "rank 4 on node2" in said and "not the cause" in said
+    slow = Health(state=Liveness.SLOW, silent=4.0, usual=1.0, detail="its stream broke, reconnecting")
+    assert _cause(survivor, latest, {"node0": UP, "node1": slow, "node2": UP}, wait=True) is None
+    assert _cause(survivor, latest, {"node0": UP, "node1": slow, "node2": UP}, wait=False) is survivor
+    assert _cause(survivor, latest, {"node0": UP, "node1": UP, "node2": UP}, wait=True) is survivor
+
+
+def test_of_two_quiet_nodes_the_refused_one_is_lost():
+    run_nodes = [RunNode(node=node(n), node_rank=i, ranks=(i,), run_dir="/x") for i, n in enumerate(("a", "b", "c"))]
+    quiet = Health(state=Liveness.LOST, silent=70.0, usual=1.0, detail="no word for 70s")
+    refused = Health(state=Liveness.LOST, silent=3.0, usual=1.0, certain=True, detail="refused")
+    failure = _lost_node(run_nodes, {"a": quiet, "b": refused, "c": UP})
+    assert failure.node == "b" and "[certain]" in failure.detail
