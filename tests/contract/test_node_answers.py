@@ -71,6 +71,8 @@ def test_every_runctl_answer_parses_into_its_type(local_node):
         assert rank.step == 1 and rank.heartbeat_age is not None and rank.log_size > 0
         assert poll.logs["0"].start == 0 and poll.logs["0"].offset == rank.log_size
 
+        _watch_stream(cluster, node, run_dir, rank.log_size)
+
         sampled = one(cluster, node, lambda t: agent.call(t, "poll", run_dir, request={"gpus": True}))
         assert sampled.gpu_sample is not None and (sampled.gpu_sample.gpus or sampled.gpu_sample.error)
 
@@ -134,6 +136,31 @@ def _until(ask, done, timeout: float = 60):
     ({"now": 1.0, "node_rank": 0, "alive": 1, "ranks": {"0": {}}}, "`ranks`: expected a list"),
     ({"now": 1.0, "node_rank": 0, "alive": 1, "ranks": [], "logs": {"0": {"offset": 1}}}, "`text` is missing"),
 ])
+def _watch_stream(cluster, node, run_dir: str, log_size: int) -> None:
+    """runctl watch: each line is poll's answer with its `seq`; the watcher moves its log offsets on by itself (the
+    second line carries no text already sent); a request line is read (`sent` comes back as `asked`, `gpus` adds a
+    sample); it ends when its stdin ends, leaving no process behind."""
+    import psutil
+
+    stream = agent.Watching(cluster.transport(node), run_dir, {"offsets": {"0": 0}, "interval": 0.2, "sent": 1.5})
+    try:
+        first = _until(lambda: stream.next(5), lambda a: a is not None)
+        assert isinstance(first, answers.PollAnswer) and first.seq == 1 and first.asked == 1.5
+        assert "rank up" in first.logs["0"].text and first.logs["0"].offset == log_size
+        second = _until(lambda: stream.next(5), lambda a: a is not None)
+        assert second.seq == 2 and second.logs["0"].start == log_size and second.logs["0"].text == ""
+        stream.ask({"sent": 7.25, "gpus": True})
+        asked = _until(lambda: stream.next(5), lambda a: a is not None and a.asked == 7.25)
+        assert asked.gpu_sample is not None
+        watcher = [p for p in psutil.process_iter(["cmdline"]) if "watch" in (p.info["cmdline"] or [])
+                   and run_dir in " ".join(p.info["cmdline"] or [])]
+        assert len(watcher) == 1, watcher
+    finally:
+        stream.close()
+    psutil.wait_procs(watcher, timeout=5)
+    assert not any(p.is_running() for p in watcher)
+
+
 def test_a_malformed_answer_names_the_field(raw, words):
     with pytest.raises(answers.AnswerError, match=words.replace("`", ".")):
         answers.parse("poll", raw)
