@@ -57,35 +57,13 @@ class _Fp8GroupedMM(torch.autograd.Function):
 
 
 def grouped_mm(x: torch.Tensor, experts: nn.Module, name: str, offsets: torch.Tensor) -> torch.Tensor:
-    """x's rows times the FP8 copies of experts' `name` (see quantize_experts)."""
+    """x's rows times the FP8 copies of experts' `name` (see moe.quantize_experts)."""
     return _Fp8GroupedMM.apply(x, *(getattr(experts, f"{name}_fp8{part}") for part in ("", "_scale", "_t", "_t_scale")),
                                offsets)
 
 
 def has_fp8(experts: nn.Module, name: str) -> bool:
     return hasattr(experts, f"{name}_fp8")
-
-
-def quantize_experts(model: nn.Module) -> int:
-    """Give every experts module on the grouped path (moe.install) e4m3 copies of its frozen projections and
-    release their bf16 storage (the parameter keeps its shape and dtype as a one-element broadcast view, so counts
-    and names stay; nothing reads its values on the grouped path). Returns how many weights were converted."""
-    from peft.tuners.lora.layer import ParamWrapper
-
-    from .moe import PROJECTIONS, _base_weight, _wrapper_chain, grouped_wrapper_type
-
-    converted = 0
-    for module in model.modules():
-        if type(module) is not grouped_wrapper_type():
-            continue
-        _, experts = _wrapper_chain(module, ParamWrapper)
-        for name in PROJECTIONS:
-            param = getattr(experts, name, None)
-            if not isinstance(param, torch.Tensor) or param.dim() != 3 or has_fp8(experts, name):
-                continue
-            hold_in_fp8(experts, name, _base_weight(experts, name).transpose(-2, -1))  # (experts, out, in)
-            converted += 1
-    return converted
 
 
 def hold_in_fp8(experts: nn.Module, name: str, stored: torch.Tensor) -> None:

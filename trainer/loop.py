@@ -119,9 +119,9 @@ def train(recipe: Recipe) -> dict:
     else:
         materialise(model, model_path, ctx.device, ctx.rank, recipe.train.seed)
     if recipe.model.fp8_experts:
-        from . import fp8
+        from . import moe
 
-        converted = fp8.quantize_experts(model)
+        converted = moe.quantize_experts(model)
         if not converted:   # the same model on every rank: every rank stops here alike
             raise ConfigError("model.fp8_experts: this model has no fused routed experts on the grouped path "
                               f"({', '.join(parallel.peft_path) or 'a dense model'}); turn fp8_experts off")

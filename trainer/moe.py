@@ -526,3 +526,23 @@ def install(model: nn.Module, kernel: str = "torch") -> tuple[int, list[str]]:
         _wrapper_chain(module, ParamWrapper)[1].lora_kernel = kernel
         covered += 1
     return covered, skipped
+
+
+def quantize_experts(model: nn.Module) -> int:
+    """Give every experts module on the grouped path (moe.install) e4m3 copies of its frozen projections and
+    release their bf16 storage (the parameter keeps its shape and dtype as a one-element broadcast view, so counts
+    and names stay; nothing reads its values on the grouped path). Returns how many weights were converted."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    converted = 0
+    for module in model.modules():
+        if type(module) is not grouped_wrapper_type():
+            continue
+        _, experts = _wrapper_chain(module, ParamWrapper)
+        for name in PROJECTIONS:
+            param = getattr(experts, name, None)
+            if not isinstance(param, torch.Tensor) or param.dim() != 3 or fp8.has_fp8(experts, name):
+                continue
+            fp8.hold_in_fp8(experts, name, _base_weight(experts, name).transpose(-2, -1))  # (experts, out, in)
+            converted += 1
+    return converted

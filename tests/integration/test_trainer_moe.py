@@ -282,13 +282,13 @@ def test_fp8_experts_compute_what_the_bf16_weights_do_within_e4m3s_precision(mon
     storage released (shape and count kept); logits and every adapter gradient stay those of the full-precision
     grouped path within e4m3's 3 mantissa bits; peft's own forward (a merged adapter) is refused rather than run on
     the released weights."""
-    moe, fp8 = trainer_module("moe"), trainer_module("fp8")
+    moe = trainer_module("moe")
     model = _peft_moe("qwen3_moe", ("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))
     ids = torch.randint(3, 300, (2, 17), generator=torch.Generator().manual_seed(1))
     moe.install(model)
     logits, grads = _forward_backward(model, ids)
     stacks = {n: p.shape for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))}
-    assert fp8.quantize_experts(model) == len(stacks) == 4
+    assert moe.quantize_experts(model) == len(stacks) == 4
     after = dict(model.named_parameters())
     for name, shape in stacks.items():
         assert after[name].shape == shape and after[name].untyped_storage().nbytes() <= 4, name
