@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 # The recipe's LoRA targets, written out: with no --config the trainer starts from its demo recipe, which also
 # adapts lm_head (a 151,936-row output layer at these shapes). The reference adapts attention and the routed experts
-# only; so do these runs unless a run's own sets say otherwise (the figures before 2026-11-28's last session had
+# only; so do these runs unless a run's own sets say otherwise (the figures before commit 981670f of 2026-11-28 had
 # lm_head adapted too: `lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj,lm_head]`).
 TARGETS = "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
 

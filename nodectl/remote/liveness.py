@@ -18,7 +18,8 @@ from enum import Enum
 
 from nodectl.transport import Knock
 
-SLOW_PHI = 3.0       # a silence this unlikely for the node (1 in 1,000) makes it slow
+SLOW_PHI = 3.0       # a silence this unlikely for the node (1 in 1,000) makes it slow...
+SLOW_MIN = 5.0       # ...once it is this long too: a hiccup of a few seconds is not worth a line
 HISTORY = 200        # inter-arrival gaps kept per node
 PAST_LONGEST = 3.0   # a lost node's silence is at least this many times its longest gap so far
 
@@ -100,7 +101,7 @@ def judge(arrivals: Arrivals, now: float, lost_after: float) -> Health:
         return Health(state=Liveness.LOST, silent=silent, usual=usual,
                       detail=f"{quiet}, though its SSH port answers (its commands hang: a stuck file system or "
                              f"login shell?)")
-    if arrivals.broken or arrivals.phi(now) >= SLOW_PHI and silent > 2 * arrivals.interval:
+    if arrivals.broken or arrivals.phi(now) >= SLOW_PHI and silent >= max(SLOW_MIN, 2 * arrivals.interval):
         why = f"; its stream broke ({arrivals.broken}), reconnecting" if arrivals.broken else ""
         return Health(state=Liveness.SLOW, silent=silent, usual=usual,
                       detail=f"{silent:.0f}s behind (it usually sends every {usual:.1f}s){why}")
