@@ -129,13 +129,6 @@ def _until(ask, done, timeout: float = 60):
         time.sleep(0.3)
 
 
-@pytest.mark.parametrize("raw, words", [
-    ({"now": 1.0, "node_rank": 0, "alive": 1}, "`ranks` is missing"),
-    ({"now": 1.0, "node_rank": 0, "alive": "1", "ranks": []}, "`alive`: expected a whole number"),
-    ({"now": 1.0, "node_rank": 0, "alive": 1, "ranks": [{"rank": 0, "exit": {"code": "x"}}]}, "`code`"),
-    ({"now": 1.0, "node_rank": 0, "alive": 1, "ranks": {"0": {}}}, "`ranks`: expected a list"),
-    ({"now": 1.0, "node_rank": 0, "alive": 1, "ranks": [], "logs": {"0": {"offset": 1}}}, "`text` is missing"),
-])
 def _watch_stream(cluster, node, run_dir: str, log_size: int) -> None:
     """runctl watch: each line is poll's answer with its `seq`; the watcher moves its log offsets on by itself (the
     second line carries no text already sent); a request line is read (`sent` comes back as `asked`, `gpus` adds a
@@ -161,6 +154,13 @@ def _watch_stream(cluster, node, run_dir: str, log_size: int) -> None:
     assert not any(p.is_running() for p in watcher)
 
 
+@pytest.mark.parametrize("raw, words", [
+    ({"now": 1.0, "node_rank": 0, "alive": 1}, "`ranks` is missing"),
+    ({"now": 1.0, "node_rank": 0, "alive": "1", "ranks": []}, "`alive`: expected a whole number"),
+    ({"now": 1.0, "node_rank": 0, "alive": 1, "ranks": [{"rank": 0, "exit": {"code": "x"}}]}, "`code`"),
+    ({"now": 1.0, "node_rank": 0, "alive": 1, "ranks": {"0": {}}}, "`ranks`: expected a list"),
+    ({"now": 1.0, "node_rank": 0, "alive": 1, "ranks": [], "logs": {"0": {"offset": 1}}}, "`text` is missing"),
+])
 def test_a_malformed_answer_names_the_field(raw, words):
     with pytest.raises(answers.AnswerError, match=words.replace("`", ".")):
         answers.parse("poll", raw)
