@@ -22,7 +22,17 @@ LONGEST_FIRST = ("integration/test_environments.py", "integration/test_trainer_l
                  "integration/test_bench_reference.py", "faults/test_node_lost.py")
 
 
+QUICK_FOLDERS = ("unit", "contract")
+
+
 def pytest_collection_modifyitems(config, items) -> None:
+    # The quick tier (`pytest -m quick`, between changes): unit and contract tests not marked slow, and the
+    # end-to-end runs marked quick (one of each command, on the shared cluster).
+    for item in items:
+        folder = item.nodeid.split("::", 1)[0].split("tests/", 1)[-1].split("/", 1)[0]
+        if folder in QUICK_FOLDERS and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.quick)
+
     def weight(item) -> tuple[int, int]:
         relative = item.nodeid.split("::", 1)[0].split("tests/", 1)[-1]
         if relative in LONGEST_FIRST:

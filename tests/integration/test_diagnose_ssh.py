@@ -85,6 +85,7 @@ def diagnosed(ssh_cluster, project) -> tuple[dict, float]:
     return result.json(), seconds
 
 
+@pytest.mark.quick
 def test_rank_that_skips_an_all_reduce_is_named_with_node_collective_and_line(ssh_cluster, project):
     run_id = start_hung(ssh_cluster, project, "behind.py")
     try:

@@ -1,6 +1,8 @@
 """env-dump against real sshd nodes on loopback."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import time
 
@@ -8,6 +10,7 @@ from support.cli import run_nodectl
 from support.sshcluster import NODE_PYTHON
 
 
+@pytest.mark.quick
 def test_env_dump_table_json_and_output_folder(ssh_cluster, tmp_path):
     inventory = ssh_cluster.inventory()
     env = ssh_cluster.env()

@@ -1,12 +1,15 @@
 """`nodectl exec` on the isolated cluster: node0 root with a noisy bash start-up, node1 zsh without sftp, node2 fish."""
 from __future__ import annotations
 
+import pytest
+
 import psutil
 
 from support.cli import run_nodectl
 from support.launch import wait_for
 
 
+@pytest.mark.quick
 def test_identical_output_is_grouped_and_banners_stay_out(ssh_cluster, tmp_path):
     env, inventory = ssh_cluster.env(), str(ssh_cluster.inventory(count=3))
     same = run_nodectl(["-i", inventory, "exec", "--", "printf", "%s|", "a b", "$HOME", "it's\\n"], env=env,

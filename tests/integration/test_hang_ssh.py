@@ -35,6 +35,7 @@ def project(project):
     return project
 
 
+@pytest.mark.quick
 def test_status_stalled_and_stacks_of_every_rank(ssh_cluster, project):
     env = ssh_cluster.env()
     inventory = str(ssh_cluster.inventory(count=2))

@@ -20,6 +20,7 @@ def nodectl_args(cluster, *args, count=2, **inventory):
     return ["-i", str(cluster.inventory(count=count, **inventory)), *args]
 
 
+@pytest.mark.quick
 def test_plain_script_two_nodes_two_ranks_args_intact(ssh_cluster, project, tmp_path):
     canary = tmp_path / "injected"
     token = "hf_" + "Q7x" * 10
@@ -92,6 +93,7 @@ def test_max_restarts_needs_an_attached_launch(ssh_cluster, project):
     assert not (project / "runs").exists() or not [p for p in (project / "runs").iterdir() if p.name[0].isdigit()]
 
 
+@pytest.mark.quick
 def test_sigint_stops_attached_launch_and_detach_status_stop(ssh_cluster, project):
     env = ssh_cluster.env()
     args = nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "1", "--grace", "2", "--", "train.py",

@@ -1,6 +1,8 @@
 """Your own script's metrics through nodectl_metrics, seen by status, top and report; top's GPU columns."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import subprocess
@@ -26,6 +28,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.quick
 def test_a_scripts_own_metrics_reach_status_top_and_report(ssh_cluster, tmp_path):
     project = tmp_path / "project"
     project.mkdir()

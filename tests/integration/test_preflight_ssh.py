@@ -117,6 +117,7 @@ def test_torch_version_mismatch_between_nodes_fails(ssh_cluster, tmp_path):
     assert "2.99.0 on node1" in failed["same torch"]
 
 
+@pytest.mark.quick
 def test_unreachable_node_exits_3_and_the_others_are_checked(ssh_cluster, tmp_path):
     inventory = ssh_cluster.inventory(count=2, extra_nodes=[{"host": "127.0.0.99", "name": "ghost",
                                                              "workdir": "/tmp/ghost"}])

@@ -111,10 +111,12 @@ def test_auto_takes_torchs_products_on_cpu_ranks_and_other_values_are_refused():
 CHECKS = {"kernel": _kernel_matches_reference, "model": _model_matches_torch_grouped_path}
 
 
+@pytest.mark.slow
 def test_the_kernels_give_the_reference_output_and_gradients():
     _run("kernel")
 
 
+@pytest.mark.slow
 def test_a_moe_model_on_the_triton_kernels_trains_as_on_torchs_grouped_path():
     _run("model")
 

@@ -76,6 +76,7 @@ def served(run_dir: Path):
     return record if record.get("socket") else None
 
 
+@pytest.mark.slow
 def test_runctl_reads_the_ranks_recorder_from_outside_and_the_rank_shows_nothing_of_it(tmp_path, runctl_path):
     from runctl.pace import rank_pace
 
@@ -106,6 +107,7 @@ def test_runctl_reads_the_ranks_recorder_from_outside_and_the_rank_shows_nothing
     assert not (run_dir / "flight" / "rank0.sock").exists()          # gone with the rank
 
 
+@pytest.mark.slow
 def test_a_link_planted_as_the_ranks_socket_is_not_followed(tmp_path, runctl_path):
     from runctl.pace import rank_pace
 

@@ -63,6 +63,7 @@ def _rank(rank: int, store_path: str, results, lopsided: bool) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lopsided", [False, True], ids=["spread", "one-rank-gets-none"])
 def test_the_gathered_exchange_gives_each_rank_what_all_experts_on_one_rank_give(tmp_path, lopsided):
     """Outputs and the gradients of the tokens, the routing weights and the experts' weights; each rank computes

@@ -69,6 +69,7 @@ def test_without_outputs_the_script_has_no_uploader(tmp_path):
     assert "UPLOADER" not in render_plan(plan)[0].launch
 
 
+@pytest.mark.slow
 def test_launch_outputs_option_is_checked_before_any_node_is_touched(tmp_path):
     (tmp_path / "train.py").write_text("print('x')\n")
     hosts = tmp_path / "hosts.yaml"

@@ -236,6 +236,7 @@ def test_the_listener_alone_brings_no_multithreaded_fork_warning(tmp_path):
     assert "a thread of its own: 1" in out and "multi-threaded" in out, out
 
 
+@pytest.mark.slow
 def test_a_program_that_exits_at_once_is_never_killed_by_the_listener_threads(tmp_path):
     """A rank whose program ends while the listener and pace threads are still starting: a thread that imported
     then raced the interpreter's teardown, which frees the import lock, and the rank died of SIGSEGV after its

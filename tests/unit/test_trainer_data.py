@@ -145,6 +145,7 @@ print(json.dumps({{"said": said, "rows": len(examples)}}))
 """
 
 
+@pytest.mark.slow
 def test_a_node_tokenizes_once_while_its_other_ranks_wait(tmp_path, tokenizer):
     """Four ranks of one node start together: one tokenizes, three read its cache; a changed file is tokenized
     again."""
