@@ -197,9 +197,13 @@ class PaceWatch:
             shift = self._clock(node, answer.now, sent, received)
             for rank_text, rp in pace.ranks.items():
                 rank = int(rank_text)
+                if self.rank_nodes.get(rank) != node:
+                    continue   # a node speaks for its own ranks only: another's rows would judge them
                 moved = list(zip(rp.moved, rp.kinds)) if len(rp.moved) == len(rp.seqs) == len(rp.kinds) else []
                 for index, (group, seq, reached, duration) in enumerate(zip(rp.groups, rp.seqs, rp.reached,
                                                                              rp.durations)):
+                    if not 0 < reached < 1 << 63:
+                        continue   # not a time (a row of 10^400 ns overflowed the float it becomes)
                     key = (group, seq)
                     if moved and isinstance(moved[index][0], int) and moved[index][1] in BUS_FACTOR:
                         self._moved[key] = moved[index]
@@ -218,12 +222,13 @@ class PaceWatch:
                 self._gpu_detail[node] = {k: v for k, v in pace.gpus.items()}
             for rank_state in answer.ranks:
                 waited = _number((rank_state.heartbeat or {}).get("data_s"))
-                if waited is not None and rank_state.rank in self.rank_nodes:
+                if waited is not None and self.rank_nodes.get(rank_state.rank) == node:
                     samples = self._data[rank_state.rank]
                     if not samples or samples[-1][1] != waited:   # a new heartbeat (each step writes one)
                         samples.append((received, waited))
                         del samples[:-400]
-            steps = [r.step for r in answer.ranks if isinstance(r.step, (int, float)) and not isinstance(r.step, bool)]
+            steps = [r.step for r in answer.ranks if isinstance(r.step, (int, float)) and not isinstance(r.step, bool)
+                     and self.rank_nodes.get(r.rank) == node]
             if steps:
                 self._steps.append((received, float(min(steps))))
                 del self._steps[:-2000]

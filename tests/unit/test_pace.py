@@ -229,3 +229,16 @@ def test_collectives_that_slow_everywhere_name_the_network_in_the_run_wide_line(
     assert found(changes) == [] and lines, changes
     assert "every rank is slower" in lines[0] and "the network between the nodes slowed" in lines[0], lines[0]
     assert re.search(r"the collectives move 1\.\d GB/s against 10\.\d GB/s earlier in this run", lines[0]), lines[0]
+
+
+def test_a_node_speaks_for_its_own_ranks_only_and_a_row_that_is_no_time_is_skipped():
+    """A node whose answer carries rows for another node's rank (a forger, or a mix-up) would have those rows judge
+    that rank; they are dropped, and so is a row whose time is no time (10^400 ns overflowed and killed the watch)."""
+    watch, _ = simulate(lambda r, t: 0.1, 20)
+    before = {key: dict(ranks) for key, ranks in watch._reached.items()}
+    forged = PollAnswer(now=21.0, node_rank=1, alive=2, ranks=(), pace=PaceSample(ranks={
+        "0": RankPace(groups=("0",), seqs=(10 ** 6,), reached=(int(20.5e9),), durations=(None,)),
+        "2": RankPace(groups=("0",), seqs=(10 ** 6 + 1,), reached=(10 ** 400,), durations=(None,))}))
+    watch.feed("node1", forged, received=21.004, sent=20.996)
+    assert {key: dict(ranks) for key, ranks in watch._reached.items()} == before
+    watch.judge(now=21.0)
