@@ -11,7 +11,6 @@ kernel still answers is given twice as long: its commands may hang, which is the
 from __future__ import annotations
 
 import math
-import statistics
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
@@ -57,19 +56,29 @@ class Arrivals:
     knock: Knock = Knock.UNKNOWN
     broken: str = ""       # the stream is down (reconnecting): why
 
+    total: float = 0.0     # the sum of `gaps` and of their squares, kept as they come and go: the judge asks
+    squares: float = 0.0   # several times a second per node, and statistics.pstdev took 0.4 ms a call
+
     def arrived(self, at: float) -> None:
         if self.last is not None:
-            self.gaps.append(max(0.0, at - self.last))
+            gap = max(0.0, at - self.last)
+            if len(self.gaps) == self.gaps.maxlen:
+                old = self.gaps[0]
+                self.total, self.squares = self.total - old, self.squares - old * old
+            self.gaps.append(gap)
+            self.total, self.squares = self.total + gap, self.squares + gap * gap
         self.last = at
         self.refused, self.broken, self.knock, self.refusals = "", "", Knock.UNKNOWN, 0
 
     def usual(self) -> tuple[float, float]:
         """The mean and standard deviation of the node's gaps (the interval while it has none yet), the deviation
         floored at a quarter of the mean: a node that was always exactly on time is not lost at its first hiccup."""
-        if len(self.gaps) < 2:
+        count = len(self.gaps)
+        if count < 2:
             return self.interval, self.interval / 2
-        mean = statistics.fmean(self.gaps)
-        return mean, max(statistics.pstdev(self.gaps), mean / 4, 0.05)
+        mean = self.total / count
+        deviation = math.sqrt(max(0.0, self.squares / count - mean * mean))
+        return mean, max(deviation, mean / 4, 0.05)
 
     def phi(self, now: float) -> float:
         """-log10 of the chance that a line of this node's comes later than now, under a normal law of its gaps."""

@@ -117,3 +117,16 @@ def test_of_two_quiet_nodes_the_refused_one_is_lost():
     refused = Health(state=Liveness.LOST, silent=3.0, usual=1.0, certain=True, detail="refused")
     failure = _lost_node(run_nodes, {"a": quiet, "b": refused, "c": UP})
     assert failure.node == "b" and "[certain]" in failure.detail
+
+
+def test_the_running_figures_are_the_gaps_mean_and_deviation():
+    import random
+    import statistics
+
+    rng = random.Random(3)
+    gaps = [rng.uniform(0.5, 3.0) for _ in range(450)]   # more than the history keeps: the oldest leave the sums
+    arrivals = history(gaps)
+    kept = gaps[-len(arrivals.gaps):]
+    mean, deviation = arrivals.usual()
+    assert mean == pytest.approx(statistics.fmean(kept), rel=1e-9)
+    assert deviation == pytest.approx(max(statistics.pstdev(kept), mean / 4), rel=1e-6)
