@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import select
+import signal
 import stat
 import subprocess
 import sys
@@ -164,6 +165,11 @@ def cmd_watch(args: list, request: dict) -> dict:
     ask = {"offsets": {}, "pace": None, "gpus": False, "gpu_detail": False, "sent": None}
     _take(ask, request)
     interval = min(max(_seconds(request.get("interval"), 1.0), WATCH_INTERVAL[0]), WATCH_INTERVAL[1])
+    # A controller cut off by the network neither closes the stream nor reads it: a write then blocks for good.
+    # SIGALRM (its default action ends the process) after `orphan_after` seconds without a request line.
+    orphan_after = int(_seconds(request.get("orphan_after"), 0))
+    if orphan_after > 0:
+        signal.alarm(orphan_after)
     pending, seq = bytearray(), 0
     while True:
         answer = cmd_poll([run_dir], {k: v for k, v in ask.items() if k != "sent"})
@@ -192,6 +198,8 @@ def cmd_watch(args: list, request: dict) -> dict:
                     _take(ask, json.loads(line))
                 except (ValueError, RecursionError):
                     continue
+                if orphan_after > 0:
+                    signal.alarm(orphan_after)
 
 
 def _seconds(value, default: float) -> float:

@@ -104,7 +104,7 @@ def judge(arrivals: Arrivals, now: float, lost_after: float) -> Health:
     quiet = f"no word for {silent:.0f}s (it usually sends every {usual:.1f}s, its longest silence so far {longest:.0f}s)"
     if silent >= needed and arrivals.knock != Knock.OPEN:
         port = {Knock.SILENT: "its SSH port does not answer either",
-                Knock.UNKNOWN: "reached through a proxy, so its port cannot be asked"}.get(arrivals.knock, "")
+                Knock.UNKNOWN: "its SSH port cannot be asked (reached through a proxy)"}.get(arrivals.knock, "")
         return Health(state=Liveness.LOST, silent=silent, usual=usual, detail=f"{quiet}; {port}".rstrip("; "))
     if silent >= 2 * needed:
         return Health(state=Liveness.LOST, silent=silent, usual=usual,

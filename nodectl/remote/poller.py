@@ -26,6 +26,7 @@ from nodectl.transport.fanout import Cluster
 
 BACK_OFF = (0.5, 1.0, 2.0, 4.0, 8.0)   # seconds before each reconnect (the last repeats)
 TICK = 10.0        # seconds between the controller's request lines (its clock, for the node's offset)
+ORPHAN = 120       # seconds without a request line after which a node's watcher ends itself (cut off from us)
 KNOCK_EVERY = 5.0  # seconds between knocks on a silent node's SSH port
 KNOCK_TIMEOUT = 3.0
 REFUSALS = 2      # refused reconnects in a row that make a node certainly gone (one may be sshd's MaxStartups)
@@ -55,6 +56,7 @@ class Poller:
         self._arrivals = {rn.node.name: Arrivals(began=self.started, interval=interval) for rn in run_nodes}
         self._answers: dict[str, Answer] = {}
         self._fresh: dict[str, deque] = {rn.node.name: deque(maxlen=QUEUED) for rn in run_nodes}
+        self._seqs = dict.fromkeys(self._arrivals, 0)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._follow, args=(rn,), daemon=True, name=f"watch-{rn.node.name}")
@@ -90,49 +92,47 @@ class Poller:
     # --- one node's thread --------------------------------------------------------------------------------------
 
     def _follow(self, run_node: RunNode) -> None:
-        seq, tries = 0, 0
+        tries = 0
         transport = self.cluster.transport(run_node.node)
         while not self._stop.is_set():
             began = time.monotonic()
             try:
                 with NodeClient(transport).watch(run_node.run_dir, self._request(run_node)) as stream:
-                    seq = self._read(run_node, stream, seq)
+                    self._read(run_node, stream)
             except Exception as exc:  # noqa: BLE001 - unreachable, broken, or an answer with an error
-                seq += 1
-                self._broke(run_node, exc, seq)
+                self._broke(run_node, exc)
             if self._stop.is_set():
                 return
             tries = 0 if time.monotonic() - began > 30 else tries + 1   # a stream that lived resets the back-off
             self._stop.wait(BACK_OFF[min(tries, len(BACK_OFF)) - 1] if tries else BACK_OFF[0])
 
     def _request(self, run_node: RunNode) -> dict:
-        """What a (re)started watcher reads from: the controller's offsets and pace marks, its interval."""
+        """What a (re)started watcher reads from: the controller's offsets and pace marks, its interval, and how
+        long it may go without a request line before it takes itself for orphaned and ends."""
         wanted = {str(r): o for r, o in self.offsets().items() if r in run_node.ranks}
-        request = {"offsets": wanted, "interval": self.interval, "sent": time.monotonic()}
+        request = {"offsets": wanted, "interval": self.interval, "sent": time.monotonic(), "orphan_after": ORPHAN}
         pace = self.pace(run_node) if self.pace else None
         if pace:
             request.update(pace=pace[0], gpu_detail=bool(pace[1]))
         return request
 
-    def _read(self, run_node: RunNode, stream, seq: int) -> int:
-        """Lines until the stream ends (EOFError) or the watch does; knocks while the node is silent."""
+    def _read(self, run_node: RunNode, stream) -> None:
+        """Lines until the stream ends (EOFError) or the watch does; a request line when the pace's wish changes
+        and every TICK seconds (the node's clock bound, and its sign that the controller is there); knocks while
+        the node is silent."""
         name, detail, told, knocked = run_node.node.name, None, time.monotonic(), 0.0
         while not self._stop.is_set():
             answer = stream.next(timeout=min(0.5, self.interval))
             now = time.monotonic()
             if answer is not None:
-                seq += 1
-                result = NodeResult(run_node.node, value=answer)
-                self._keep(name, Answer(result=result, at=now, seq=seq, sent=answer.asked), arrived=True)
-                continue
+                self._keep(name, NodeResult(run_node.node, value=answer), now, sent=answer.asked, arrived=True)
             pace = self.pace(run_node) if self.pace else None
             if pace is not None and bool(pace[1]) != detail or now - told >= TICK:
                 detail, told = bool(pace and pace[1]), now
                 stream.ask({"sent": now, **({"gpu_detail": detail} if pace is not None else {})})
-            if now - knocked >= KNOCK_EVERY and self.health(name, now).state != Liveness.UP:
+            if answer is None and now - knocked >= KNOCK_EVERY and self.health(name, now).state != Liveness.UP:
                 knocked = now
                 self._knocked(run_node, now)
-        return seq
 
     def _knocked(self, run_node: RunNode, now: float) -> None:
         transport = self.cluster.transport(run_node.node)
@@ -148,18 +148,21 @@ class Poller:
                                     f"its SSH port refuses connections (sshd is gone: the node is down, rebooting "
                                     f"or lost its sshd)")
 
-    def _broke(self, run_node: RunNode, exc: BaseException, seq: int) -> None:
+    def _broke(self, run_node: RunNode, exc: BaseException) -> None:
         """The stream could not start or broke: its reason kept as the node's latest answer (an error the node
-        answered with is news like any line), and whether the node is certainly gone."""
+        answered with is news like any line), and whether the node is certainly gone: a reconnect refused
+        REFUSALS times in a row, or its port refusing a knock."""
         failure = failure_of(exc)
         if failure.kind in (NodeErrorKind.INTERNAL, NodeErrorKind.TIMEOUT) or isinstance(exc, (EOFError, OSError)):
-            failure = replace(failure, kind=NodeErrorKind.UNREACHABLE,
-                              message=f"{run_node.node.name}: its watch stream broke ({exc or type(exc).__name__})")
-        answer = Answer(result=NodeResult(run_node.node, failure=failure), at=time.monotonic(), seq=seq)
-        answered = failure.kind not in (NodeErrorKind.UNREACHABLE,)
-        self._keep(run_node.node.name, answer, arrived=answered)
+            failure = replace(failure, kind=NodeErrorKind.UNREACHABLE, message=f"{run_node.node.name}: its watch "
+                              f"stream broke ({type(exc).__name__}: {exc})")
+        answered = failure.kind != NodeErrorKind.UNREACHABLE
+        now = time.monotonic()
+        self._keep(run_node.node.name, NodeResult(run_node.node, failure=failure), now, arrived=answered)
         if answered:
             return
+        if not failure.refused:
+            self._knocked(run_node, now)
         with self._lock:
             arrivals = self._arrivals[run_node.node.name]
             arrivals.broken = failure.message.split(": ", 1)[-1]
@@ -168,9 +171,11 @@ class Poller:
                 arrivals.refused = (f"its watch stream broke and its SSH port then refused the connection (sshd "
                                     f"is gone: the node is down, rebooting or lost its sshd): {failure.message}")
 
-    def _keep(self, name: str, answer: Answer, arrived: bool) -> None:
+    def _keep(self, name: str, result: NodeResult, at: float, *, arrived: bool, sent: float | None = None) -> None:
         with self._lock:
+            self._seqs[name] += 1
+            answer = Answer(result=result, at=at, seq=self._seqs[name], sent=sent)
             self._answers[name] = answer
             self._fresh[name].append(answer)
             if arrived:
-                self._arrivals[name].arrived(answer.at)
+                self._arrivals[name].arrived(at)

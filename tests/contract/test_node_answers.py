@@ -152,6 +152,17 @@ def _watch_stream(cluster, node, run_dir: str, log_size: int) -> None:
         stream.close()
     psutil.wait_procs(watcher, timeout=5)
     assert not any(p.is_running() for p in watcher)
+    # a watcher that hears nothing from its controller for `orphan_after` seconds (cut off by the network: its
+    # writes would block for good) ends by itself
+    orphan = agent.Watching(cluster.transport(node), run_dir, {"interval": 0.2, "orphan_after": 2})
+    began = time.monotonic()
+    try:
+        with pytest.raises(EOFError):
+            while time.monotonic() - began < 20:
+                orphan.next(1)
+    finally:
+        orphan.close()
+    assert time.monotonic() - began < 10
 
 
 @pytest.mark.parametrize("raw, words", [
