@@ -5,12 +5,13 @@ is loaded (the ranks' and torchruns' own torch imports, plus --hogs busy process
 jitter on every --jitter-every'th node (a ProxyCommand relay that holds the node's bytes back for a random 0-10 s,
 now and then).
 
-    python bench/watch.py --sizes 16 32 64 --launches 10 [--power-off 10] [--hogs 2]
+    python bench/watch.py --sizes 16 32 64 --launches 10 [--power-off 10] [--hogs 2] [--stop]
 
 Per size: healthy launches and how many ended with a node called lost (the figure that must be 0); the controller's
 CPU seconds and peak RSS per node per minute of watching; with --power-off, tries in which a node (not jittered)
 had its sshd, sessions and ranks SIGKILLed mid-run: whether the right node was named, how fast, and whether the
-run went on without it (--max-restarts 1 --exclude-failed).
+run went on without it (--max-restarts 1 --exclude-failed); with --stop, `nodectl stop` of a detached run of that
+size: its exit code and time, the nodes it names as not confirming, and the run's processes left.
 """
 from __future__ import annotations
 
@@ -168,6 +169,26 @@ def power_off(cluster, inventory, project, size, victim: int) -> dict:
             "detail": failure.get("description", "")[:200], "tail": err[-1500:]}
 
 
+def stopped(cluster, inventory, project, size) -> dict:
+    """A detached launch (of `inventory`, whose ranks run for an hour), stopped with `nodectl stop` once every rank is in:
+    its exit code, its time, its lines for nodes that did not confirm, and the run's processes left anywhere."""
+    before = runs_of(project)
+    started = subprocess.run([sys.executable, "-m", "nodectl", "-i", str(inventory), "--connect-timeout", "30",
+                              "launch", "--skip-preflight", "--detach", "--", "train.py"],
+                             cwd=project, env=cluster.env(), capture_output=True, text=True)
+    run_id = (runs_of(project) - before).pop()
+    all_in(cluster, run_id, size, 900)
+    began = time.monotonic()
+    stop = subprocess.run([sys.executable, "-m", "nodectl", "--connect-timeout", "30", "stop", "--run", run_id,
+                           "--grace", "5"], cwd=project, env=cluster.env(), capture_output=True, text=True)
+    took = time.monotonic() - began
+    left = run_processes(run_id)
+    kill_leftovers(run_id)
+    unconfirmed = [line for line in stop.stderr.splitlines() if "did not finish" in line]
+    return {"code": stop.returncode, "seconds": took, "left": len(left), "unconfirmed": unconfirmed,
+            "launched": started.returncode}
+
+
 def report(size: int, runs: list[dict], per_node_min: list[float]) -> None:
     false_lost = sum(1 for r in runs if r["lost"])
     print(f"== {size} nodes: {false_lost} false 'lost' in {len(runs)} launches; controller "
@@ -182,6 +203,7 @@ def main() -> None:
     parser.add_argument("--power-off", type=int, default=0, help="tries per size of a node powered off mid-run")
     parser.add_argument("--seconds", type=float, default=40, help="how long each rank all-reduces")
     parser.add_argument("--hogs", type=int, default=2, help="busy processes on this machine throughout")
+    parser.add_argument("--stop", action="store_true", help="per size, `nodectl stop` of a detached run")
     parser.add_argument("--jitter-every", type=int, default=4, help="every N'th node behind the jitter relay; 0: none")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="nodectl-watch-"))
@@ -218,6 +240,12 @@ def main() -> None:
                       f"{t['restarted_without']}; {t['detail']}", flush=True)
                 if not t["right"] or not t["restarted_without"]:
                     print(t["tail"], flush=True)
+            if args.stop:
+                hold = cluster.inventory(root / f"hold{size}.yaml", count=size, node_overrides=overrides,
+                                         env={"SECONDS_TO_RUN": "3600"})
+                st = stopped(cluster, hold, project, size)
+                print(f"== {size} nodes: nodectl stop exited {st['code']} in {st['seconds']:.1f} s, {st['left']} "
+                      f"process(es) of the run left; not confirmed: {st['unconfirmed'] or 'none'}", flush=True)
             if tries:
                 print(f"== {size} nodes: right node named in {sum(t['right'] for t in tries)} of {len(tries)}, "
                       f"within {max(t['after_s'] for t in tries):.1f} s (worst), restarted without it in "
