@@ -28,26 +28,9 @@ from pathlib import Path
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from support.launch import kill_leftovers, run_processes  # noqa: E402
+from support.launch import TIMED_ALL_REDUCE as SCRIPT, kill_leftovers, run_processes  # noqa: E402
 from support.sshcluster import SSHCluster, _sshd_sessions_under  # noqa: E402
 
-SCRIPT = """\
-import os, time
-import torch
-import torch.distributed as dist
-dist.init_process_group("gloo")
-print("in", os.environ["RANK"], flush=True)
-# the ranks leave together: each step all-reduces whether any rank's time is up (one rank leaving on its own
-# clock would meet the others' all-reduce with its barrier and hang them all)
-done, until = torch.zeros(1), time.time() + float(os.environ["SECONDS_TO_RUN"])
-while True:
-    done.fill_(float(time.time() >= until))
-    dist.all_reduce(done, op=dist.ReduceOp.MAX)
-    if done.item():
-        break
-    time.sleep(0.1)
-dist.destroy_process_group()
-"""
 
 # A ProxyCommand relay whose node-to-controller direction stalls now and then for a random 0-10 s: a congested
 # path or a node too busy to send, to the controller the same.

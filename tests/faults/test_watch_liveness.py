@@ -13,30 +13,10 @@ import time
 
 import pytest
 
-from support.launch import kill_leftovers, latest_run_id, run_processes, wait_for
+from support.launch import TIMED_ALL_REDUCE as SCRIPT, kill_leftovers, latest_run_id, run_processes, wait_for
 from support.sshcluster import _sshd_sessions_under, running_cluster
 
 pytestmark = pytest.mark.slow
-
-# Every rank all-reduces for SECONDS of wall time, then ends; the first line tells the test that every rank is in.
-SCRIPT = """\
-import os, time
-import torch
-import torch.distributed as dist
-dist.init_process_group("gloo")
-print("in", os.environ["RANK"], flush=True)
-# the ranks leave together: each step all-reduces whether any rank's time is up (one rank leaving on its own
-# clock would meet the others' all-reduce with its barrier and hang them all)
-done, until = torch.zeros(1), time.time() + float(os.environ["SECONDS_TO_RUN"])
-while True:
-    done.fill_(float(time.time() >= until))
-    dist.all_reduce(done, op=dist.ReduceOp.MAX)
-    if done.item():
-        break
-    time.sleep(0.1)
-dist.destroy_process_group()
-print("done", os.environ["RANK"], flush=True)
-"""
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,28 @@ dist.destroy_process_group()
 '''
 
 
+# A rank that imports torch, says it is in, all-reduces (gloo) for SECONDS_TO_RUN seconds and ends: the watch's
+# tests and bench/watch.py.
+TIMED_ALL_REDUCE = """\
+import os, time
+import torch
+import torch.distributed as dist
+dist.init_process_group("gloo")
+print("in", os.environ["RANK"], flush=True)
+# the ranks leave together: each step all-reduces whether any rank's time is up (one rank leaving on its own
+# clock would meet the others' all-reduce with its barrier and hang them all)
+done, until = torch.zeros(1), time.time() + float(os.environ["SECONDS_TO_RUN"])
+while True:
+    done.fill_(float(time.time() >= until))
+    dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    if done.item():
+        break
+    time.sleep(0.1)
+dist.destroy_process_group()
+print("done", os.environ["RANK"], flush=True)
+"""
+
+
 def make_project(folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "train.py").write_text(SCRIPT)
