@@ -7,7 +7,7 @@ the node's own AWS profile; no secret reaches a command line, a record or a mess
 
     python nodectl_outputs.py sync RUN_DIR        while the run goes: a round every `every` seconds, a last one
                                                   on SIGUSR1 (launch.sh sends it when torchrun has ended)
-    python nodectl_outputs.py once RUN_DIR        one last round, now (bench/outputs_upload.py)
+    python nodectl_outputs.py once RUN_DIR        one last round, now (bench/storage/outputs_upload.py)
     python nodectl_outputs.py pull RUN_DIR        before a resumed attempt starts: the run's outputs back
     python -c ... check                           preflight: write and delete a probe object
 
@@ -114,7 +114,7 @@ class Store:
         self.client = boto3.client("s3", endpoint_url=config.get("endpoint_url") or None,
                                    region_name=config.get("region") or None, config=settings)
         # boto3's (and the AWS CLI's) own defaults: 10 requests at a time over every file of a round, 8 MiB parts;
-        # larger parts and more requests were slower into one server (bench/outputs_upload.py)
+        # larger parts and more requests were slower into one server (bench/storage/outputs_upload.py)
         self.transfer = TransferConfig(multipart_threshold=8 << 20, multipart_chunksize=8 << 20, max_concurrency=10,
                                        use_threads=True)
 
@@ -389,7 +389,7 @@ def main(argv: list) -> int:
     config = json.load(open(os.path.join(run_dir, "lib", "outputs.json")))
     if verb == "sync":
         return Uploader(run_dir, config).run()
-    if verb == "once":   # one last round and out: what a launch's end does (bench/outputs_upload.py times it)
+    if verb == "once":   # one last round and out: what a launch's end does (bench/storage/outputs_upload.py times it)
         uploader = Uploader(run_dir, config)
         if uploader.missing:
             return _answer({"error": uploader.missing})

@@ -103,7 +103,7 @@ def _added_up(rows: torch.Tensor, index: torch.Tensor, some_missing: bool = Fals
     len(rows) adds nothing. Spelt as gathered rows added up, which the compiler makes one pointwise kernel reading
     along each row. Gathering then summing compiles to a reduction over each token's copies, which ran at a quarter
     of the speed on an H200 (Qwen3-30B-A3B's width, 65,536 tokens x top 8, with the residual add: 2.55 ms against
-    0.61, a hand-written Triton kernel's 0.60; bench/moe_combine.py). The mask costs: only where rows go missing."""
+    0.61, a hand-written Triton kernel's 0.60; bench/moe/moe_combine.py). The mask costs: only where rows go missing."""
     out = None
     for copy in range(index.shape[1]):
         at = index[:, copy]
@@ -156,7 +156,7 @@ def _unpermute(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, _: i
 
 # A permutation of rows whose gradient is the inverse permutation, a gather: indexing's own backward is an
 # accumulating scatter, which on 2 H200s took 24 of the 62 ms an expert layout's exchanges added to a step
-# (bench/moe_exchange.py).
+# (bench/moe/moe_exchange.py).
 _Permute = _with_adjoint_gradient(_permute, _unpermute)
 
 
@@ -169,7 +169,7 @@ def _sum_copies(rows: torch.Tensor, copies: torch.Tensor, tokens: int, top_k: in
     """The adjoint of _pick: each of `tokens` the sum of its copies' rows (row i is copy copies[i]; copies not
     listed are zero). The rows are put in place and summed: no atomic accumulation (a copy appears once), which
     as index_add took 11% of an expert layout's GPU time on 2 H200s. Compiled, each copy's row is gathered
-    instead (_added_up): no zero-filled buffer of every copy, 9.5x faster on an H200 (bench/moe_combine.py)."""
+    instead (_added_up): no zero-filled buffer of every copy, 9.5x faster on an H200 (bench/moe/moe_combine.py)."""
     if torch.compiler.is_compiling():
         slot = torch.full((tokens * top_k,), rows.shape[0], dtype=copies.dtype, device=copies.device)
         slot = slot.index_copy(0, copies, torch.arange(copies.numel(), dtype=copies.dtype, device=copies.device))

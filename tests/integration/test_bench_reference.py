@@ -1,4 +1,4 @@
-"""The throughput bench's two sides agree: the plain FSDP2 + peft reference script (bench/ref_plain_lora.py) and
+"""The throughput bench's two sides agree: the plain FSDP2 + peft reference script (bench/common/ref_plain_lora.py) and
 the built-in trainer launched by nodectl, on the same data and seed, give the same losses step by step. This is
 the CPU version of the loss-curve comparison the GPU figures rest on (docs/PERFORMANCE.md)."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ def test_reference_script_and_nodectl_trainer_give_the_same_losses(tmp_path):
            "HOME": str(tmp_path / "home"), "OMP_NUM_THREADS": "1"}
     (tmp_path / "home").mkdir()
     out = tmp_path / "figures.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_train.py"), "--work", str(tmp_path / "work"),
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "trainer" / "gpu_train.py"), "--work", str(tmp_path / "work"),
                            "--tiny", "--parts", "ref,ref-noac,2x1", "--steps", "6", "--seq", "96", "--examples", "48",
                            "--micro", "2", "--compile", "false", "--checkpoint-every", "0", "--lr", "3e-3",
                            "--out", str(out)], env=env, capture_output=True, text=True, timeout=280)

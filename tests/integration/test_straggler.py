@@ -21,7 +21,7 @@ from support.slowdown import cpu_quota, quota_available, rank_process
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not quota_available() or os.geteuid() != 0, reason="needs a cgroup CPU quota (root)")]
 
-DDP = Path(__file__).resolve().parents[2] / "bench" / "scripts" / "ddp_plain.py"
+DDP = Path(__file__).resolve().parents[2] / "bench" / "watch" / "scripts" / "ddp_plain.py"
 
 
 @pytest.mark.timeout(600)   # under 2 min alone; beside another file on 2 cores the waits run longer
@@ -54,7 +54,7 @@ def test_a_quota_held_rank_is_named_shown_by_status_and_left_out(ssh_cluster, pr
         # about 15% of a CPU, so the quota holds rank 3 to a third of its pace while the others, needing little
         # CPU, keep theirs beside another test file on 2 cores (fully CPU-bound ranks there were named stragglers
         # by the contention alone).
-        # How fast it is named is bench/straggler.py's figure (a timed test on a shared machine proves nothing)
+        # How fast it is named is bench/watch/straggler.py's figure (a timed test on a shared machine proves nothing)
         with cpu_quota(slow.pid, 0.05):
             held = time.monotonic()
             named = wait_for(lambda: next((line for at, line in said if "straggler: rank 3 on node node1" in line),

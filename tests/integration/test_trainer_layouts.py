@@ -11,7 +11,7 @@ import pytest
 from support import REPO
 from support.trainer import metrics, torchrun_nodes
 
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "bench" / "common"))
 from make_moe import write_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow

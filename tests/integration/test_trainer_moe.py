@@ -18,7 +18,7 @@ from support.trainer import metrics, torchrun
 from support.peft_moe import peft_moe as _peft_moe
 from support.trainer_import import trainer_module
 
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "bench" / "common"))
 from make_moe import LAYOUTS, write_moe  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -267,7 +267,7 @@ def _scaled_grouped_mm_as_documented(a, b, scale_a, scale_b, offs=None, bias=Non
                                      out_dtype=None, use_fast_accum=False):
     """torch._scaled_grouped_mm's product for a 2-D a and 3-D b (CUDA-only in torch): rows offs[g-1]:offs[g] of
     a * scale_a times b[g] * scale_b[g], per column; the layout and scales trainer/fp8.py hands it are checked here,
-    the kernel itself on the GPU (bench/fp8_experts.py)."""
+    the kernel itself on the GPU (bench/moe/fp8_experts.py)."""
     assert a.dtype == b.dtype == torch.float8_e4m3fn and a.is_contiguous() and b.transpose(-2, -1).is_contiguous()
     assert scale_a.shape == (a.shape[0],) and scale_b.shape == (b.shape[0], b.shape[2])
     out, start = torch.zeros(a.shape[0], b.shape[2]), 0

@@ -150,11 +150,11 @@ def test_chat_records_from_parquet_packed_train_on_two_ranks(tmp_path, demo_cach
 
 
 def test_sliced_loading_keeps_rank_0_memory_near_its_shard_not_the_model():
-    """bench/load.py on a small Llama (about 220 MiB in bf16, 2 ranks, a float32 checkpoint): rank 0's owned
+    """bench/trainer/load.py on a small Llama (about 220 MiB in bf16, 2 ranks, a float32 checkpoint): rank 0's owned
     memory (RssAnon, sampled while loading) grows by about its shard when each rank reads its own slices, and by
     more than the whole model when rank 0 reads every weight to broadcast them, as the trainer did before. (From
     a bf16 checkpoint rank 0's full tensors stay pages of the memory-mapped file, which RssAnon does not count.)"""
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "load.py"), "--ranks", "2", "--layers", "4",
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "trainer" / "load.py"), "--ranks", "2", "--layers", "4",
                            "--hidden", "1024", "--rounds", "1", "--checkpoint-dtype", "float32"],
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

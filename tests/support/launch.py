@@ -29,7 +29,7 @@ dist.destroy_process_group()
 
 
 # A rank that imports torch, says it is in, all-reduces (gloo) for SECONDS_TO_RUN seconds and ends: the watch's
-# tests and bench/watch.py.
+# tests and bench/watch/watch.py.
 TIMED_ALL_REDUCE = """\
 import os, time
 import torch

@@ -7,7 +7,7 @@ import torch
 
 from support import REPO
 
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(REPO / "bench" / "common"))
 
 
 def peft_moe(layout: str, targets: tuple[str, ...], seed: int = 0):

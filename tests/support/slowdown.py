@@ -1,5 +1,5 @@
 """Making one rank slow, as a shared or limited machine does: a CPU quota on its process (a cgroup of its own, v1 or
-v2), for the straggler tests and bench/straggler.py."""
+v2), for the straggler tests and bench/watch/straggler.py."""
 from __future__ import annotations
 
 import contextlib
