@@ -19,6 +19,7 @@ from nodectl.pace import PaceWatch, Straggler, for_run
 from nodectl.launch.gate import NO_GATE, Gate
 from nodectl.launch.job import Job, next_attempt, stop_run
 from nodectl.progress import Progress, no_progress
+from nodectl.remote.liveness import Health, Liveness
 from nodectl.secrets import redact_words
 from nodectl.runs import Run, RunNode, RunState
 from nodectl.transport import Cluster, Session
@@ -26,6 +27,37 @@ from nodectl.watch import Failure, FailureKind, LogStream, failure_lines, wait_f
 
 
 Restart = Callable[[Job, list[dict]], tuple[Job, Run]]
+
+
+class LivenessNotices:
+    """Tells a node's lateness (NodeLiveness) without flooding: a node's first "slow" and its recovery are told; one
+    that is late again within `quiet` seconds of its last told "slow" is counted, not told, and its next told "slow"
+    says how often it was late meanwhile. A node behind a congested path flaps every few seconds: at 32 nodes with
+    jitter on 8, a launch printed 36-63 such lines in 80 s of watching before (bench/watch/watch.py, 2026-11-29).
+    Lost is never damped: it is a verdict (watch.py's Failure), not a notice."""
+
+    def __init__(self, notify: Callable[[Event], None], *, quiet: float = 300.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.notify, self.quiet, self.clock = notify, quiet, clock
+        self.told: dict[str, float] = {}      # node -> when its last "slow" was told
+        self.unshown: dict[str, int] = {}     # node -> times it was late since, not told
+        self.slow: set[str] = set()           # nodes whose "slow" was told and not yet their recovery
+
+    def __call__(self, node: str, health: Health) -> None:
+        if health.state == Liveness.SLOW:
+            now, last = self.clock(), self.told.get(node)
+            if last is not None and now - last < self.quiet:
+                self.unshown[node] = self.unshown.get(node, 0) + 1
+                return
+            again = self.unshown.pop(node, 0)
+            detail = health.detail + (f"; late {again} more time(s) since it was last shown, {(now - last) / 60:.0f}"
+                                      f" min ago" if again else "")
+            self.told[node] = now
+            self.slow.add(node)
+            self.notify(NodeLiveness(node=node, state=str(health.state), detail=detail))
+        elif health.state == Liveness.UP and node in self.slow:
+            self.slow.discard(node)
+            self.notify(NodeLiveness(node=node, state=str(health.state)))
 
 
 def attend(job: Job, run: Run, session: Session, attending: Attending, *, restart: Restart,
@@ -106,8 +138,7 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
     try:
         outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=lost_after, stall_after=stall_after,
                                         on_stall=stalled, pace=pace, on_pace=paced, on_answers=uploads,
-                                        on_health=lambda node, health: notify(NodeLiveness(
-                                            node=node, state=str(health.state), detail=health.detail)))
+                                        on_health=LivenessNotices(notify))
     finally:
         if stream:
             stream.flush()

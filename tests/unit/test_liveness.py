@@ -7,6 +7,7 @@ import time
 import pytest
 
 from nodectl.inventory import Node
+from nodectl.launch.attend import LivenessNotices
 from nodectl.remote.answers import ExitRecord, PollAnswer, RankState
 from nodectl.remote.liveness import Arrivals, Health, Liveness, judge
 from nodectl.remote.poller import Answer
@@ -130,3 +131,22 @@ def test_the_running_figures_are_the_gaps_mean_and_deviation():
     mean, deviation = arrivals.usual()
     assert mean == pytest.approx(statistics.fmean(kept), rel=1e-9)
     assert deviation == pytest.approx(max(statistics.pstdev(kept), mean / 4), rel=1e-6)
+
+
+def test_a_flapping_node_is_told_once_per_quiet_window_with_how_often_it_was_late():
+    told, now = [], [0.0]
+    notices = LivenessNotices(told.append, quiet=300, clock=lambda: now[0])
+    slow = Health(state=Liveness.SLOW, silent=6, usual=1, detail="6s behind (it usually sends every 1.0s)")
+    up = Health(state=Liveness.UP, silent=0, usual=1)
+    for second in range(0, 280, 20):   # late every 20 s for 280 s: 14 times
+        now[0] = float(second)
+        notices("node3", slow)
+        notices("node3", up)
+    assert [(e.node, e.state) for e in told] == [("node3", "slow"), ("node3", "up")]
+    notices("node5", slow)             # another node is told at once, whatever node3 did
+    assert told[-1].node == "node5" and told[-1].state == "slow"
+    now[0] = 301.0                     # past the window: told again, with the count of the ones not told
+    notices("node3", slow)
+    assert told[-1].node == "node3" and "late 13 more time(s) since it was last shown, 5 min ago" in told[-1].detail
+    notices("node3", up)
+    assert told[-1].state == "up" and len(told) == 5
