@@ -23,7 +23,13 @@ SECRET_VALUES = re.compile(
     r"|eyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}|-----BEGIN [A-Z ]*PRIVATE KEY-----)")
 # key=value secrets inside connection strings and query strings: the value is masked, the rest kept.
 SECRET_PAIRS = re.compile(r"(?i)\b(AccountKey|SharedAccessKey|SharedAccessSignature|password|pwd|passwd|secret|"
-                          r"token|sig|api[_-]?key|access[_-]?token)=([^;&\s]+)")
+                          r"token|sig|api[_-]?key|access[_-]?token|signature|credential|security[_-]?token|"
+                          r"AWSAccessKeyId)=([^;&#\s]+)")
+# A URL's query or fragment parameter whose name says it carries a credential: presigned S3 and GCS URLs
+# (X-Amz-Signature, X-Amz-Credential, X-Amz-Security-Token, AWSAccessKeyId + Signature, X-Goog-Signature), Azure SAS
+# (sig), bearer tokens (token, access_token, auth), keys and passwords.
+URL_SECRET_PARAM = re.compile(r"(?i)(?:^|[-_.])(?:signature|sig|credential|security[-_]?token|token|auth\w*|"
+                              r"password|passwd|pwd|secret|key|apikey|awsaccesskeyid|session)$")
 REDACTED = "***"
 
 
@@ -52,6 +58,38 @@ def redact_words(text: str) -> str:
     if "://" in text:
         text = URL_CREDENTIALS.sub(lambda m: m["scheme"] + REDACTED + "@", text)
     return SECRET_PAIRS.sub(lambda m: f"{m[1]}={REDACTED}", text)
+
+
+def url_secret(url: str):
+    """What in `url` is a credential, in words, or None: user:password@, a query or fragment parameter named like
+    a signature, token or key (a presigned URL's X-Amz-Signature, ?token=, #sig=), or a token-shaped value anywhere.
+    The one rule for every URL nodectl takes (the inventory's and the flags'): such a URL is refused, never stored."""
+    from urllib.parse import parse_qsl, urlsplit
+
+    if SECRET_VALUES.search(url):
+        return "a token-shaped value"
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return None
+    if "@" in parts.netloc:
+        return "credentials (user:password@)"
+    for where, text in (("query", parts.query), ("fragment", parts.fragment)):
+        for name, _ in parse_qsl(text, keep_blank_values=True):
+            if URL_SECRET_PARAM.search(name.strip()):
+                return f"a credential in its {where} ({name.strip()[:40]}=)"
+    return None
+
+
+def mask_url(url: str) -> str:
+    """`url` as it may be echoed in an error: user:password@ and every query and fragment value masked (any of them
+    may be a signature), token-shaped values masked."""
+    text = SECRET_VALUES.sub(REDACTED, url)
+    text = URL_CREDENTIALS.sub(lambda m: m["scheme"] + REDACTED + "@", text)
+    head, mark, rest = text.partition("?") if "?" in text else text.partition("#")
+    if not mark:
+        return text
+    return head + mark + re.sub(r"=([^&#;]*)", "=" + REDACTED, rest)
 
 
 def redact_value(name: str, value: str) -> str:

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from nodectl.errors import NodectlError, UsageError
+from nodectl.secrets import mask_url, url_secret
 from nodectl.sections import section
 
 KEYS = {"file", "install", "index_url"}
@@ -61,7 +62,11 @@ def parse(value: Any, label: str, fail: Callable[[str, str], None]) -> Environme
         fail(f"{label}.install", f"one of {', '.join(INSTALLS)}, got {install!r}")
     index_url = value.get("index_url")
     if index_url is not None and (not isinstance(index_url, str) or "://" not in index_url):
-        fail(f"{label}.index_url", f"an index URL (https://...), got {index_url!r}")
+        fail(f"{label}.index_url", f"an index URL (https://...), got {mask_url(str(index_url))!r}")
+    if index_url is not None and (secret := url_secret(index_url)):
+        fail(f"{label}.index_url", f"an index URL without {secret}, got {mask_url(index_url)!r}: it would reach "
+             f"records and command lines; give the index's credentials to pip on the node (its pip.conf, ~/.netrc or "
+             f"keyring)")
     return Environment(file=file, install=install, index_url=index_url)
 
 

@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 from nodectl.errors import NodectlError, UsageError
 from nodectl.sections import section
-from nodectl.secrets import redact_text
+from nodectl.secrets import mask_url, url_secret
 
 KEYS = {"url", "every", "endpoint_url", "region"}
 DEFAULT_EVERY = 600.0
@@ -45,9 +45,14 @@ class Outputs:
 
 
 def url_problem(url: Any) -> str | None:
-    """Why `url` cannot name where outputs go, or None. A URL echoed back has any credentials in it blanked."""
+    """Why `url` cannot name where outputs go, or None. A URL echoed back has its credentials, query and fragment
+    values masked (nodectl.secrets.mask_url): a refused presigned URL is not printed with its signature."""
     if isinstance(url, str):
-        url = url if "@" not in url else redact_text(url)
+        secret, url = url_secret(url), mask_url(url)
+        if secret:
+            return (f"an s3://bucket/prefix URL with no credentials in it (this one holds {secret}): the bucket's "
+                    f"credentials come from the node's environment (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in "
+                    f"env:) or its AWS profile, got {url!r}")
     if not isinstance(url, str) or not url.startswith("s3://"):
         return f"an s3://bucket/prefix URL, got {url!r}"
     if any(c in url for c in "\0\n\r\t ?#\\") or any(ord(c) < 32 for c in url):
@@ -89,9 +94,12 @@ def parse(value: Any, label: str, fail: Callable[[str, str], None]) -> Outputs |
     if every is None or every < 1:
         fail(f"{label}.every", f"how often to upload: 30s, 10m, 1h or seconds (at least 1), got {value.get('every')!r}")
     endpoint = value.get("endpoint_url")
-    if endpoint is not None and (not isinstance(endpoint, str) or not re.match(r"^https?://[^\s@]+$", endpoint)):
-        shown = redact_text(endpoint) if isinstance(endpoint, str) else endpoint
-        fail(f"{label}.endpoint_url", f"an http(s):// URL without credentials, got {shown!r}")
+    if endpoint is not None and (not isinstance(endpoint, str) or not re.match(r"^https?://[^\s@?#]+$", endpoint)):
+        shown = mask_url(endpoint) if isinstance(endpoint, str) else endpoint
+        secret = url_secret(endpoint) if isinstance(endpoint, str) else None
+        fail(f"{label}.endpoint_url", f"the server's http(s):// address alone, without credentials, query or "
+             f"fragment{f' (this one holds {secret})' if secret else ''}: the bucket's credentials come from the "
+             f"node's env: or AWS profile, got {shown!r}")
     region = value.get("region")
     if region is not None and (not isinstance(region, str) or not re.match(r"^[a-z0-9\-]{1,40}$", region)):
         fail(f"{label}.region", f"a region name (us-east-1), got {region!r}")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import tarfile
 import time
 
 import runlayout as layout
+from redaction import redact_tree, redact_words
 from runctl.common import LinkRefused, is_file, lstat_nofollow, no_run, quiet, read_json, walk
 from nodeio import last_json, update_json
 from runctl.runfolder import SYNCED_CODE
@@ -103,6 +105,9 @@ def _pack(run_dir: str, target: str, only, synced: set, request: dict, packed: d
                                          if n not in layout.SECRET_FILES and not n.startswith(".collect")]
             elif os.path.basename(relative) == layout.FLIGHT:   # flight/, and attempts/<n>/flight/
                 names = [n for n in names if not n.endswith((".request", ".sock"))]   # the listeners' FIFOs, the worker servers' sockets
+                for name in [n for n in names if n.endswith(".answer.json")]:
+                    names.remove(name)
+                    _pack_answer(tar, dir_fd, name, os.path.normpath(os.path.join(relative, name)), packed)
             elif relative == "code" or relative.startswith("code/"):
                 dirs[:] = [d for d in dirs if d != "__pycache__"]
                 inside = relative[len("code/"):] if relative != "code" else ""
@@ -112,6 +117,41 @@ def _pack(run_dir: str, target: str, only, synced: set, request: dict, packed: d
         for also in request.get("also") or []:
             _pack_also(tar, run_dir, also, packed)
     _check_caller()
+
+
+ANSWER_LIMIT = 64 << 20   # a listener's answer: stacks and a trimmed flight record, a few MiB at most
+
+
+def _pack_answer(tar, dir_fd: int, name: str, arcname: str, packed: dict) -> None:
+    """A rank's listener answer (flight/rank<R>.answer.json) as collect may bring it home: it quotes the program's
+    source lines where each thread stands, so a token on one of them is masked where it stands (the diagnosis
+    masks the same lines when it shows them). One that is not JSON is masked as text; one over ANSWER_LIMIT, or
+    not a plain file, is left out and counted."""
+    if arcname in packed["names"]:
+        return
+    packed["names"].add(arcname)
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except FileNotFoundError:
+        packed["vanished"] += 1
+        return
+    except OSError:
+        packed["skipped"].append(arcname)
+        return
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > ANSWER_LIMIT:
+            packed["skipped"].append(arcname)
+            return
+        text = handle.read(ANSWER_LIMIT).decode("utf-8", "replace")
+    try:
+        data = json.dumps(redact_tree(json.loads(text))).encode()
+    except (ValueError, RecursionError):
+        data = redact_words(text).encode()
+    member = tarfile.TarInfo(arcname)
+    member.size, member.mtime, member.mode = len(data), info.st_mtime, stat.S_IMODE(info.st_mode)
+    tar.addfile(member, io.BytesIO(data))
+    packed["count"] += 1
 
 
 def _placing(name: str) -> bool:

@@ -185,3 +185,27 @@ def test_a_workdir_through_another_users_link_in_a_sticky_folder_is_refused(tmp_
     os.lchown(shared / "rootwd", 0, 0)   # the same link made by root (or you) is followed, to its real path
     assert resolve_workdir(str(shared / "rootwd")) == str(target)
     assert trusted_run_dir(str(shared / "rootwd" / "runs" / RUN_ID), create=True) == str(target / "runs" / RUN_ID)
+
+
+def test_a_listeners_answer_is_packed_with_its_quoted_source_lines_masked(run_dir):
+    """Round four: collect brought home flight/rank<R>.answer.json with the program's source line holding a token
+    as it stood. Packed now, every string in it goes through the secret rules; the place (file, line) is kept. A
+    rank may write anything there: one that is not JSON is masked as text."""
+    token = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz012345"
+    answer = {"ids": ["r1"], "threads": [{"name": "MainThread", "frames": [
+        {"file": "train.py", "line": 13, "source": f"hub = HfApi(token='{token}')"},
+        {"file": "train.py", "line": 20, "source": "url = 'http://minio:9000/?X-Amz-Signature=f00dsig4242'"}]}]}
+    for flight in (run_dir / "flight", run_dir / "attempts" / "0" / "flight"):
+        flight.mkdir(parents=True, exist_ok=True)
+    (run_dir / "flight" / "rank0.answer.json").write_text(json.dumps(answer))
+    (run_dir / "attempts" / "0" / "flight" / "rank1.answer.json").write_text(f"not json {token}")
+    packed = runctl.collect.cmd_pack([str(run_dir)], {})
+    assert packed["skipped"] == [], packed
+    with tarfile.open(packed["archive"]) as tar:
+        brought = {m.name: tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()}
+    kept = json.loads(brought["flight/rank0.answer.json"])
+    lines = [f["source"] for f in kept["threads"][0]["frames"]]
+    assert token not in brought["flight/rank0.answer.json"] and "f00dsig4242" not in lines[1]
+    assert lines[0].startswith("hub = HfApi(token=") and "***" in lines[0] and kept["threads"][0]["frames"][0]["line"] == 13
+    assert token not in brought["attempts/0/flight/rank1.answer.json"]
+    assert brought["attempts/0/flight/rank1.answer.json"].startswith("not json")

@@ -8,8 +8,7 @@ import os
 import pytest
 
 from nodectl.environment import _read, check_requirements
-from nodectl.errors import UsageError
-from nodectl.plan import build_plan
+from nodectl.errors import InventoryError, UsageError
 from nodectl.inventory import parse_inventory
 
 
@@ -59,10 +58,13 @@ def test_an_environment_file_linking_out_of_the_project_is_not_read(tmp_path):
     assert _read(project, "alias.txt")[0] == "pyyaml\n"
 
 
-def test_an_index_password_is_not_recorded():
-    inventory = parse_inventory("nodes:\n  - host: localhost\n    transport: local\n    device: cpu\n"
-                                "    environment: {file: r.txt, install: index, "
-                                "index_url: 'https://alice:s3cr3t-pw@pypi.example.invalid/simple'}\n")
-    plan = build_plan(inventory, gpus=1, command=("x.py",), sync_dir=".")
-    recorded = plan.to_json()["nodes"][0]["node"]["environment"]["index_url"]
-    assert "s3cr3t" not in recorded and "alice" not in recorded and "pypi.example.invalid" in recorded
+def test_an_index_password_is_refused_and_never_echoed():
+    """One rule for every URL (round four): credentials in index_url are refused, not recorded masked: they would
+    reach the nodes' pip command lines. The refusal names the key and echoes the URL masked."""
+    for url in ("https://alice:s3cr3t-pw@pypi.example.invalid/simple",
+                "https://pypi.example.invalid/simple?token=s3cr3t-pw"):
+        with pytest.raises(InventoryError) as refused:
+            parse_inventory("nodes:\n  - host: localhost\n    transport: local\n    device: cpu\n"
+                            f"    environment: {{file: r.txt, install: index, index_url: '{url}'}}\n")
+        said = str(refused.value)
+        assert "environment.index_url" in said and "pip.conf" in said and "s3cr3t" not in said and "alice" not in said

@@ -10,8 +10,9 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from nodectl.errors import InventoryError
+from nodectl.errors import InventoryError, UsageError
 from nodectl.inventory import parse_inventory
+from nodectl.outputs import from_option
 from nodectl.plan import build_plan
 from nodectl.render import render_plan
 
@@ -40,6 +41,30 @@ def test_a_bad_outputs_setting_names_its_key(outputs, key, words):
         parse_inventory(inventory(outputs))
     assert key in str(caught.value) and words in str(caught.value)
     assert ":secret@" not in str(caught.value), "a credential in a refused value is not echoed"
+
+
+SIGNED = ["http://127.0.0.1:9000/?X-Amz-Signature=f00dsig4242", "http://minio:9000/?AWSAccessKeyId=AKID&Signature=f00dsig4242",
+          "http://minio:9000/#X-Amz-Signature=f00dsig4242", "http://minio:9000/pre?token=f00dsig4242"]
+
+
+@pytest.mark.parametrize("endpoint", SIGNED)
+def test_a_signature_in_the_endpoint_url_is_refused_and_never_echoed(endpoint):
+    """Round four's high finding: these were accepted, stored in the manifest and the node's files, and shown."""
+    with pytest.raises(InventoryError) as caught:
+        parse_inventory(inventory({"url": "s3://bucket/x", "endpoint_url": endpoint}))
+    said = str(caught.value)
+    assert "outputs.endpoint_url" in said and "without credentials, query or fragment" in said
+    assert "f00dsig4242" not in said and "AKID" not in said
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/x?X-Amz-Signature=f00dsig4242", "s3://bucket/x#sig=f00dsig4242",
+                                 "s3://bucket/x?AWSAccessKeyId=AKID&Signature=f00dsig4242",
+                                 "s3://bucket/pre?token=f00dsig4242"])
+def test_a_refused_outputs_url_is_echoed_without_its_signature(url):
+    with pytest.raises(UsageError) as caught:
+        from_option(url, None)
+    assert "--outputs" in str(caught.value) and "no credentials" in str(caught.value)
+    assert "f00dsig4242" not in str(caught.value) and "AKID" not in str(caught.value)
 
 
 @pytest.mark.parametrize("every, seconds", [("30s", 30), ("10m", 600), ("1h", 3600), (45, 45), ("2.5m", 150)])
