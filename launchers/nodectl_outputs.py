@@ -82,6 +82,9 @@ def redact(text: str) -> str:
     return text[:500]
 
 
+OBJECT_CALLS = ("HeadObject", "GetObject", "CopyObject", "GetObjectAttributes")   # a bare 404 from these: the object
+
+
 def describe(exc: BaseException) -> str:
     """What went wrong, in words a user acts on (botocore's class names mean little)."""
     if isinstance(exc, NoBoto3):
@@ -94,8 +97,12 @@ def describe(exc: BaseException) -> str:
                "on the node)"
     if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403", "ExpiredToken"):
         return redact(f"the store refused the credentials ({code}): {exc}")
-    if code in ("NoSuchBucket", "404"):
+    if code == "NoSuchBucket":
         return redact(f"no such bucket ({code}): {exc}")
+    if code in ("NoSuchKey", "NoSuchUpload") or code == "404" and getattr(exc, "operation_name", "") in OBJECT_CALLS:
+        return redact(f"no such object ({code}): {exc}")
+    if code == "404":
+        return redact(f"not found, the bucket or what was asked in it ({code}): {exc}")
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError"):
         return redact(f"the store cannot be reached: {exc}")
     return redact(f"{name}: {exc}")

@@ -2,22 +2,47 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import statistics
 from pathlib import Path
 
 from nodectl.errors import RunFailed, UsageError
 
 
+TIMING_NAME = re.compile(r"^rank(\d{1,7})\.jsonl$")
+STEP_LIMIT = 1 << 53
+
+
 def _jsonl(path: Path) -> list[dict]:
+    """The JSON object lines of a file ranks or nodes wrote: anything else on a line (a bare number, a list, a line
+    cut by a crash, JSON nested too deep) costs that line alone."""
     if not path.is_file():
         return []
     rows = []
     for line in path.read_text(errors="replace").splitlines():
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except (ValueError, RecursionError):
-            continue  # a line cut by a crash
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
     return rows
+
+
+def _number(value) -> bool:
+    """A value a plot can take: an int or float, finite (10**400 is not), not a bool."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return -STEP_LIMIT < value < STEP_LIMIT if isinstance(value, int) else math.isfinite(value)
+
+
+def _json_object(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text(errors="replace"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def load_collected(run_folder: Path) -> dict:
@@ -30,7 +55,7 @@ def load_collected(run_folder: Path) -> dict:
         if metrics:
             data["metrics"], data["metrics_node"] = metrics, node.name
             if (node / "output" / "summary.json").is_file():
-                data["summary"] = json.loads((node / "output" / "summary.json").read_text())
+                data["summary"] = _json_object(node / "output" / "summary.json")
             if (node / "output" / "adapter").exists():
                 data["adapter"] = str((node / "output" / "adapter").resolve())
         for telemetry in (node / "metrics" / "telemetry.jsonl", node / "telemetry.jsonl"):   # the latter: older runs
@@ -38,7 +63,8 @@ def load_collected(run_folder: Path) -> dict:
                 data["telemetry"][node.name] = _jsonl(telemetry)
                 break
         for timing in sorted((node / "timing").glob("rank*.jsonl")) if (node / "timing").is_dir() else []:
-            data["timing"][int(timing.stem[4:])] = _jsonl(timing)
+            if match := TIMING_NAME.match(timing.name):   # a rank may name a file anything: rankX.jsonl is no rank
+                data["timing"][int(match[1])] = _jsonl(timing)
     if not data["metrics"]:
         data["metrics"], data["custom"] = _reported(nodes), True
     data["pace"] = _jsonl(run_folder / "pace.jsonl")   # the attached launch's judged windows (nodectl/pace.py)
@@ -62,8 +88,10 @@ def _reported(nodes: Path) -> list[dict]:
 
 
 def _last_per_step(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """A resumed run logs some steps twice: the later value wins."""
-    by_step = {r["step"]: r[key] for r in rows if r.get(key) is not None}
+    """A resumed run logs some steps twice: the later value wins. Rows whose step is not a whole number in range or
+    whose value is not a finite number are left out (rank-written: evidence, not the report's undoing)."""
+    by_step = {r["step"]: r[key] for r in rows if isinstance(r.get("step"), int) and not isinstance(r["step"], bool)
+               and 0 <= r["step"] < STEP_LIMIT and _number(r.get(key))}
     steps = sorted(by_step)
     return steps, [by_step[s] for s in steps]
 
@@ -123,11 +151,14 @@ def render(data: dict, out: Path) -> list[Path]:
                    [(key, *_last_per_step(metrics, key))])
     util = []
     for node, rows in data["telemetry"].items():
+        rows = [r for r in rows if _number(r.get("time")) and isinstance(r.get("gpus"), list)]
         if rows:
             start = rows[0]["time"]
-            for gpu in range(len(rows[0]["gpus"])):
-                label = f"{node} GPU{rows[0]['gpus'][gpu].get('gpu', gpu)}"
-                util.append((label, [r["time"] - start for r in rows], [r["gpus"][gpu]["util"] for r in rows]))
+            for gpu in range(min(len(rows[0]["gpus"]), 64)):
+                first = rows[0]["gpus"][gpu] if isinstance(rows[0]["gpus"][gpu], dict) else {}
+                points = [(r["time"] - start, r["gpus"][gpu]["util"]) for r in rows if len(r["gpus"]) > gpu
+                          and isinstance(r["gpus"][gpu], dict) and _number(r["gpus"][gpu].get("util"))]
+                util.append((f"{node} GPU{first.get('gpu', gpu)}", [x for x, _ in points], [y for _, y in points]))
     figure("gpu_utilisation", "GPU utilisation", "%", util, from_zero=True)
     if _pace_figure(plt, data.get("pace") or [], out / "pace.png"):
         written.append(out / "pace.png")
@@ -138,8 +169,7 @@ def _pace_figure(plt, windows: list[dict], path: Path) -> bool:
     """Where each rank's time went over the run (computing, getting data, waiting for other ranks in
     collectives), the run's pace against its own healthy pace, and the straggler verdicts shaded, from the
     windows the attached launch judged (runs/<id>/pace.jsonl)."""
-    windows = [w for w in windows if isinstance(w, dict) and isinstance(w.get("time"), (int, float))
-               and isinstance(w.get("ranks"), list)]
+    windows = [w for w in windows if isinstance(w, dict) and _number(w.get("time")) and isinstance(w.get("ranks"), list)]
     if len(windows) < 2:
         return False
     start = windows[0]["time"]
@@ -149,8 +179,7 @@ def _pace_figure(plt, windows: list[dict], path: Path) -> bool:
         for entry in window["ranks"]:
             if not isinstance(entry, dict) or not isinstance(entry.get("rank"), int):
                 continue
-            busy, wait, data = (entry.get(k) if isinstance(entry.get(k), (int, float)) else None
-                                for k in ("busy", "wait", "data"))
+            busy, wait, data = (entry.get(k) if _number(entry.get(k)) else None for k in ("busy", "wait", "data"))
             values = {"computing": None if busy is None else busy - (data or 0.0), "getting data": data,
                       "waiting for other ranks": wait}
             for name, value in values.items():
@@ -159,7 +188,7 @@ def _pace_figure(plt, windows: list[dict], path: Path) -> bool:
                     xs.append(window["time"] - start)
                     ys.append(value * 100)
     panels = [name for name in series if series[name]]
-    paced = [(w["time"] - start, w["pace"]) for w in windows if isinstance(w.get("pace"), (int, float))]
+    paced = [(w["time"] - start, w["pace"]) for w in windows if _number(w.get("pace"))]
     rows = len(panels) + (1 if paced else 0)
     fig, axes = plt.subplots(rows, 1, figsize=(8, 2.6 * rows), dpi=100, sharex=True, squeeze=False)
     axes = [a[0] for a in axes]
@@ -206,10 +235,14 @@ def summarise(data: dict) -> dict:
     steps, _ = _last_per_step(metrics, "loss")
     _, evals = _last_per_step(metrics, "eval_loss")
     _, speed = _last_per_step(metrics, "tokens_per_s_per_gpu")
-    stop = [r["stop"] for r in metrics if r.get("stop")]
+    stop = [r["stop"] for r in metrics if isinstance(r.get("stop"), str) and r["stop"]]
     return {"steps": steps[-1] if steps else 0, "first_loss": _last_per_step(metrics, "loss")[1][0] if steps else None,
             "last_loss": _last_per_step(metrics, "loss")[1][-1] if steps else None,
             "best_eval_loss": min(evals) if evals else None,
             "tokens_per_s_per_gpu": statistics.median(speed[1:] or speed) if speed else None,
-            "adapter": data["adapter"], "end_reason": summary.get("end_reason") or (stop[-1] if stop else "unknown"),
-            "resumed_from": summary.get("resumed_from")}
+            "adapter": data["adapter"], "end_reason": _text(summary.get("end_reason")) or (stop[-1] if stop else "unknown"),
+            "resumed_from": summary.get("resumed_from") if isinstance(summary.get("resumed_from"), (int, str)) else None}
+
+
+def _text(value) -> str | None:
+    return value[:300] if isinstance(value, str) else None

@@ -87,3 +87,31 @@ def test_the_pace_plot_shows_each_ranks_time_the_pace_and_the_straggler_verdict(
     assert all(patches == 1 for _, _, patches in seen["pace"])               # one verdict, shaded on every panel
     assert min(seen["pace_line"]) == 0.6 and seen["pace_line"][0] == 1.0
     assert report.summarise(data)["steps"] == 0
+
+
+def test_rank_written_files_that_lie_cost_their_rows_never_the_report(tmp_path):
+    """Round four: `report` crashed with a traceback on a metrics/rank0.jsonl holding a bare number and on a
+    timing/rankX.jsonl. Every collected file is a rank's or node's word: a bad line, name or value costs itself."""
+    from nodectl import report
+
+    run = tmp_path / "run"
+    node = run / "nodes" / "node0"
+    (node / "metrics").mkdir(parents=True)
+    (node / "timing").mkdir()
+    rows = ["42", "[1, 2]", '"text"', '{"step": "3", "loss": 1.0}', '{"step": true, "loss": 1.0}',
+            '{"step": 1e400, "loss": 1.0}', '{"step": 4, "loss": "NaN"}', '{"step": 5, "loss": Infinity}',
+            '{"step": 6, "loss": ' + "9" * 400 + '}', '{"step": ' + "9" * 400 + ', "loss": 1.0}',
+            '{"step": 1, "loss": 2.5, "custom": 1}', '{"step": 2, "loss": 2.0, "custom": 2}', "[" * 100_000]
+    (node / "metrics" / "rank0.jsonl").write_text("\n".join(rows) + "\n")
+    (node / "timing" / "rankX.jsonl").write_text('{"step": 1, "step_time_s": 1.0}\n')
+    (node / "timing" / "rank1.jsonl").write_text('7\n{"step": 1, "step_time_s": 0.5}\n{"step": 2, "step_time_s": "x"}\n')
+    (node / "metrics" / "telemetry.jsonl").write_text('{"time": "t", "gpus": 3}\n{"time": 1.0, "gpus": [5, {"util": "x"}]}\n'
+                                                      '{"time": 2.0, "gpus": [{"gpu": 0, "util": 50}]}\n')
+    (run / "pace.jsonl").write_text('{"time": 1e999, "ranks": 1}\n3\n')
+    data = report.load_collected(run)
+    assert sorted(data["timing"]) == [1]
+    written = report.render(data, run / "report")
+    assert {p.stem for p in written} >= {"loss", "step_time"}
+    summary = report.summarise(data)
+    assert summary["steps"] == 2 and summary["first_loss"] == 2.5 and summary["last_loss"] == 2.0
+    assert summary["end_reason"] == "unknown"
