@@ -66,13 +66,19 @@ def moved(entry: dict) -> list:
     return [total, kind]
 
 
+BODY_LIMIT = 64 << 20   # a recorder's dump without stack traces: a few MiB at most (2,000 entries)
+
+
 def _request(dir_fd: int, name: str, method: str, target: str, timeout: float) -> tuple[int, bytes]:
     """(status, body) of one HTTP request to a worker server's socket `name` in the folder open as `dir_fd`. The
     socket is opened without following a link and must be one (a rank, or a container's root, may leave a link to
     another program's socket in its folder), then reached through its own descriptor: a run folder's path can also
-    be longer than a socket's address may be (108 bytes). http.client is imported here, when a copy is due: a poll
-    that needs none does not pay for it."""
+    be longer than a socket's address may be (108 bytes). The whole exchange has `timeout` seconds (a server that
+    drips a byte at a time is cut off then, not after each quiet gap) and the body at most BODY_LIMIT bytes (a rank
+    serving 3 GB grew runctl to 2.6 GB): past either, ValueError. http.client is imported here, when a copy is due:
+    a poll that needs none does not pay for it."""
     import http.client
+    import threading
 
     class Unix(http.client.HTTPConnection):
         def connect(self) -> None:
@@ -87,14 +93,51 @@ def _request(dir_fd: int, name: str, method: str, target: str, timeout: float) -
                 os.close(path_fd)
 
     connection = Unix("localhost", timeout=timeout)
+    expired = threading.Event()
+
+    def cut() -> None:   # past the deadline: whatever read is blocked returns, and the answer is refused
+        expired.set()
+        if connection.sock is not None:
+            try:
+                connection.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    timer = threading.Timer(timeout, cut)
+    timer.daemon = True
+    timer.start()
     try:
         connection.request(method, target)
         response = connection.getresponse()
-        return response.status, response.read()
-    except http.client.HTTPException as exc:
+        chunks, size = [], 0
+        while size <= BODY_LIMIT:
+            chunk = response.read1(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > BODY_LIMIT:
+            raise ValueError(f"the worker server's answer is over {BODY_LIMIT >> 20} MiB")
+        if expired.is_set():
+            raise ValueError(f"the worker server did not answer within {timeout:g} s")
+        return response.status, b"".join(chunks)
+    except (http.client.HTTPException, OSError) as exc:
+        if expired.is_set():
+            raise ValueError(f"the worker server did not answer within {timeout:g} s") from None
+        if isinstance(exc, OSError):
+            raise
         raise ValueError(f"the worker server's answer: {exc}") from None
     finally:
+        timer.cancel()
         connection.close()
+
+
+def _json(body: bytes):
+    """A worker server's JSON answer; one nested too deep (or not JSON) is ValueError, never RecursionError."""
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ValueError("the worker server's answer is nested too deep") from None
 
 
 def socket_address(dir_fd: int, name: str) -> str:
@@ -105,7 +148,7 @@ def socket_address(dir_fd: int, name: str) -> str:
 def handler_names(dir_fd: int, name: str, timeout: float = 5.0) -> list:
     """The handlers the worker server at `name` has (torch registers them by build and version)."""
     status, body = _request(dir_fd, name, "GET", "/handler/", timeout)
-    names = json.loads(body) if status == 200 else []
+    names = _json(body) if status == 200 else []
     return [str(n) for n in names] if isinstance(names, list) else []
 
 
@@ -116,6 +159,6 @@ def fetch(dir_fd: int, name: str, handler: str, timeout: float = 5.0) -> list:
                             timeout)
     if status != 200:
         raise ValueError(f"the worker server answered {status}")
-    dump = json.loads(body)
+    dump = _json(body)
     entries = dump.get("entries") if isinstance(dump, dict) else None
     return entries if isinstance(entries, list) else []

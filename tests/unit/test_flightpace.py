@@ -163,3 +163,55 @@ def test_a_torch_without_the_worker_server_copies_in_process_at_shared_ticks(tmp
     wait_for(lambda: len(copies) >= 3, "three copies", 10)
     listener._PACE_STOPPED.append(True)
     assert all(abs(at % 0.5) < 0.1 or abs(at % 0.5 - 0.5) < 0.1 for at in copies), copies   # on the ticks
+
+
+def _hostile_server(path: Path, kind: str) -> threading.Thread:
+    """A unix socket posing as a rank's worker server: a 3 GB body, a body dripped a byte at a time, or JSON nested
+    100,000 deep (round four: the first grew runctl to 2.6 GB, the others turned a running node into "lost")."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+
+    def serve() -> None:
+        peer, _ = listener.accept()
+        with peer:
+            peer.recv(65536)
+            try:
+                if kind == "huge":
+                    peer.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3000000000\r\n\r\n")
+                    block = b"x" * (1 << 20)
+                    for _ in range(3000):
+                        peer.sendall(block)
+                elif kind == "drip":
+                    peer.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+                    for _ in range(1000):
+                        peer.sendall(b" ")
+                        time.sleep(0.5)
+                else:
+                    body = b"[" * 100_000 + b"]" * 100_000
+                    peer.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+            except OSError:   # the reader hung up: what it should do
+                pass
+        listener.close()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("kind, timeout, words", [("huge", 60.0, "over 64 MiB"), ("drip", 2.0, "did not answer within 2 s"),
+                                                  ("deep", 30.0, "nested too deep")])
+def test_a_rank_serving_a_hostile_answer_costs_its_pace_row_alone(tmp_path, runctl_path, kind, timeout, words):
+    import flightpace
+    import psutil
+
+    _hostile_server(tmp_path / "rank0.sock", kind)
+    dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    before, began = psutil.Process().memory_info().rss, time.monotonic()
+    try:
+        with pytest.raises(ValueError, match=words):
+            flightpace.fetch(dir_fd, "rank0.sock", "fr_trace_json", timeout=timeout)
+    finally:
+        os.close(dir_fd)
+    assert time.monotonic() - began < timeout + 5
+    assert psutil.Process().memory_info().rss - before < 256 << 20
