@@ -172,7 +172,7 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, 
         unpulled = pulled.failed
         if unpulled or cancel.is_set():
             why = "interrupted" if cancel.is_set() else \
-                f"{unpulled[0].node.name} could not take the run's outputs from the store: {unpulled[0].error}"
+                f"{unpulled[0].node.name} could not take the run's outputs from the store: {unpulled[0].reason}"
             return FanOut(NodeResult.failed(r.node, f"not started: {why}") for r in prepared)
     elif plan.attempt and not plan.builtin_trainer and plan.nnodes > 1:
         # a resumed (or restarted) script: its $NODECTL_OUTPUT_DIR on every node holds node 0's outputs too
@@ -180,7 +180,7 @@ def start_run(plan: LaunchPlan, rendered: list[RenderedNode], cluster: Cluster, 
         unshared = shared.failed
         if unshared or cancel.is_set():
             why = "interrupted" if cancel.is_set() else \
-                f"node 0's output/ could not be shared with {unshared[0].node.name}: {unshared[0].error}"
+                f"node 0's output/ could not be shared with {unshared[0].node.name}: {unshared[0].reason}"
             return FanOut(NodeResult.failed(r.node, f"not started: {why}") for r in prepared)
     counts = prepared.succeeded
     if on_ready is not None:

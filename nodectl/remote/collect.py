@@ -60,7 +60,7 @@ def share_output(cluster, source: NodePlan, others: list[NodePlan]) -> FanOut[No
         local = Path(tmp) / "output.tar"
         fetched = cluster.fan_out(lambda t: _fetch_output(t, source.run_dir, local), [source.node])[0]
         if not fetched.ok:
-            return FanOut(NodeResult.failed(np.node, f"{source.node.name}'s output could not be read: {fetched.error}")
+            return FanOut(NodeResult.failed(np.node, f"{source.node.name}'s output could not be read: {fetched.reason}")
                           for np in others)
         size = local.stat().st_size
 

@@ -77,6 +77,12 @@ class NodeResult(Generic[T]):
         return self.failure is not None and self.failure.kind == NodeErrorKind.NO_RUN
 
     @property
+    def reason(self) -> str:
+        """The error without the node's own name in front (for a message that names the node itself)."""
+        error = self.error or ""
+        return error[len(self.node.name) + 2:] if error.startswith(f"{self.node.name}: ") else error
+
+    @property
     def said(self) -> str:
         """The error with the node's name in front once (most messages from a node already start with it)."""
         error = self.error or ""

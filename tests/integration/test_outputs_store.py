@@ -264,6 +264,8 @@ def test_a_resume_whose_pull_fails_keeps_every_earlier_file_and_names_what_it_co
     assert resumed.exit_code != 0 and "resumed" not in resumed.stdout, resumed.output
     assert "output/ckpt-100-rank1.pt: the store holds 5 bytes, its index 1048576" in resumed.output, resumed.output
     assert "every file already in its run folder is kept" in resumed.output
+    cause = next(line for line in resumed.output.splitlines() if "could not take the run's outputs" in line)
+    assert "node1 could not take the run's outputs from the store: 1 file(s)" in cause, cause   # node1 named once
     for path, data in before.items():   # attempt 0's logs were archived under attempts/0/ by the resume
         kept = path if path.parent.name == "output" else path.parents[1] / "attempts" / "0" / "logs" / path.name
         assert kept.is_file() and kept.read_bytes() == data, f"{kept} changed or went"

@@ -48,3 +48,13 @@ def test_a_runctl_call_that_times_out_names_its_node_and_verb_never_the_bootstra
     said = NodeResult(node, failure=failure).said
     assert said == "node7: stop did not finish in 15 s", said
     assert "import" not in said and "runctl-" not in said
+
+
+def test_a_nodes_reason_drops_its_own_name_once_and_keeps_any_other():
+    """Round four: a resume's pull error read `node1 could not take ...: node1: 1 file(s) ...`. `reason` is the
+    error for a message that names the node itself; `said` names it once in front."""
+    node = parse_inventory("nodes:\n  - {host: h0, name: node0}\n  - {host: h1, name: node1}\n").nodes[1]
+    named = NodeResult.failed(node, "node1: 1 file(s) of output/ could not be brought")
+    assert named.reason == "1 file(s) of output/ could not be brought" and named.said == named.error
+    other = NodeResult.failed(node, "node0's output could not be read")
+    assert other.reason == other.error and other.said == "node1: node0's output could not be read"
