@@ -325,7 +325,8 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
                 if pace:
                     _feed_pace(pace, answer)
             answers = poller.answers()
-            health = {rn.node.name: poller.health(rn.node.name) for rn in run_nodes}
+            healths = poller.healths()
+            health = {rn.node.name: healths[rn.node.name] for rn in run_nodes}
             for name, said in health.items():
                 if on_health and said.state != Liveness.LOST and said.state != shown.get(name, Liveness.UP):
                     on_health(name, said)

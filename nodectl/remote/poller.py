@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from nodectl.remote.client import NodeClient
-from nodectl.remote.liveness import Arrivals, Health, Liveness, judge
+from nodectl.remote.liveness import Arrivals, Health, Liveness, judge, judge_all
 from nodectl.runs import RunNode
 from nodectl.transport import Knock, NodeErrorKind, NodeResult, failure_of
 from nodectl.transport.fanout import Cluster
@@ -88,6 +88,11 @@ class Poller:
     def health(self, name: str, now: float | None = None) -> Health:
         with self._lock:
             return judge(self._arrivals[name], time.monotonic() if now is None else now, self.lost_after)
+
+    def healths(self, now: float | None = None) -> dict[str, Health]:
+        """Every node's liveness, judged with the others in view (liveness.judge_all)."""
+        with self._lock:
+            return judge_all(dict(self._arrivals), time.monotonic() if now is None else now, self.lost_after)
 
     # --- one node's thread --------------------------------------------------------------------------------------
 

@@ -9,7 +9,7 @@ import pytest
 from nodectl.inventory import Node
 from nodectl.launch.attend import LivenessNotices
 from nodectl.remote.answers import ExitRecord, PollAnswer, RankState
-from nodectl.remote.liveness import Arrivals, Health, Liveness, judge
+from nodectl.remote.liveness import Arrivals, Health, Liveness, judge, judge_all
 from nodectl.remote.poller import Answer
 from nodectl.transport import Knock, NodeResult
 from nodectl.watch import Failure, FailureKind, _cause, _lost_node
@@ -75,6 +75,41 @@ def test_a_port_that_answers_gives_a_silent_node_twice_as_long_and_says_its_comm
     assert judge(arrivals, arrivals.last + 100.0, lost_after=60.0).state == Liveness.SLOW
     lost = judge(arrivals, arrivals.last + 121.0, lost_after=60.0)
     assert lost.state == Liveness.LOST and "commands hang" in lost.detail
+
+
+def test_a_node_behind_a_proxy_that_cannot_be_knocked_on_waits_twice_as_long():
+    """Its port cannot be asked (a ProxyCommand): nothing says it is down, so silence alone needs twice as long.
+    At 64 loaded loopback nodes one such node was called lost at 72 s of silence (bench/watch/watch.py)."""
+    arrivals = history([1.0] * 30 + [16.0])
+    arrivals.knock = Knock.UNKNOWN
+    assert judge(arrivals, arrivals.last + 72.0, lost_after=60.0).state == Liveness.SLOW
+    lost = judge(arrivals, arrivals.last + 121.0, lost_after=60.0)
+    assert lost.state == Liveness.LOST and "reached through a proxy" in lost.detail
+
+
+def test_a_node_silent_with_a_crowd_of_others_waits_twice_as_long_and_a_refusal_still_counts_at_once():
+    """Silence shared by a quarter of the nodes (at least two others) is the controller's or its network's, more
+    likely than each node's: none of them is lost at the single threshold; a refused one still is, at once."""
+    now = 200.0
+    nodes = {f"node{i}": history([1.0] * 30) for i in range(8)}
+    for arrivals in nodes.values():
+        arrivals.knock = Knock.SILENT
+    quiet = ["node1", "node2", "node3"]
+    for name, arrivals in nodes.items():
+        arrivals.last = now - (70.0 if name in quiet else 0.5)
+    healths = judge_all(nodes, now, lost_after=60.0)
+    assert [healths[n].state for n in quiet] == [Liveness.SLOW] * 3
+    assert judge(nodes["node1"], now, lost_after=60.0).state == Liveness.LOST   # alone, it would have been
+    nodes["node2"].refused = "its SSH port refused the connection twice"
+    healths = judge_all(nodes, now, lost_after=60.0)
+    assert healths["node2"].state == Liveness.LOST and healths["node2"].certain
+    # a node lost for certain is no part of the crowd: node1 is silent beside node3 alone, and judged alone
+    assert healths["node1"].state == Liveness.LOST and "fell silent" not in healths["node1"].detail
+    for name in quiet:
+        nodes[name].last = now - 125.0
+        nodes[name].refused = ""
+    late = judge_all(nodes, now, lost_after=60.0)
+    assert late["node1"].state == Liveness.LOST and "2 other node(s) fell silent at the same time" in late["node1"].detail
 
 
 def test_a_refusal_is_certain_and_named_with_its_reason():
