@@ -107,9 +107,18 @@ def judge_history(today: list[Figure], past: list[dict], warn: float = DRIFT_WAR
                   fail: float = DRIFT_FAIL) -> Drift:
     """Today's figures against each part's median over its last WINDOW entries in `past` (oldest first)."""
     results, matched, parts_seen = [], 0, 0
-    for figure in (f for f in today if f.judged):
+    disputed = _claimed_twice(today, past)
+    for key, nodes in sorted(disputed.items()):
+        results.append(CheckResult(
+            "history", "cluster", WARN,
+            f"{key[len('gpu:'):]} is reported by {', '.join(sorted(nodes))}: a GPU's UUID is one GPU's, so its past "
+            f"judges neither node's figures",
+            "a node that reports another node's GPU is misconfigured (a cloned image's cached inventory?) or "
+            "compromised: compare `nvidia-smi -L` on each"))
+    for figure in (f for f in today if f.judged and f.key not in disputed):
         earlier = [(entry.get("time", 0), found["value"]) for entry in past for found in entry.get("figures") or []
                    if found.get("key") == figure.key and found.get("metric") == figure.metric
+                   and (not figure.key.startswith("gpu:") or found.get("node") == figure.node)
                    and isinstance(found.get("value"), (int, float))][-WINDOW:]
         if not earlier:
             continue
@@ -144,6 +153,21 @@ def judge_history(today: list[Figure], past: list[dict], warn: float = DRIFT_WAR
     else:
         summary = f"history: {len(results)} of {parts_seen} figure(s) below their own past (above)"
     return Drift(tuple(results), summary)
+
+
+def _claimed_twice(today: list[Figure], past: list[dict]) -> dict[str, set[str]]:
+    """GPU keys (by UUID, which the node itself reports) that more than one node claims, today or in the kept past:
+    a GPU is judged only against figures its own node measured, and a UUID two nodes claim judges neither (a
+    compromised node claiming another's GPU with inflated figures would otherwise fail that node later)."""
+    claims: dict[str, set[str]] = {}
+    for figure in today:
+        if figure.key.startswith("gpu:"):
+            claims.setdefault(figure.key, set()).add(figure.node)
+    for entry in past:
+        for found in entry.get("figures") or []:
+            if isinstance(found, dict) and found.get("key") in claims and isinstance(found.get("node"), str):
+                claims[found["key"]].add(found["node"])
+    return {key: nodes for key, nodes in claims.items() if len(nodes) > 1}
 
 
 STRAGGLER_DAYS = 14       # a node named a straggler in runs of the last STRAGGLER_DAYS...

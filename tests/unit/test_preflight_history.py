@@ -96,3 +96,23 @@ def test_a_node_that_held_back_two_recent_runs_is_warned_of_and_the_figures_are_
     # the straggler lines are no figures: the drift judge and --history's rows see the same as before
     assert len(history.rows()) == 3 * len(figures_of(REPORTS, jobs(), COLLECTIVE))
     assert judge_history(figures_of(REPORTS, jobs(), COLLECTIVE), history.entries()).results == ()
+
+
+def test_a_gpu_uuid_claimed_by_two_nodes_is_named_and_judges_neither(tmp_path):
+    """Round four: the history keyed a GPU by the UUID its node reports. A compromised node2 claimed node1's GPU
+    with inflated figures; node1's honest figures then fell 'below its own past' and failed. Now a GPU is judged
+    only against what its own node measured, and a UUID two nodes claim is named and judges neither."""
+    history = History(tmp_path)
+    past(history)
+    forged = {**REPORTS, "node2": {"gpus": {"devices": [{"index": 0, "uuid": "GPU-cccc2222"}]}}}
+    for i in range(5):   # node2 claims node1's GPU at 2x its rate, five times
+        history.add(figures_of(forged, {"node2": {"devices": [{"index": 0, "gemm_tflops": 1400.0,
+                                                              "hbm_gbps": 8000.0}]}}, None),
+                    {}, ["node2"], when=1_790_500_000.0 + i)
+    drift = judge_history(figures_of(REPORTS, jobs(), COLLECTIVE), history.entries())
+    assert not [r for r in drift.results if r.node == "node1"], drift.results
+    (conflict,) = [r for r in drift.results if "GPU-cccc2222" in r.detail]
+    assert conflict.verdict == WARN and "node1, node2" in conflict.detail and "judges neither" in conflict.detail
+    # node0's GPUs are still judged against their own past
+    slowed = judge_history(figures_of(REPORTS, jobs(slow=500.0), COLLECTIVE), history.entries())
+    assert any(r.node == "node0" and r.verdict == FAIL for r in slowed.results)
