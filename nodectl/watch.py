@@ -331,6 +331,8 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
                 if on_health and said.state != Liveness.LOST and said.state != shown.get(name, Liveness.UP):
                     on_health(name, said)
                 shown[name] = said.state
+            if on_health and hasattr(on_health, "flush"):   # a notice that gathers a tick's changes into one
+                on_health.flush()
             latest = {name: a.result for name, a in answers.items()}
             outcome = _judge(latest, len(run_nodes))
             if isinstance(outcome, Failure) and outcome.kind in (FailureKind.RANK, FailureKind.LAUNCHER):

@@ -122,7 +122,7 @@ def healthy(cluster, inventory, project, size) -> dict:
     lost = [line for line in err.splitlines() if "was lost" in line]
     return {"ok": proc.returncode == 0 and not lost, "lost": lost[:1], "code": proc.returncode,
             "cpu_s": cpu - cpu0, "watched_s": watched, "rss_mib": peak / 2**20,
-            "slow_lines": sum("is slow" in line for line in err.splitlines()), "tail": err[-800:]}
+            "slow_lines": sum("is slow" in line or "are slow" in line for line in err.splitlines()), "tail": err[-800:]}
 
 
 def power_off(cluster, inventory, project, size, victim: int) -> dict:

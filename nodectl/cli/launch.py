@@ -212,16 +212,33 @@ def _attended(app: AppContext, event: ev.Event) -> None:
     elif isinstance(event, ev.RunPace):
         app.err.print(f"[yellow]{escape(event.line)}[/]")
     elif isinstance(event, ev.NodeLiveness):
-        if event.state == "slow":
-            app.err.print(f"[yellow]node {escape(event.node)} is slow[/]: {escape(event.detail)} (not lost: the run "
-                          f"goes on)")
-        else:
-            app.err.print(f"[green]node {escape(event.node)} answers on time again[/]")
+        _liveness(app, event)
     elif isinstance(event, ev.UploadTrouble):
         app.err.print(f"[yellow]outputs: node {escape(event.node)} could not upload[/]: {escape(event.error)} (the run "
                       f"goes on; nodectl status shows the uploader's state)")
     elif isinstance(event, ev.AttemptRecorded):
         app.info(f"run {event.run_id}: attempt {event.attempt} on {event.nnodes} node(s)")
+
+
+LIVENESS_NAMED = 4   # nodes named with their lag in one slow notice; the rest counted
+
+
+def _liveness(app: AppContext, event: ev.NodeLiveness) -> None:
+    nodes = event.nodes
+    if event.state != "slow":
+        names = ", ".join(nodes[:LIVENESS_NAMED]) + (f" and {len(nodes) - LIVENESS_NAMED} more"
+                                                     if len(nodes) > LIVENESS_NAMED else "")
+        app.err.print(f"[green]{'node' if len(nodes) == 1 else 'nodes'} {escape(names)} "
+                      f"{'answers' if len(nodes) == 1 else 'answer'} on time again[/]")
+        return
+    if len(nodes) == 1:
+        app.err.print(f"[yellow]node {escape(nodes[0])} is slow[/]: {escape(event.details[0])} (not lost: the run "
+                      f"goes on)")
+        return
+    named = "; ".join(f"{n}: {d}" for n, d in zip(nodes[:LIVENESS_NAMED], event.details))
+    more = f"; and {len(nodes) - LIVENESS_NAMED} more" if len(nodes) > LIVENESS_NAMED else ""
+    app.err.print(f"[yellow]{len(nodes)} nodes are slow[/]: {escape(named + more)} (not lost: the run goes on; "
+                  f"many at once is more often this machine or its network than the nodes)")
 
 
 def _not_started(app: AppContext, failed: StartFailed) -> None:

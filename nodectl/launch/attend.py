@@ -30,11 +30,13 @@ Restart = Callable[[Job, list[dict]], tuple[Job, Run]]
 
 
 class LivenessNotices:
-    """Tells a node's lateness (NodeLiveness) without flooding: a node's first "slow" and its recovery are told; one
+    """Tells nodes' lateness (NodeLiveness) without flooding. A node's first "slow" and its recovery are told; one
     that is late again within `quiet` seconds of its last told "slow" is counted, not told, and its next told "slow"
-    says how often it was late meanwhile. A node behind a congested path flaps every few seconds: at 32 nodes with
-    jitter on 8, a launch printed 36-63 such lines in 80 s of watching before (bench/watch/watch.py, 2026-11-29).
-    Lost is never damped: it is a verdict (watch.py's Failure), not a notice."""
+    says how often it was late meanwhile. What one tick of the watch found goes out as one event per state (`flush`,
+    called by the watch after each tick): 64 nodes starved at once are one line, not 64. A node behind a congested
+    path flaps every few seconds: at 32 nodes with jitter on 8, a launch printed 36-63 lines in 80 s of watching
+    before (bench/watch/watch.py, 2026-11-29). Lost is never damped: it is a verdict (watch.py's Failure), not a
+    notice."""
 
     def __init__(self, notify: Callable[[Event], None], *, quiet: float = 300.0,
                  clock: Callable[[], float] = time.monotonic):
@@ -42,6 +44,7 @@ class LivenessNotices:
         self.told: dict[str, float] = {}      # node -> when its last "slow" was told
         self.unshown: dict[str, int] = {}     # node -> times it was late since, not told
         self.slow: set[str] = set()           # nodes whose "slow" was told and not yet their recovery
+        self.pending: dict[str, list[tuple[str, str]]] = {"slow": [], "up": []}
 
     def __call__(self, node: str, health: Health) -> None:
         if health.state == Liveness.SLOW:
@@ -54,10 +57,17 @@ class LivenessNotices:
                                       f" min ago" if again else "")
             self.told[node] = now
             self.slow.add(node)
-            self.notify(NodeLiveness(node=node, state=str(health.state), detail=detail))
+            self.pending["slow"].append((node, detail))
         elif health.state == Liveness.UP and node in self.slow:
             self.slow.discard(node)
-            self.notify(NodeLiveness(node=node, state=str(health.state)))
+            self.pending["up"].append((node, ""))
+
+    def flush(self) -> None:
+        for state, told in self.pending.items():
+            if told:
+                self.notify(NodeLiveness(nodes=tuple(n for n, _ in told), state=state,
+                                         details=tuple(d for _, d in told) if state == "slow" else ()))
+        self.pending = {"slow": [], "up": []}
 
 
 def attend(job: Job, run: Run, session: Session, attending: Attending, *, restart: Restart,

@@ -140,11 +140,11 @@ class RunPace:
 
 @dataclass(frozen=True, kw_only=True)
 class NodeLiveness:
-    """Stage.ATTEND: a node's watch stream fell behind its usual pace (slow, with its lag), or caught up again
-    (up). Slow is not lost: nothing is stopped for it."""
-    node: str
-    state: str               # nodectl.remote.liveness.Liveness: up, slow
-    detail: str = ""
+    """Stage.ATTEND: nodes whose watch streams fell behind their usual pace in one tick of the watch (slow, each
+    with its lag), or caught up again (up). Slow is not lost: nothing is stopped for it."""
+    nodes: tuple[str, ...]
+    state: str                       # nodectl.remote.liveness.Liveness: up, slow
+    details: tuple[str, ...] = ()    # for slow: each node's lag, in the order of `nodes`
 
 
 @dataclass(frozen=True)

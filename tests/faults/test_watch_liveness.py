@@ -5,6 +5,7 @@ without it."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -69,8 +70,9 @@ def test_a_node_that_answers_nothing_for_20s_is_slow_not_lost(cluster, tmp_path)
         if run_id:
             kill_leftovers(run_id)
     assert controller.returncode == 0, err[-3000:]
-    assert "was lost" not in err and "node node1 is slow" in err, err[-3000:]
-    assert "node node1 answers on time again" in err
+    # alone, or beside others that turned slow in the same tick (one line then: "2 nodes are slow: node1: ...")
+    assert "was lost" not in err and re.search(r"node node1 is slow|nodes are slow: (.*; )?node1: ", err), err[-3000:]
+    assert re.search(r"node node1 answers on time again|nodes .*node1.* answer on time again", err), err[-3000:]
     manifest = json.loads((project / "runs" / run_id / "manifest.json").read_text())
     assert manifest["state"] == "succeeded"
 

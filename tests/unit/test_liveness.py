@@ -3,6 +3,7 @@ own history; a survivor's failure is never named over a lost node; the records c
 from __future__ import annotations
 
 import time
+import types
 
 import pytest
 
@@ -173,15 +174,48 @@ def test_a_flapping_node_is_told_once_per_quiet_window_with_how_often_it_was_lat
     notices = LivenessNotices(told.append, quiet=300, clock=lambda: now[0])
     slow = Health(state=Liveness.SLOW, silent=6, usual=1, detail="6s behind (it usually sends every 1.0s)")
     up = Health(state=Liveness.UP, silent=0, usual=1)
+
+    def tick(*changes):
+        for name, health in changes:
+            notices(name, health)
+        notices.flush()
+
     for second in range(0, 280, 20):   # late every 20 s for 280 s: 14 times
         now[0] = float(second)
-        notices("node3", slow)
-        notices("node3", up)
-    assert [(e.node, e.state) for e in told] == [("node3", "slow"), ("node3", "up")]
-    notices("node5", slow)             # another node is told at once, whatever node3 did
-    assert told[-1].node == "node5" and told[-1].state == "slow"
+        tick(("node3", slow))
+        tick(("node3", up))
+    assert [(e.nodes, e.state) for e in told] == [(("node3",), "slow"), (("node3",), "up")]
+    tick(("node5", slow))              # another node is told at once, whatever node3 did
+    assert told[-1].nodes == ("node5",) and told[-1].state == "slow"
     now[0] = 301.0                     # past the window: told again, with the count of the ones not told
-    notices("node3", slow)
-    assert told[-1].node == "node3" and "late 13 more time(s) since it was last shown, 5 min ago" in told[-1].detail
-    notices("node3", up)
+    tick(("node3", slow))
+    assert told[-1].nodes == ("node3",) and "late 13 more time(s) since it was last shown, 5 min ago" in told[-1].details[0]
+    tick(("node3", up))
     assert told[-1].state == "up" and len(told) == 5
+
+
+def test_nodes_that_turn_slow_in_one_tick_are_one_notice_and_the_cli_says_it_in_one_line():
+    """64 starved nodes were 62 'is slow' lines and as many 'on time again' (bench/watch/watch.py at 64 nodes)."""
+    import io
+
+    from rich.console import Console
+
+    from nodectl.cli.launch import _liveness
+
+    told = []
+    notices = LivenessNotices(told.append)
+    for i in range(10):
+        notices(f"node{i}", Health(state=Liveness.SLOW, silent=6 + i, usual=1, detail=f"{6 + i}s behind"))
+    notices.flush()
+    notices.flush()                    # nothing new: nothing told
+    assert len(told) == 1 and len(told[0].nodes) == 10 and told[0].details[3] == "9s behind"
+    out = io.StringIO()
+    app = types.SimpleNamespace(err=Console(file=out, width=400))
+    _liveness(app, told[0])
+    line = out.getvalue().strip()
+    assert line.count("\n") == 0 and line.startswith("10 nodes are slow: node0: 6s behind") and "and 6 more" in line
+    for i in range(10):
+        notices(f"node{i}", Health(state=Liveness.UP, silent=0, usual=1))
+    notices.flush()
+    _liveness(app, told[-1])
+    assert "nodes node0, node1, node2, node3 and 6 more answer on time again" in out.getvalue()
