@@ -116,6 +116,8 @@ def main() -> None:
                 ours.append(time_nodectl(cluster, inventory, project, size))
                 theirs.append(time_reference(cluster, project, size, 31000 + 100 * size + repeat))
                 stops.append(time_fail_fast(cluster, dying, project, size))
+                print(f"{size:>3} nodes, repeat {repeat + 1}: nodectl {ours[-1]:.2f}s  ssh loop {theirs[-1]:.2f}s  "
+                      f"fail-fast {stops[-1]:.2f}s", flush=True)
             a, b, c = statistics.median(ours), statistics.median(theirs), statistics.median(stops)
             print(f"{size:>3} nodes: nodectl {a:.2f}s  reference ssh loop {b:.2f}s  ratio {a / b:.2f}x  "
                   f"rank death -> last process gone {c:.2f}s", flush=True)
