@@ -114,10 +114,18 @@ def main() -> None:
             ours, theirs, stops = [], [], []
             for repeat in range(args.repeats):
                 ours.append(time_nodectl(cluster, inventory, project, size))
-                theirs.append(time_reference(cluster, project, size, 31000 + 100 * size + repeat))
+                try:
+                    theirs.append(time_reference(cluster, project, size, 31000 + 100 * size + repeat))
+                except (subprocess.TimeoutExpired, RuntimeError) as exc:   # 64 nodes on 2 cores, 2026-11-29
+                    subprocess.run(["pkill", "-f", f"master-port={31000 + 100 * size + repeat}"], capture_output=True)
+                    print(f"{size:>3} nodes, repeat {repeat + 1}: nodectl {ours[-1]:.2f}s; the ssh loop did not "
+                          f"finish: {str(exc)[-160:]}", flush=True)
+                    continue
                 stops.append(time_fail_fast(cluster, dying, project, size))
                 print(f"{size:>3} nodes, repeat {repeat + 1}: nodectl {ours[-1]:.2f}s  ssh loop {theirs[-1]:.2f}s  "
                       f"fail-fast {stops[-1]:.2f}s", flush=True)
+            if not theirs:
+                continue
             a, b, c = statistics.median(ours), statistics.median(theirs), statistics.median(stops)
             print(f"{size:>3} nodes: nodectl {a:.2f}s  reference ssh loop {b:.2f}s  ratio {a / b:.2f}x  "
                   f"rank death -> last process gone {c:.2f}s", flush=True)
