@@ -34,7 +34,10 @@ time.sleep(float(os.environ.get("HOLD", "0")))
 """
 
 
-def wait_lines(paths: list[Path], timeout: float = 120) -> None:
+WAIT = 600   # seconds either side may take to every first line (64 nodes on 2 cores: over 120)
+
+
+def wait_lines(paths: list[Path], timeout: float = WAIT) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if all(p.exists() and b"first line" in p.read_bytes() for p in paths):
@@ -73,7 +76,7 @@ def time_reference(cluster: SSHCluster, project: Path, size: int, port: int) -> 
                   f"--master-port={port} bench_script.py > {folder}/rank{rank}.log 2>&1 < /dev/null &")
         procs.append(subprocess.Popen([*ssh, f"root@{node.address}", remote], env=cluster.env()))
     for proc in procs:
-        proc.wait(timeout=120)
+        proc.wait(timeout=WAIT)
     wait_lines([node.host_path(f"{folder}/rank{r}.log") for r, node in enumerate(cluster.nodes[:size])])
     elapsed = time.perf_counter() - started
     subprocess.run(["pkill", "-f", f"master-port={port}"], capture_output=True)
