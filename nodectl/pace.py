@@ -60,12 +60,18 @@ class Straggler:
     since: float              # when it was first seen slower (controller's clock)
     causes: list[str] = field(default_factory=list)
     ended: float | None = None
+    # what the verdict rests on besides the timings the other ranks report of themselves (which a rank writes and
+    # so could forge): `corroborated` when it holds with each other node's timings left out in turn, or when its
+    # own node's counters (read by runctl, not written by any rank) show a cause; `basis` says which, or why not
+    corroborated: bool = False
+    basis: str = ""
 
     def describe(self) -> str:
         where = f"rank {self.rank} on node {self.node}" + (f" (GPU {self.gpu})" if self.gpu is not None else "")
         pays = f"; pace {self.pace:.2f}x" if self.pace is not None else ""
         cause = "; " + "; ".join(self.causes) if self.causes else "; no cause seen on its node"
-        return f"straggler: {where} is {self.slower * 100:.0f}% slower than the median rank{pays}{cause}"
+        doubt = f" (not certain: {self.basis})" if not self.corroborated and self.basis else ""
+        return f"straggler: {where} is {self.slower * 100:.0f}% slower than the median rank{pays}{cause}{doubt}"
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -146,6 +152,7 @@ def _reference_at(reference: dict | None, mib: float | None) -> tuple[float | No
 BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "gather": lambda n: (n - 1) / n,
               "scatter": lambda n: (n - 1) / n, "alltoall": lambda n: (n - 1) / n, "other": lambda n: 1.0}
 BUS_MIN_BYTES = 1 << 20   # smaller collectives measure their latency, not the links
+DATA_CAUSE = "it waits for its data"   # a cause from the ranks' own heartbeats (their word, not a node's counters)
 
 
 class PaceWatch:
@@ -169,6 +176,7 @@ class PaceWatch:
         self._gpu_detail: dict[str, dict] = {}
         self._steps: list[tuple[float, float]] = []            # (time, step) of the slowest rank's heartbeat
         self._first: float | None = None
+        self._recent: list = []                                # the last window's complete collectives
         self._healthy: list[float] = []
         self._healthy_busbw: list[float] = []                  # the collectives' bus bandwidth while healthy
         self._candidate: tuple[int, float] | None = None       # (rank, since)
@@ -305,6 +313,7 @@ class PaceWatch:
                                       self._told(slower, state.pace), state.pace, self._candidate[1])
                     with self._lock:
                         found.causes = self._causes(found, now)
+                        found.corroborated, found.basis = self._corroborate(found, now)
                     state.straggler, self._candidate = found, None
                     state.events.append(found)
                     changes.append(replace(found, causes=list(found.causes)))   # as it was when found
@@ -315,6 +324,9 @@ class PaceWatch:
             if same:
                 straggler.slower, straggler.pace = self._told(slower, state.pace), state.pace
                 self._calm_since = None
+                if not straggler.corroborated:   # a cause or a witness may show later
+                    with self._lock:
+                        straggler.corroborated, straggler.basis = self._corroborate(straggler, now)
             elif self._calm_since is None:
                 self._calm_since = now
             elif now - self._calm_since >= s.hold:
@@ -377,19 +389,9 @@ class PaceWatch:
         if len(recent) < 4 or recent[-1][0] - recent[0][0] < min(seconds, s.window) / 4:
             return None
         span = recent[-1][0] - recent[0][0]
-        waits = dict.fromkeys(ranks, 0.0)
-        with_durations = [item for item in recent[1:] if set(self._durations.get(item[1], {})) >= set(ranks)]
-        timed = len(with_durations) >= 0.9 * len(recent[1:])
+        self._recent = recent
+        waits, timed, with_durations = self._waits(recent, ranks)
         self.timed = timed
-        for last, key, arrivals in (with_durations if timed else recent[1:]):
-            if timed:   # NCCL timed each: a rank waited what its collective took beyond the shortest one
-                durations = self._durations[key]
-                shortest = min(durations[r] for r in ranks)
-                for r in ranks:
-                    waits[r] += durations[r] - shortest
-            else:
-                for r in ranks:
-                    waits[r] += last - arrivals[r]
         self._bandwidth(with_durations if timed else [], len(ranks))
         times = [RankTime(r, self.rank_nodes[r], busy=round(max(0.0, 1 - waits[r] / span), 3),
                           wait=round(min(1.0, waits[r] / span), 3), data=self._data_share(r, now - seconds))
@@ -398,6 +400,54 @@ class PaceWatch:
         if len(steps) >= 2 and steps[-1][1] > steps[0][1]:
             return times, (steps[-1][1] - steps[0][1]) / (steps[-1][0] - steps[0][0]), "steps/s"
         return times, (len(recent) - 1) / span, "collectives/s"
+
+    def _waits(self, recent: list, ranks: list[int]) -> tuple[dict[int, float], bool, list]:
+        """Each of `ranks`' seconds waiting for the others of `ranks` over the window's collectives: the last of
+        them to arrive minus its own arrival, or where NCCL timed nearly all of them, its collective's duration
+        minus the shortest. Also whether they were timed, and the timed ones."""
+        with_durations = [item for item in recent[1:] if set(self._durations.get(item[1], {})) >= set(ranks)]
+        timed = len(with_durations) >= 0.9 * len(recent[1:])
+        waits = dict.fromkeys(ranks, 0.0)
+        for _, key, arrivals in (with_durations if timed else recent[1:]):
+            if timed:
+                durations = self._durations[key]
+                shortest = min(durations[r] for r in ranks)
+                for r in ranks:
+                    waits[r] += durations[r] - shortest
+            else:
+                last = max(arrivals[r] for r in ranks)
+                for r in ranks:
+                    waits[r] += last - arrivals[r]
+        return waits, timed, with_durations
+
+    def _corroborate(self, found: Straggler, now: float) -> tuple[bool, str]:
+        """Whether the verdict on `found` rests on more than what other ranks say of themselves. The waits that
+        point at it are timings each rank reports of itself: one node's ranks claiming to arrive early make any
+        other rank look slow. So the verdict stands only when (a) it still holds with each other node's timings
+        left out in turn (the rest, and the suspect node's own ranks, still wait for it: no single node's word
+        decides), or (b) runctl read a cause on its node that no rank writes (its CPU quota, run queue, steal,
+        GPU)."""
+        counted = [c for c in found.causes if not c.startswith(DATA_CAUSE)]
+        if counted:
+            return True, f"its node's own counters: {counted[0]}"
+        suspect_node = self.rank_nodes.get(found.rank)
+        others = sorted({n for n in self.rank_nodes.values() if n != suspect_node})
+        recent = self._recent
+        if not others or not recent:
+            return False, "no other node's ranks to compare with"
+        span = recent[-1][0] - recent[0][0]
+        for left_out in others:
+            ranks = sorted(r for r, n in self.rank_nodes.items() if n != left_out)
+            busy = {}
+            if len(ranks) >= 2 and span > 0:
+                waits, _, _ = self._waits(recent, ranks)
+                busy = {r: 1 - waits[r] / span for r in ranks}
+            median = statistics.median(busy.values()) if busy else 0.0
+            if median <= 0 or max(busy, key=busy.get) != found.rank \
+                    or busy[found.rank] / median - 1 < self.settings.slower:
+                return False, (f"only node {left_out}'s ranks' own timings say it is slower (a rank's timings "
+                               f"could be wrong or forged), and nothing read on node {suspect_node} agrees")
+        return True, "the ranks of every other node wait for it (each node's timings left out in turn)"
 
     def _bandwidth(self, timed: list, world: int) -> None:
         """The bus bandwidth the window's NCCL-timed collectives of 1 MiB or more reached: bus bytes over the time
@@ -453,7 +503,7 @@ class PaceWatch:
         if found.rank in shares and len(shares) > 1:
             usual = statistics.median(v for r, v in shares.items() if r != found.rank)
             if shares[found.rank] >= usual + 0.1:
-                causes.append(f"it waits for its data {shares[found.rank] * 100:.0f}% of the time (the other ranks "
+                causes.append(f"{DATA_CAUSE} {shares[found.rank] * 100:.0f}% of the time (the other ranks "
                               f"{usual * 100:.0f}%): its batches take longer to make or load")
         steal = _steal(self._node_cpu.get(found.node, []), now - window)
         if steal is not None and steal >= 0.05:
@@ -522,7 +572,8 @@ def straggler_from(entry) -> Straggler | None:
                      slower=_number(entry.get("slower")) or 0.0, pace=_number(entry.get("pace")),
                      since=_number(entry.get("since")) or 0.0,
                      causes=[c for c in causes if isinstance(c, str)] if isinstance(causes, list) else [],
-                     ended=_number(entry.get("ended")))
+                     ended=_number(entry.get("ended")), corroborated=entry.get("corroborated") is True,
+                     basis=entry["basis"] if isinstance(entry.get("basis"), str) else "")
 
 
 def earlier_stragglers(record) -> list[Straggler]:

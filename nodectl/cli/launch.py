@@ -209,6 +209,10 @@ def _attended(app: AppContext, event: ev.Event) -> None:
             app.err.print(f"[green]straggler gone[/]: rank {straggler.rank} on node {escape(straggler.node)} keeps "
                           f"pace again (it was {straggler.slower * 100:.0f}% slower for "
                           f"{straggler.ended - straggler.since:.0f}s)")
+    elif isinstance(event, ev.StragglerHeldBack):
+        straggler = event.straggler
+        app.err.print(f"[yellow]--on-straggler exclude: node {escape(straggler.node)} is not left out[/]: the verdict "
+                      f"on rank {straggler.rank} is not certain ({escape(straggler.basis)}); the run goes on")
     elif isinstance(event, ev.RunPace):
         app.err.print(f"[yellow]{escape(event.line)}[/]")
     elif isinstance(event, ev.NodeLiveness):

@@ -14,7 +14,8 @@ from typing import Callable
 from nodectl.launch.attending import Attending
 from nodectl.errors import RunFailed
 from nodectl.launch.events import (CheckingNodes, Diagnosed, Event, LeavingOut, NodeLiveness, NotAnswering,
-                                   Restarting, RunPace, Stopping, StragglerSeen, UploadTrouble)
+                                   Restarting, RunPace, Stopping, StragglerHeldBack, StragglerSeen,
+                                   UploadTrouble)
 from nodectl.pace import PaceWatch, Straggler, for_run
 from nodectl.launch.gate import NO_GATE, Gate
 from nodectl.launch.job import Job, next_attempt, stop_run
@@ -70,6 +71,36 @@ class LivenessNotices:
         self.pending = {"slow": [], "up": []}
 
 
+class StragglerVerdicts:
+    """What the pace verdicts of a run do beyond being told. A verdict is remembered in preflight's history (as the
+    part's fault) only when it is certain (Straggler.corroborated: more than the other ranks' own timings support
+    it); with `exclude_after`, a certain verdict held that long ends the run so that its node is left out, and an
+    uncertain one is told once as not acted on: the run goes on."""
+
+    def __init__(self, run_id: str, gate: Gate, notify: Callable[[Event], None], exclude_after: float | None) -> None:
+        self.run_id, self.gate, self.notify, self.exclude_after = run_id, gate, notify, exclude_after
+        self.remembered: set[tuple[int, float]] = set()   # (rank, since) of the verdicts written to the history
+        self.held_back: set[tuple[int, float]] = set()    # those exclusion did not act on, told once
+
+    def take(self, straggler: Straggler | None, now: float | None = None) -> Straggler | None:
+        """The straggler whose node is to be left out now, if any."""
+        if straggler is None or straggler.ended is not None:
+            return None
+        key = (straggler.rank, straggler.since)
+        if straggler.corroborated and key not in self.remembered:
+            self.remembered.add(key)
+            self.gate.remember_straggler(self.run_id, straggler.to_json())
+        now = time.time() if now is None else now
+        if self.exclude_after is None or now - straggler.since < self.exclude_after:
+            return None
+        if straggler.corroborated:
+            return straggler
+        if key not in self.held_back:
+            self.held_back.add(key)
+            self.notify(StragglerHeldBack(straggler))
+        return None
+
+
 def attend(job: Job, run: Run, session: Session, attending: Attending, *, restart: Restart,
            stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
            notify: Callable[[Event], None] = lambda event: None,
@@ -112,12 +143,11 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
     if pace is not None and pace.gpus:
         pace.state.reference = gate.latest_allreduce([rn.node.name for rn in run_nodes])
     recorded = [0.0]
+    verdicts_acted = StragglerVerdicts(run.run_id, gate, notify, exclude_after)
 
     def paced(changes: list, watch: PaceWatch) -> Straggler | None:
         for change in changes:
             notify(StragglerSeen(change) if isinstance(change, Straggler) else RunPace(change))
-            if isinstance(change, Straggler) and change.ended is None:
-                gate.remember_straggler(run.run_id, change.to_json())
         _keep_window(run, watch)
         if changes or time.time() - recorded[0] >= PACE_RECORD_EVERY:
             recorded[0] = time.time()
@@ -125,10 +155,7 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
                 run.update(pace=watch.state.to_json())
             except OSError:
                 pass   # the record is the run's; a full disk here must not end the watch
-        straggler = watch.state.straggler
-        if exclude_after is not None and straggler and time.time() - straggler.since >= exclude_after:
-            return straggler
-        return None
+        return verdicts_acted.take(watch.state.straggler)
 
     told: dict[str, str] = {}
 

@@ -126,6 +126,14 @@ class StragglerSeen:
 
 
 @dataclass(frozen=True)
+class StragglerHeldBack:
+    """--on-straggler exclude did not leave the straggler's node out: its verdict rests only on the timings other
+    ranks report of themselves (`straggler.basis` says why); the run goes on, and no part is blamed in the
+    history."""
+    straggler: Any           # nodectl.pace.Straggler
+
+
+@dataclass(frozen=True)
 class UploadTrouble:
     """A node's uploader (outputs:) says it could not send: told once per node and message; the run goes on."""
     node: str
@@ -163,7 +171,8 @@ class Interrupted:
 
 Event = (EnvironmentsReady | PreflightReused | PreflightProbing | PreflightFailed | Planned | SharedWorkdirs
          | Recorded | CodeReady | Started | Stopping | NotAnswering | Restarting | CheckingNodes | LeavingOut
-         | AttemptRecorded | Diagnosed | StragglerSeen | RunPace | UploadTrouble | NodeLiveness | Interrupting | Interrupted)
+         | AttemptRecorded | Diagnosed | StragglerSeen | StragglerHeldBack | RunPace | UploadTrouble | NodeLiveness
+         | Interrupting | Interrupted)
 Listener = Callable[[Event], None]
 
 

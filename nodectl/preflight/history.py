@@ -35,10 +35,21 @@ class Figure:
     node: str        # where a verdict about it is reported ("cluster" for the all-reduce and pairs)
     label: str       # how a person names it: "node1 GPU 3 (GPU-7f...)", "node0+node1"
     judged: bool = True   # CPU (gloo) busbw is kept, not judged: on shared CPUs it varies past any threshold
+    host: str | None = None   # a GPU's node's SSH host key as the controller verified it (None: a local node)
 
     def to_json(self) -> dict:
-        return {"key": self.key, "metric": self.metric, "value": self.value, "node": self.node, "label": self.label,
+        kept = {"key": self.key, "metric": self.metric, "value": self.value, "node": self.node, "label": self.label,
                 "judged": self.judged}
+        return {**kept, "host": self.host} if self.host else kept
+
+    def measured_by_same_node(self, found: Mapping) -> bool:
+        """Whether a kept figure of the same part was measured by the node this one was: same name and, where
+        both were recorded, same host key (a reinstalled or impersonating node starts a new past)."""
+        if not self.key.startswith("gpu:"):
+            return True
+        if found.get("node") != self.node:
+            return False
+        return not (self.host and found.get("host")) or found.get("host") == self.host
 
 
 def figures_of(reports: Mapping[str, Mapping], gpu_jobs: Mapping[str, Mapping],
@@ -53,7 +64,8 @@ def figures_of(reports: Mapping[str, Mapping], gpu_jobs: Mapping[str, Mapping],
                 continue
             uuid = uuids.get(device.get("index")) or f"{node}/{device.get('index')}"
             label = f"{node} GPU {device.get('index')} ({str(uuid)[:12]})"
-            out += [Figure(f"gpu:{uuid}", metric, float(device[metric]), node, label)
+            host = job.get("host_key") if isinstance(job.get("host_key"), str) else None
+            out += [Figure(f"gpu:{uuid}", metric, float(device[metric]), node, label, host=host)
                     for metric in ("gemm_tflops", "hbm_gbps") if isinstance(device.get(metric), (int, float))]
     sizes = [s for s in (collective or {}).get("sizes") or [] if isinstance(s, Mapping) and s.get("busbw_gbs")]
     nccl = (collective or {}).get("backend") == "nccl"
@@ -117,8 +129,8 @@ def judge_history(today: list[Figure], past: list[dict], warn: float = DRIFT_WAR
             "compromised: compare `nvidia-smi -L` on each"))
     for figure in (f for f in today if f.judged and f.key not in disputed):
         earlier = [(entry.get("time", 0), found["value"]) for entry in past for found in entry.get("figures") or []
-                   if found.get("key") == figure.key and found.get("metric") == figure.metric
-                   and (not figure.key.startswith("gpu:") or found.get("node") == figure.node)
+                   if isinstance(found, dict) and found.get("key") == figure.key
+                   and found.get("metric") == figure.metric and figure.measured_by_same_node(found)
                    and isinstance(found.get("value"), (int, float))][-WINDOW:]
         if not earlier:
             continue
@@ -255,7 +267,7 @@ class History:
 
     def add_straggler(self, run_id: str, straggler: Mapping, when: float | None = None) -> None:
         """A straggler verdict of a run (nodectl.pace.Straggler's JSON): its node, rank, how much slower, causes."""
-        kept = {k: straggler.get(k) for k in ("node", "rank", "gpu", "slower", "pace", "causes")}
+        kept = {k: straggler.get(k) for k in ("node", "rank", "gpu", "slower", "pace", "causes", "basis")}
         self._append({"time": when or time.time(), "nodes": [straggler.get("node")], "versions": {}, "figures": [],
                       "straggler": {"run": run_id, **kept}})
 

@@ -87,9 +87,11 @@ def _gpu_job(transport: Transport) -> dict:
     if answer is None:
         return {"error": f"exit {result.exit_code}: {result.tail(3)}"}
     try:
-        return parse_gpu_job(answer)
+        job = parse_gpu_job(answer)
     except AnswerError as exc:
         return {"error": str(exc)}
+    # the history keys this node's GPUs by its name and the host key the connection verified (history.py)
+    return {**job, "host_key": transport.host_key()}
 
 
 def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, ProbeReport], port: int | None,

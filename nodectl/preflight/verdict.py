@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Mapping
 
 from nodectl.probe_report import ProbeReport
+from nodectl.terminal_text import sized
 
 PASS, WARN, FAIL, SKIP = "pass", "warn", "fail", "skip"
 
@@ -58,4 +59,5 @@ def skip_if_unreadable(check: str, section: str):
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    """A size in the unit that shows it: 1.0 MiB of /dev/shm, not "0.0 GiB"."""
+    return sized(n)

@@ -191,6 +191,11 @@ class Transport:
         time and whose stdin stays open for more lines: the run's watcher on a node (nodectl/remote/poller.py)."""
         raise NotImplementedError
 
+    def host_key(self) -> str | None:
+        """The node's SSH host key as this connection verified it ("ssh-ed25519 SHA256:..."); None where there is
+        none (a local node) or no connection yet. What a node says of itself can be forged; its host key cannot."""
+        return None
+
     def knock(self, timeout: float) -> "Knock":
         return Knock.UNKNOWN
 
@@ -320,6 +325,12 @@ class SSHTransport(Transport):
             self._connection = None
             return Unreachable(f"connection to {self.node.host} lost: {exc or exc.__class__.__name__}")
         return exc
+
+    def host_key(self) -> str | None:
+        try:
+            return ssh.fingerprint(self._connect().client.get_transport().get_remote_server_key())
+        except Exception:   # a lost connection: the caller keys by the name alone
+            return None
 
     def knock(self, timeout: float) -> Knock:
         """Whether the node's SSH port takes a TCP connection now, closed at once (the kernel answers it; nothing

@@ -32,3 +32,21 @@ def test_a_node_whose_address_another_sshd_answers_is_refused(tmp_path_factory, 
         assert host_keys(held.address, held.port) == [theirs], "the squatter is untouched"
     finally:
         squatter.stop()
+
+
+def test_the_transport_names_the_host_key_it_verified(ssh_cluster, tmp_path, monkeypatch):
+    """Preflight's history keys a GPU by its node's name and the host key the connection verified (round four: a
+    node's own word on its GPUs' UUIDs can be forged): the key named is the node's own."""
+    from nodectl.inventory import load_inventory
+    from nodectl.transport.channels import SSHTransport, TransportOptions
+
+    monkeypatch.setenv("HOME", str(ssh_cluster.home))   # the controller's ~/.ssh: known_hosts and the key
+    inventory = load_inventory(ssh_cluster.inventory(tmp_path / "hosts.yaml", count=2))
+    for node, simulated in zip(inventory.nodes, ssh_cluster.nodes):
+        shown = subprocess.run(["ssh-keygen", "-lf", f"{simulated.host_key}.pub"], capture_output=True, text=True,
+                               check=True).stdout.split()[1]
+        transport = SSHTransport(node, TransportOptions())
+        try:
+            assert transport.host_key() is not None and transport.host_key().endswith(" " + shown), shown
+        finally:
+            transport.close()

@@ -5,6 +5,7 @@ NCCL, each collective's duration)."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 import re
 
 import pytest
@@ -17,15 +18,20 @@ NODES = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
 
 def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: float = 0.003, durations=False,
              steps_per_beat: int = 0, settings=PaceSettings(), seed: int = 0, data=None, moved=None,
-             comm_of=None):
+             comm_of=None, nodes=NODES, forge=None, throttled=None):
     """Run `seconds` of training where `compute(rank, t)` is a rank's compute time per step at time t; feed the
     watch a poll per node per second; return (watch, [(t, change)]). With `data(rank, t)`, that much of each step
-    is the rank getting its batch, told in its heartbeat's data_s as the built-in trainer tells it."""
+    is the rank getting its batch, told in its heartbeat's data_s as the built-in trainer tells it. A node in
+    `forge` has its ranks say they reached each collective that many seconds before they did (their clock as it
+    is); with `throttled(rank, t)`, the share of wall time runctl read of the rank's CPU quota holding it back."""
+    NODES = nodes  # noqa: N806 (the simulation's ranks and nodes)
+    forge = forge or {}
     rng = random.Random(seed)
     skew = skew or {}
     watch = PaceWatch(NODES, settings=settings, gpus=durations)
     t, seq, pending, changes = 0.0, 0, {n: [] for n in set(NODES.values())}, []
     next_poll = 1.0
+    held = dict.fromkeys(NODES, 0.0)
     ends = dict.fromkeys(NODES, 0.0)
     fed = dict.fromkeys(NODES, 0.0)
     while t < seconds:
@@ -41,15 +47,20 @@ def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: flo
             ends[r] = last + comm
         t = last + comm
         while t >= next_poll:
+            for r in NODES:
+                held[r] += throttled(r, next_poll) if throttled else 0.0
             for node, entries in pending.items():
                 ranks = {}
                 for r in (r for r, n in NODES.items() if n == node):
                     mine = [e for e in entries if e[0] == r]
                     ranks[str(r)] = RankPace(groups=tuple("0" for _ in mine), seqs=tuple(e[1] for e in mine),
-                                             reached=tuple(int((e[2] + skew.get(node, 0.0)) * 1e9) for e in mine),
+                                             reached=tuple(int((e[2] + skew.get(node, 0.0) - forge.get(node, 0.0)) * 1e9)
+                                                           for e in mine),
                                              durations=tuple(e[3] for e in mine),
                                              moved=tuple(moved[0] for _ in mine) if moved else (),
-                                             kinds=tuple(moved[1] for _ in mine) if moved else ())
+                                             kinds=tuple(moved[1] for _ in mine) if moved else (),
+                                             cpu_s=next_poll, runqueue_s=0.0,
+                                             throttled_s=held[r] if throttled else None)
                 step = seq // steps_per_beat if steps_per_beat else None
                 answer = PollAnswer(now=next_poll + skew.get(node, 0.0), node_rank=0, alive=2,
                                     ranks=tuple(RankState(r, heartbeat=_beat(step, fed[r] if data else None))
@@ -242,3 +253,76 @@ def test_a_node_speaks_for_its_own_ranks_only_and_a_row_that_is_no_time_is_skipp
     watch.feed("node1", forged, received=21.004, sent=20.996)
     assert {key: dict(ranks) for key, ranks in watch._reached.items()} == before
     watch.judge(now=21.0)
+
+
+TWO_NODES = {0: "node0", 1: "node1"}
+
+
+def test_a_node_that_forges_its_ranks_arrivals_gets_no_certain_verdict_a_real_straggler_does():
+    """Round four: a rank that says it reached each collective 45 ms early makes the healthy other node's rank
+    look slower, and --on-straggler exclude left that node out. The timings are each rank's own word: a verdict
+    is certain only when it holds with each other node's timings left out, or its node's counters (runctl's read
+    of the CPU quota, run queue, steal, GPU) show a cause."""
+    _, changes = simulate(lambda r, t: 0.1, 120, forge={"node0": 0.045})
+    named = found(changes)
+    assert named and {c.node for _, c in named} == {"node1"}, changes   # the forgery moves the shares...
+    verdict = named[0][1]
+    assert not verdict.corroborated, verdict   # ...but nothing else agrees
+    assert "only node node0's ranks' own timings" in verdict.basis, verdict.basis
+    assert "(not certain: " in verdict.describe()
+
+    # a rank truly slower on node1: node1's other rank waits for it too, so node0's word is not needed
+    _, changes = simulate(lambda r, t: 0.16 if r == 2 else 0.1, 120)
+    (_, verdict), *_ = found(changes)
+    assert verdict.rank == 2 and verdict.corroborated, verdict
+    assert "not certain" not in verdict.describe()
+
+    # one rank per node: the other node's word alone is never enough...
+    _, changes = simulate(lambda r, t: 0.16 if r == 1 else 0.1, 120, nodes=TWO_NODES)
+    (_, verdict), *_ = found(changes)
+    assert verdict.rank == 1 and not verdict.corroborated, verdict
+    # ...but the quota runctl reads on the slow rank's node is
+    _, changes = simulate(lambda r, t: 0.16 if r == 1 else 0.1, 120, nodes=TWO_NODES,
+                          throttled=lambda r, t: 0.35 if r == 1 else 0.0)
+    (_, verdict), *_ = found(changes)
+    assert verdict.rank == 1 and verdict.corroborated and "CPU quota" in verdict.basis, verdict
+
+
+def test_a_record_keeps_whether_a_verdict_was_certain():
+    entry = Straggler(rank=1, node="n1", gpu=None, slower=0.7, pace=0.6, since=1.0, corroborated=False,
+                      basis="why not").to_json()
+    assert earlier_stragglers({"events": [dict(entry, ended=2.0)]})[0].basis == "why not"
+    assert not earlier_stragglers({"events": [dict(entry, ended=2.0, corroborated="yes")]})[0].corroborated
+
+
+def test_exclude_acts_only_on_a_certain_verdict_and_only_that_one_is_remembered(tmp_path, monkeypatch):
+    """--on-straggler exclude (nodectl/launch/attend.py StragglerVerdicts) with preflight's real history: an
+    uncertain verdict held past the hold is told once as not acted on, the run goes on, and the history blames no
+    part; a certain one ends the run and is remembered once."""
+    from nodectl.launch.attend import StragglerVerdicts
+    from nodectl.launch.events import StragglerHeldBack
+    from nodectl.preflight.gate import PreflightGate
+    from nodectl.preflight.history import History
+
+    monkeypatch.setenv("NODECTL_STATE_DIR", str(tmp_path))
+    told = []
+    verdicts = StragglerVerdicts("run-a", PreflightGate(), told.append, exclude_after=15.0)
+    forged = Straggler(rank=1, node="node1", gpu=None, slower=0.77, pace=0.6, since=100.0, corroborated=False,
+                       basis="only node node0's ranks' own timings say it is slower")
+    assert verdicts.take(forged, now=110.0) is None and told == []   # not held long enough yet
+    assert verdicts.take(forged, now=116.0) is None
+    assert verdicts.take(forged, now=130.0) is None
+    assert [type(e) for e in told] == [StragglerHeldBack] and told[0].straggler.basis == forged.basis
+    assert [e for e in History(tmp_path).entries() if e.get("straggler")] == []
+
+    real = Straggler(rank=1, node="node1", gpu=None, slower=0.77, pace=0.6, since=200.0, corroborated=True,
+                     basis="its node's own counters: its cgroup's CPU quota held it back 35% of the time")
+    assert verdicts.take(real, now=205.0) is None
+    assert verdicts.take(real, now=216.0) is real
+    kept = [e["straggler"] for e in History(tmp_path).entries() if e.get("straggler")]
+    assert [(k["run"], k["node"], k["basis"]) for k in kept] == [("run-a", "node1", real.basis)]
+    assert len(told) == 1
+    # without exclude the certain verdict is remembered as well, and nothing ends the run
+    watching = StragglerVerdicts("run-b", PreflightGate(), told.append, exclude_after=None)
+    assert watching.take(replace(real, since=300.0), now=900.0) is None
+    assert len([e for e in History(tmp_path).entries() if e.get("straggler")]) == 2

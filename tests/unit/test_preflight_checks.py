@@ -116,6 +116,7 @@ def test_small_shm_disk_and_clock_skew():
     report["clock"] = {"skew_s": 45.0, "round_trip_s": 0.2}
     results = verdicts(report)
     assert results["shm"].verdict == FAIL and "--shm-size" in results["shm"].hint
+    assert results["shm"].detail == "/dev/shm is 64.0 MiB", results["shm"].detail   # not "0.1 GiB"
     assert results["disk"].verdict == FAIL
     assert results["clock"].verdict == FAIL
     report["clock"] = {"skew_s": 2.0, "round_trip_s": 0.2}

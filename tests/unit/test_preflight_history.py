@@ -116,3 +116,32 @@ def test_a_gpu_uuid_claimed_by_two_nodes_is_named_and_judges_neither(tmp_path):
     # node0's GPUs are still judged against their own past
     slowed = judge_history(figures_of(REPORTS, jobs(slow=500.0), COLLECTIVE), history.entries())
     assert any(r.node == "node0" and r.verdict == FAIL for r in slowed.results)
+
+
+def keyed(job_set: dict, keys: dict) -> dict:
+    """The GPU jobs as preflight's run.py hands them on: each with the host key its connection verified."""
+    return {node: {**job, "host_key": keys[node]} for node, job in job_set.items()}
+
+
+def test_a_gpu_is_judged_only_against_what_the_same_node_by_its_host_key_measured(tmp_path):
+    """Round four: the history keys a part by the node that measured it, its name and its SSH host key (what the
+    controller verified, not what the node says), as well as the GPU's UUID. A machine put in node1's name (another
+    host key) with slower GPUs claiming the same UUID starts a new past instead of failing node1's; node1 itself
+    is judged against its own."""
+    history = History(tmp_path)
+    honest = {"node0": "ssh-ed25519 SHA256:n0", "node1": "ssh-ed25519 SHA256:n1"}
+    for i in range(5):
+        history.add(figures_of(REPORTS, keyed(jobs(), honest), None), {}, ["node0", "node1"], when=1_790_000_000 + i)
+    kept = [f for e in history.entries() for f in e["figures"] if f["key"] == "gpu:GPU-cccc2222"]
+    assert kept and {f["host"] for f in kept} == {"ssh-ed25519 SHA256:n1"}
+
+    impostor = dict(honest, node1="ssh-ed25519 SHA256:other")
+    drift = judge_history(figures_of(REPORTS, keyed(jobs(gemm=300.0), impostor), None), history.entries())
+    assert not [r for r in drift.results if r.node == "node1"], drift.results   # no past of its own: not judged
+    drift = judge_history(figures_of(REPORTS, keyed(jobs(gemm=300.0), honest), None), history.entries())
+    assert {r.node for r in drift.results if r.verdict == FAIL} == {"node0", "node1"}, drift.results
+    # entries kept before host keys were recorded still judge the node of the same name
+    legacy = History(tmp_path / "legacy")
+    past(legacy)
+    drift = judge_history(figures_of(REPORTS, keyed(jobs(gemm=300.0), honest), None), legacy.entries())
+    assert {r.node for r in drift.results if r.verdict == FAIL} == {"node0", "node1"}, drift.results
