@@ -252,9 +252,7 @@ class PaceWatch:
         times, rate, unit = window
         state = self.state
         state.ranks, state.rate, state.unit = times, rate, unit
-        busiest = max(times, key=lambda t: t.busy)
-        median = statistics.median(t.busy for t in times)
-        slower = busiest.busy / median - 1 if median > 0 else 1.0
+        busiest, slower = _slowest(times)
         if slower >= self.settings.slower and len(times) > 1:
             state.straggler = Straggler(busiest.rank, busiest.node, self.rank_gpus.get(busiest.rank),
                                         self._told(slower, None), None, now)
@@ -300,9 +298,7 @@ class PaceWatch:
                 del self._healthy_busbw[:-12]
         base = statistics.median(self._healthy) if len(self._healthy) >= 2 else None
         state.pace = round(rate / base, 2) if base else None
-        busiest = max(times, key=lambda t: t.busy)
-        median = statistics.median(t.busy for t in times)
-        slower = busiest.busy / median - 1 if median > 0 else 1.0
+        busiest, slower = _slowest(times)
         straggler = state.straggler
         if straggler is None:
             if slower >= s.slower and len(times) > 1:
@@ -438,13 +434,13 @@ class PaceWatch:
         span = recent[-1][0] - recent[0][0]
         for left_out in others:
             ranks = sorted(r for r, n in self.rank_nodes.items() if n != left_out)
-            busy = {}
+            busy: list[RankTime] = []
             if len(ranks) >= 2 and span > 0:
                 waits, _, _ = self._waits(recent, ranks)
-                busy = {r: 1 - waits[r] / span for r in ranks}
-            median = statistics.median(busy.values()) if busy else 0.0
-            if median <= 0 or max(busy, key=busy.get) != found.rank \
-                    or busy[found.rank] / median - 1 < self.settings.slower:
+                busy = [RankTime(r, self.rank_nodes[r], busy=1 - waits[r] / span, wait=waits[r] / span)
+                        for r in ranks]
+            busiest, slower = _slowest(busy) if busy else (None, 0.0)
+            if busiest is None or busiest.rank != found.rank or slower < self.settings.slower:
                 return False, (f"only node {left_out}'s ranks' own timings say it is slower (a rank's timings "
                                f"could be wrong or forged), and nothing read on node {suspect_node} agrees")
         return True, "the ranks of every other node wait for it (each node's timings left out in turn)"
@@ -520,6 +516,13 @@ class PaceWatch:
                 causes.append(f"GPU {found.gpu}'s PCIe link trained down to x{gpu.pcie_width} of "
                               f"x{gpu.pcie_width_max}")
         return causes
+
+
+def _slowest(times: list[RankTime]) -> tuple[RankTime, float]:
+    """The rank busy longest, and how much longer than the median rank (0.9 = 1.9x)."""
+    busiest = max(times, key=lambda t: t.busy)
+    median = statistics.median(t.busy for t in times)
+    return busiest, (busiest.busy / median - 1 if median > 0 else 1.0)
 
 
 def _rates(samples: list[tuple], since: float) -> dict:
