@@ -596,6 +596,7 @@ def _receive_file(channel, marker: bytes, local, stall: float) -> tuple[int, int
             elif time.monotonic() > deadline:
                 raise CommandTimeout(f"no data for {stall:g}s")
             else:
+                _drain_stderr(channel, bytearray())   # a banner on stderr would make the select below spin
                 select.select([channel], [], [], 0.05)
 
 
@@ -667,18 +668,33 @@ class LineStream:
         self.close()
 
 
+STDERR_KEPT = 4096   # a stream's last bytes of stderr (a login banner, the watcher's last words)
+
+
+def _drain_stderr(channel, kept: bytearray) -> None:
+    """Read what waits on the channel's stderr, keeping its last STDERR_KEPT bytes. paramiko's fileno() is
+    readable while stdout or stderr holds data: stderr left unread (a login shell's banner) made every select on
+    the channel return at once, and a reader waiting for stdout spun a core."""
+    while channel.recv_stderr_ready():
+        kept += channel.recv_stderr(1 << 16)
+        del kept[:max(0, len(kept) - STDERR_KEPT)]
+
+
 class _ChannelLines(LineStream):
     def __init__(self, channel, lost: Callable[[Exception], Exception]) -> None:
         super().__init__()
         self.channel, self.lost = channel, lost
+        self.stderr = bytearray()
 
     def _receive(self, timeout: float) -> bytes | None:
         channel = self.channel
         try:
+            _drain_stderr(channel, self.stderr)
             if not channel.recv_ready():
                 if channel.closed or channel.eof_received:
                     return b""
                 select.select([channel], [], [], timeout)
+                _drain_stderr(channel, self.stderr)
                 if not channel.recv_ready():
                     return b"" if channel.closed or channel.eof_received else None
             return channel.recv(1 << 16)

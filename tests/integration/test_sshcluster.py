@@ -50,3 +50,31 @@ def test_the_transport_names_the_host_key_it_verified(ssh_cluster, tmp_path, mon
             assert transport.host_key() is not None and transport.host_key().endswith(" " + shown), shown
         finally:
             transport.close()
+
+
+def test_a_stream_whose_node_writes_to_stderr_waits_without_spinning(ssh_cluster, tmp_path, monkeypatch):
+    """paramiko's channel is readable while stdout or stderr holds data: stderr left unread (a login shell's
+    banner, as on node0) made the watch's every select return at once, and an attached launch of two such nodes
+    burned 42 s of the controller's CPU in 36 s of a sleeping run. The reader now drains stderr and keeps its tail."""
+    import time
+
+    from nodectl.inventory import load_inventory
+    from nodectl.transport.channels import SSHTransport, TransportOptions
+
+    monkeypatch.setenv("HOME", str(ssh_cluster.home))
+    node = load_inventory(ssh_cluster.inventory(tmp_path / "hosts.yaml", count=1)).nodes[0]
+    transport = SSHTransport(node, TransportOptions())
+    try:
+        stream = transport.open_lines(["sh", "-c", "echo 'said on stderr' >&2; sleep 4; echo 'the line'"])
+        try:
+            began, cpu = time.monotonic(), time.thread_time()
+            while time.monotonic() - began < 2.5:   # nothing on stdout but the banner: each read waits its time out
+                line = stream.readline(0.5)
+                assert line is None or b"Welcome to node0" in line, line
+            assert time.thread_time() - cpu < 0.5, "the reader spun while the node was silent on stdout"
+            assert stream.readline(10) == b"the line"
+            assert b"said on stderr" in stream.stderr
+        finally:
+            stream.close()
+    finally:
+        transport.close()
