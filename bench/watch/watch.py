@@ -5,13 +5,15 @@ is loaded (the ranks' and torchruns' own torch imports, plus --hogs busy process
 jitter on every --jitter-every'th node (a ProxyCommand relay that holds the node's bytes back for a random 0-10 s,
 now and then).
 
-    python bench/watch/watch.py --sizes 16 32 64 --launches 10 [--power-off 10] [--hogs 2] [--stop]
+    python bench/watch/watch.py --sizes 16 32 64 --launches 10 [--power-off 10] [--hogs 2] [--stop] [--noisy]
 
 Per size: healthy launches and how many ended with a node called lost (the figure that must be 0); the controller's
 CPU seconds and peak RSS per node per minute of watching; with --power-off, tries in which a node (not jittered)
 had its sshd, sessions and ranks SIGKILLed mid-run: whether the right node was named, how fast, and whether the
 run went on without it (--max-restarts 1 --exclude-failed); with --stop, `nodectl stop` of a detached run of that
-size: its exit code and time, the nodes it names as not confirming, and the run's processes left.
+size: its exit code and time, the nodes it names as not confirming, and the run's processes left. With --noisy,
+every node's shell start-up files print a banner on stdout and stderr, as many clusters' do (module systems, conda):
+what watching such nodes costs the controller.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from support.launch import TIMED_ALL_REDUCE as SCRIPT, kill_leftovers, run_processes  # noqa: E402
-from support.sshcluster import SSHCluster, _sshd_sessions_under  # noqa: E402
+from support.sshcluster import NodeSpec, SSHCluster, _sshd_sessions_under  # noqa: E402
 
 
 # A ProxyCommand relay whose node-to-controller direction stalls now and then for a random 0-10 s: a congested
@@ -188,9 +190,11 @@ def main() -> None:
     parser.add_argument("--hogs", type=int, default=2, help="busy processes on this machine throughout")
     parser.add_argument("--stop", action="store_true", help="per size, `nodectl stop` of a detached run")
     parser.add_argument("--jitter-every", type=int, default=4, help="every N'th node behind the jitter relay; 0: none")
+    parser.add_argument("--noisy", action="store_true", help="every node's login shell prints on stdout and stderr")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="nodectl-watch-"))
-    cluster = SSHCluster(root, count=max(args.sizes), first_octet=100).start()
+    specs = {i: NodeSpec(noisy=True) for i in range(max(args.sizes))} if args.noisy else {}
+    cluster = SSHCluster(root, count=max(args.sizes), first_octet=100, specs=specs).start()
     hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(args.hogs)]
     try:
         overrides = jittered(cluster, root, args.jitter_every)
