@@ -695,9 +695,10 @@ def _scratch(folder: str) -> dict:
     not tempfile.gettempdir(), which passes over a full /tmp to /var/tmp where none of them write."""
     found = {"path": folder, **_try_write(folder, SCRATCH_PROOF)}
     try:
-        stat = os.statvfs(folder)
+        there = found.get("exists_from", folder)
+        stat = os.statvfs(there)
         found["free_bytes"] = stat.f_bavail * stat.f_frsize
-        found.update(_inodes(folder, stat))
+        found.update(_inodes(there, stat))
     except OSError:
         pass
     return found
@@ -707,18 +708,26 @@ SCRATCH_PROOF = 1 << 20   # bytes written (and flushed to the file system) to pr
 
 
 def _try_write(folder: str, size: int = 0) -> dict:
-    """Whether runs can be written under the workdir: create it (as a launch would) and a file in it, `size`
-    bytes long and flushed, so a full file system says so."""
+    """Whether files can be written in `folder`: a file made there, `size` bytes long and flushed (so a full file
+    system says so), and removed. Preflight makes nothing the user named: a folder that does not exist is reported
+    missing (`missing`), with the folder above it that does (`exists_from`), tried in its place: the launch (a
+    workdir) or the library (a cache) would make it there. A TMPDIR under a scratch mount that is not there stays
+    absent, instead of appearing on the root disk and hiding the missing mount."""
+    found: dict = {}
+    if not os.path.isdir(folder):
+        above = os.path.dirname(os.path.abspath(folder))
+        while not os.path.isdir(above) and os.path.dirname(above) != above:
+            above = os.path.dirname(above)
+        found, folder = {"missing": True, "exists_from": above}, above
     try:
-        os.makedirs(folder, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".nodectl-write-test-") as handle:
             if size:
                 handle.write(b"\0" * size)
                 handle.flush()
                 os.fsync(handle.fileno())
-        return {"writable": True}
+        return {**found, "writable": True}
     except OSError as exc:
-        return {"writable": False, "write_error": f"{exc.__class__.__name__}: {exc.strerror or exc}"}
+        return {**found, "writable": False, "write_error": f"{exc.__class__.__name__}: {exc.strerror or exc}"}
 
 
 def _has_gpu_device() -> bool:

@@ -295,6 +295,8 @@ class Space:
     free_inodes: int | None = None
     total_inodes: int | None = None
     mount: str | None = None
+    missing: bool | None = None      # the folder does not exist (preflight made nothing)
+    exists_from: str | None = None   # then: the folder above it that does, where the write was tried
 
 
 @dataclass(frozen=True)

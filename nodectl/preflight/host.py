@@ -221,7 +221,8 @@ SCRATCH_USE = {"tmp": "torch.compile, Triton and data loaders write there",
             "ptxas, mktemp and Triton use; not Python's `tempfile.gettempdir()`, which passes over a full /tmp to "
             "/var/tmp) and the cache folder (`HF_HOME`, `XDG_CACHE_HOME`, else `~/.cache`), with the node's "
             "inventory `env:` applied as the ranks get it",
-            "fail when not writable (a full disk included), warn under 4 GiB free",
+            "fail when not writable (a full disk included) or when `$TMPDIR` names a folder that does not exist "
+            "(preflight makes none), warn under 4 GiB free",
             "torch.compile and Triton write to the temp folder, Hugging Face and Triton cache under ~/.cache: a "
             "read-only or full one fails a rank at its first compiled graph or download, long after preflight"),))
 def check_scratch(node: str, report: ProbeReport) -> list[CheckResult]:
@@ -236,6 +237,11 @@ def check_scratch(node: str, report: ProbeReport) -> list[CheckResult]:
         inodes = inode_verdict(key, node, found, where)
         if inodes is not None and inodes.verdict == FAIL:
             out.append(inodes)
+        elif found.missing and key == "tmp":
+            out.append(CheckResult(key, node, FAIL, f"{where} does not exist (a scratch mount that is not there?): "
+                                   f"{SCRATCH_USE[key]}, and mktemp and gcc fail in a missing one",
+                                   "mount or make it on the node, or point TMPDIR elsewhere in the inventory's env: "
+                                   "(preflight makes nothing there)"))
         elif not found.writable:
             out.append(CheckResult(key, node, FAIL, f"{where} cannot be written ({found.write_error}): "
                                    f"{SCRATCH_USE[key]}",
@@ -245,6 +251,9 @@ def check_scratch(node: str, report: ProbeReport) -> list[CheckResult]:
             out.append(CheckResult(key, node, WARN, f"{gib(found.free_bytes)} free in {where}: {SCRATCH_USE[key]}",
                                    f"free space there or set {'TMPDIR' if key == 'tmp' else 'HF_HOME'} in env: to a "
                                    f"larger disk"))
+        elif found.missing:
+            out.append(CheckResult(key, node, PASS, f"{where} does not exist yet; {found.exists_from} above it is "
+                                   "writable (made at first use)"))
         else:
             out.append(CheckResult(key, node, PASS, f"{where} writable"))
     return out
@@ -318,7 +327,8 @@ def check_processes(node: str, report: ProbeReport) -> CheckResult:
 
 @check("workdir", "host",
        doc=(("workdir",
-            "a test write in the workdir",
+            "a test write in the workdir (in the folder above it where it does not exist yet: preflight makes "
+            "nothing, the launch makes it)",
             "fail with the path and the error",
             "-"),))
 def check_workdir(node: str, report: ProbeReport) -> CheckResult:
@@ -335,6 +345,8 @@ def check_workdir(node: str, report: ProbeReport) -> CheckResult:
     if unsafe is not None:
         return result(node, FAIL, f"{unsafe.path} is {unsafe.why}: runs there could be "
                       f"steered by another user", UNSAFE_FIX)
+    if disk.missing:
+        return result(node, PASS, f"{where} does not exist yet; the launch makes it ({disk.exists_from} writable)")
     return result(node, PASS, f"{where} writable")
 
 

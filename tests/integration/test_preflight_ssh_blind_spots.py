@@ -44,6 +44,17 @@ def test_what_the_ranks_get_is_judged_not_a_stand_in(cluster, tmp_path):
     env = found[("cluster", "same NCCL/torch env")]
     assert env["verdict"] == "warn" and "NCCL_IB_DISABLE: 1 on node1; unset on node0" in env["detail"]
 
+    # node1's TMPDIR under a scratch mount that is not there, its HF_HOME not made yet (issue 70): the first fails
+    # with what is missing, the second passes (the library makes it), and preflight made neither
+    home, seen = cluster.nodes[1].home, cluster.nodes[1].home_dir
+    code, found = preflight(cluster, tmp_path, node_overrides={1: {"env": {"TMPDIR": f"{home}/scratch/tmp",
+                                                                           "HF_HOME": f"{home}/hf"}}})
+    tmp, cache = found[("node1", "tmp")], found[("node1", "cache")]
+    assert code == 1 and tmp["verdict"] == "fail" and f"{home}/scratch/tmp does not exist" in tmp["detail"], tmp
+    assert "TMPDIR elsewhere" in str(tmp) and found[("node0", "tmp")]["verdict"] == "pass"
+    assert cache["verdict"] == "pass" and f"{home}/hf does not exist yet" in cache["detail"], cache
+    assert not (seen / "scratch").exists() and not (seen / "hf").exists()
+
     # a package that differs in node1's Python: named with the node and the version on each side
     drift = cluster.nodes[1].home_dir / "drift"
     info = drift / "nodectl_drift_probe-1.0.dist-info"
