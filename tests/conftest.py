@@ -15,11 +15,12 @@ from support.sshcluster import NodeSpec, make_cluster  # noqa: E402
 # collection order (pyproject.toml turns off its own reordering by test count, which sent these one-test files
 # last and left one worker running them alone for minutes). Then the other files that start processes, then the
 # pure ones. The order of the tests inside a file is kept.
-LONGEST_FIRST = ("integration/test_environments.py", "integration/test_trainer_layouts.py", "installed/test_wheel.py",
-                 "integration/test_resume_eval.py", "integration/test_outputs_store.py",
-                 "integration/test_containers.py", "integration/test_real_machines.py",
-                 "integration/test_preflight_ssh.py", "integration/test_trainer_moe.py",
-                 "integration/test_bench_reference.py", "faults/test_node_lost.py")
+LONGEST_FIRST = ("integration/test_real_machines.py", "integration/test_resume_eval.py",
+                 "integration/test_containers.py", "integration/test_trainer_moe.py",
+                 "integration/test_environments.py", "integration/test_trainer_layouts.py",
+                 "faults/test_node_lost.py", "installed/test_wheel.py", "integration/test_outputs_store.py",
+                 "integration/test_straggler.py", "faults/test_watch_liveness.py", "integration/test_diagnose_ssh.py",
+                 "integration/test_preflight_ssh.py", "integration/test_trainer_runs.py", "faults/test_interrupts.py")
 
 
 QUICK_FOLDERS = ("unit", "contract")
