@@ -87,10 +87,17 @@ def _print_matrix(console, report: PreflightReport, per_node: list) -> None:
 def show_history(app, history, node: str | None) -> None:
     """`preflight --history [NODE]`: every recorded figure (of NODE's parts), a row per preflight and part;
     with --json, the rows."""
-    rows = history.rows(node)
+    rows, events = history.rows(node), history.events(node)
     if app.json:
-        app.emit_json({"history": str(history.path), "node": node, "rows": rows})
+        app.emit_json({"history": str(history.path), "node": node, "rows": rows, "events": events})
         return
+    if events:
+        cells = [[time.strftime("%Y-%m-%d %H:%M", time.localtime(e["time"])), escape(str(e.get("node"))),
+                  escape(str(e.get("run"))), escape(_event_text(e))] for e in events]
+        columns = [Column("when", whole=True), Column("node", whole=True), Column("run", whole=True),
+                   Column("what the run saw")]
+        app.out.print(make_table(columns, cells, title=f"held back and failed in runs{f' on {node}' if node else ''}",
+                                 keep=("when", "node")))
     if not rows:
         app.info(f"no measured preflight recorded{f' for {node}' if node else ''} in {history.path} (the default and "
                  f"--full tiers record their figures; --quick measures none)")
@@ -103,3 +110,14 @@ def show_history(app, history, node: str | None) -> None:
     app.out.print(make_table(columns, cells, title=f"preflight history{f' of {node}' if node else ''}",
                              keep=("when", "part", "value")))
     app.info(f"from {history.path}")
+
+
+def _event_text(event: dict) -> str:
+    """A straggler verdict or a failure of the history, as one line."""
+    if event["event"] == "straggler":
+        slower = event.get("slower")
+        causes = [c for c in event.get("causes") or [] if isinstance(c, str)]
+        return (f"straggler: rank {event.get('rank')}"
+                + (f", {slower:.0%} slower" if isinstance(slower, (int, float)) else "")
+                + (f"; {'; '.join(causes)}" if causes else "; no cause seen"))
+    return f"failed ({event.get('kind')}): {event.get('description') or 'no description'}"

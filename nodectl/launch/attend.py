@@ -191,6 +191,8 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
               "detail": failure.detail, "description": failure.describe()}
     if verdicts and verdicts[-1]:
         record["diagnosis"] = verdicts[-1]
+    if failure.node and run.kind != "preflight":
+        gate.remember_failure(run.run_id, record)
     stopped = stop_run(run, cluster, grace, RunState.FAILED, progress=progress, failure=record)
     for name, result in stopped.items():
         if not result.ok:
@@ -250,14 +252,18 @@ def _passing_nodes(job: Job, failure: Failure, session: Session, notify, gate: G
     replica on the smaller world."""
     plan = job.plan
     current = replace(job.spec.inventory, nodes=tuple(np.node for np in plan.nodes))
-    notify(CheckingNodes(plan.run_id, len(current.nodes)))
-    with session.progress("checking nodes", len(current.nodes)) as advance:
-        report = gate.check(current, session, job.spec.gpus, advance)
-    bad = dict(report.unreachable)
-    for result in report.failed:
-        bad.setdefault(result.node, f"{result.check}: {result.detail}")
-    if failure.kind in (FailureKind.LOST, FailureKind.STRAGGLER):
-        bad.setdefault(failure.node, failure.detail)
+    # a node the watch found lost (or a certain straggler) is out already: asked again, a half-dead one (its
+    # sshd gone, old sessions hanging on a stuck file system) held the check for minutes
+    bad = {failure.node: failure.detail} if failure.kind in (FailureKind.LOST, FailureKind.STRAGGLER) else {}
+    checked = [node for node in current.nodes if node.name not in bad]
+    if checked:
+        notify(CheckingNodes(plan.run_id, len(checked)))
+        with session.progress("checking nodes", len(checked)) as advance:
+            report = gate.check(replace(current, nodes=tuple(replace(node, index=i) for i, node in enumerate(checked))),
+                                session, job.spec.gpus, advance)
+        bad.update(report.unreachable)
+        for result in report.failed:
+            bad.setdefault(result.node, f"{result.check}: {result.detail}")
     if not bad:
         return None, []
     for name, why in bad.items():

@@ -35,6 +35,9 @@ class Gate(Protocol):
     def remember_straggler(self, run_id: str, straggler: dict) -> None:
         """A run's straggler verdict kept in preflight's history (the next preflight names the node)."""
 
+    def remember_failure(self, run_id: str, failure: dict) -> None:
+        """An attempt's failure on a node kept in preflight's history (`preflight --history NODE` shows it)."""
+
     def latest_allreduce(self, nodes: list[str]) -> dict | None:
         """What preflight's all-reduce gave on exactly these nodes last, or None."""
 
@@ -55,6 +58,9 @@ class NoGate:
         return None
 
     def remember_straggler(self, run_id: str, straggler: dict) -> None:
+        return None
+
+    def remember_failure(self, run_id: str, failure: dict) -> None:
         return None
 
     def latest_allreduce(self, nodes: list[str]) -> dict | None:

@@ -34,6 +34,12 @@ class PreflightGate:
         except OSError:
             pass   # the registry is a convenience: a read-only home must not end the watch
 
+    def remember_failure(self, run_id: str, failure: dict) -> None:
+        try:
+            History(state_dir()).add_failure(run_id, failure)
+        except OSError:
+            pass   # as above: the record of the run is its manifest
+
     def latest_allreduce(self, nodes: list[str]) -> dict | None:
         try:
             return History(state_dir()).latest_allreduce(nodes)

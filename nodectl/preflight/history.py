@@ -271,6 +271,14 @@ class History:
         self._append({"time": when or time.time(), "nodes": [straggler.get("node")], "versions": {}, "figures": [],
                       "straggler": {"run": run_id, **kept}})
 
+    def add_failure(self, run_id: str, failure: Mapping, when: float | None = None) -> None:
+        """A run's attempt that failed on a node (the launch's failure record): its kind, rank, exit code and
+        description, for `preflight --history NODE` to show beside the node's figures."""
+        kept = {k: failure.get(k) for k in ("kind", "rank", "code")}
+        kept["description"] = str(failure.get("description") or "")[:FAILURE_KEPT]
+        self._append({"time": when or time.time(), "nodes": [failure.get("node")], "versions": {}, "figures": [],
+                      "failure": {"run": run_id, "node": failure.get("node"), **kept}})
+
     def latest_allreduce(self, nodes: Iterable[str]) -> dict | None:
         """The newest NCCL all-reduce measured on exactly these nodes, for a run's collectives to be set against
         (nodectl/pace.py): {busbw_gbs, mib, time} at its largest size, and `curve` ([[bytes, busbw]...]) where the
@@ -297,6 +305,22 @@ class History:
                 if isinstance(figure, dict) and (not node or _concerns(figure, node)):
                     out.append({"time": entry.get("time", 0), **figure})
         return out
+
+
+    def events(self, node: str | None = None) -> list[dict]:
+        """What runs saw of the nodes (of `node`), oldest first: straggler verdicts and failures, each
+        {"time", "event": "straggler" | "failure", "node", "run", ...its record}."""
+        out = []
+        for entry in self.entries():
+            for event in ("straggler", "failure"):
+                record = entry.get(event)
+                if isinstance(record, dict) and isinstance(record.get("node"), str) \
+                        and (not node or record["node"] == node):
+                    out.append({"time": entry.get("time", 0), "event": event, **record})
+        return out
+
+
+FAILURE_KEPT = 400   # characters of a failure's description kept in the history
 
 
 def _concerns(figure: Mapping, node: str) -> bool:

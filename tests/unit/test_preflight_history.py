@@ -145,3 +145,21 @@ def test_a_gpu_is_judged_only_against_what_the_same_node_by_its_host_key_measure
     past(legacy)
     drift = judge_history(figures_of(REPORTS, keyed(jobs(gemm=300.0), honest), None), legacy.entries())
     assert {r.node for r in drift.results if r.verdict == FAIL} == {"node0", "node1"}, drift.results
+
+
+def test_failures_and_stragglers_are_the_nodes_events_beside_its_figures(tmp_path):
+    """`preflight --history NODE` shows everything kept for the node (issue 70): its figures (rows) and what runs
+    saw there (events), a failure's description bounded."""
+    history = History(tmp_path)
+    past(history, count=1)
+    history.add_straggler("run-a", {"node": "node1", "rank": 3, "slower": 0.4, "causes": []}, when=1_790_000_100.0)
+    history.add_failure("run-b", {"node": "node1", "kind": "exit", "rank": 2, "code": 7,
+                                  "description": "rank 2 on node node1 failed (exit code 7)" + "x" * 5000},
+                        when=1_790_000_200.0)
+    history.add_failure("run-c", {"node": "node0", "kind": "lost", "rank": None, "code": None,
+                                  "description": "node node0 was lost"}, when=1_790_000_300.0)
+    events = history.events("node1")
+    assert [(e["event"], e["run"], e["rank"]) for e in events] == [("straggler", "run-a", 3), ("failure", "run-b", 2)]
+    assert events[1]["code"] == 7 and len(events[1]["description"]) == 400
+    assert [e["run"] for e in history.events()] == ["run-a", "run-b", "run-c"]
+    assert len(history.rows()) == len(figures_of(REPORTS, jobs(), COLLECTIVE))   # no figure among them
