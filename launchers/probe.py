@@ -309,8 +309,11 @@ def _gpu(pynvml, index: int) -> dict:
     }
 
 
-CLOCK_EVENT_BITS = {0x1: "gpu idle", 0x4: "sw power cap", 0x8: "hw slowdown", 0x10: "sync boost",
-                    0x20: "sw thermal slowdown", 0x40: "hw thermal slowdown", 0x80: "hw power brake"}
+CLOCK_EVENT_BITS = {0x1: "gpu idle", 0x2: "applications clocks setting", 0x4: "sw power cap", 0x8: "hw slowdown",
+                    0x10: "sync boost", 0x20: "sw thermal slowdown", 0x40: "hw thermal slowdown",
+                    0x80: "hw power brake", 0x100: "display clock setting", 0x200: "board limit",
+                    0x400: "reliability"}   # every reason NVML names (nvmlClocksEventReasons)
+NVML_CLOCK_SM = 1
 NVLINK_ERROR_FIELDS = {"crc_flit": 160, "crc_data": 161, "replay": 162, "recovery": 163}  # NVML_FI_DEV_NVLINK_*_TOTAL
 
 
@@ -356,6 +359,9 @@ def _gpu_health(pynvml, handle, links: int) -> dict:
         "pcie_width": _nvml_call(pynvml.nvmlDeviceGetCurrPcieLinkWidth, handle),
         "pcie_width_max": _nvml_call(pynvml.nvmlDeviceGetMaxPcieLinkWidth, handle),
         "clock_events": clock_events(_nvml_call(pynvml.nvmlDeviceGetCurrentClocksEventReasons, handle)),
+        # the SM clock the applications clocks (or clocks locked with nvidia-smi -lgc) allow, against its maximum
+        "sm_clock_app_mhz": _nvml_call(pynvml.nvmlDeviceGetApplicationsClock, handle, NVML_CLOCK_SM),
+        "sm_clock_max_mhz": _nvml_call(pynvml.nvmlDeviceGetMaxClockInfo, handle, NVML_CLOCK_SM),
         "temperature_c": _nvml_call(pynvml.nvmlDeviceGetTemperature, handle, 0),  # NVML_TEMPERATURE_GPU
         "slowdown_c": _nvml_call(pynvml.nvmlDeviceGetTemperatureThreshold, handle, 1),  # ..._SLOWDOWN
         "mig_mode": None if mig is None else mig[0], "mig_pending": None if mig is None else mig[1],

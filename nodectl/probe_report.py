@@ -167,6 +167,8 @@ class GpuDevice(Section):
     pcie_width: int | None = None
     pcie_width_max: int | None = None
     clock_events: tuple[str, ...] | None = None
+    sm_clock_app_mhz: int | None = None
+    sm_clock_max_mhz: int | None = None
     temperature_c: int | None = None
     slowdown_c: int | None = None
     mig_mode: int | None = None

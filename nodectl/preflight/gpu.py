@@ -295,6 +295,34 @@ def check_thermal(node: str, report: ProbeReport) -> CheckResult:
     return result(node, PASS, f"{min(temps)}-{max(temps)} C, no slowdown")
 
 
+CLOCK_HELD = 0.95   # applications clocks below this share of the maximum hold the GPU back from the first step
+
+
+@check("clocks", "gpu", cuda_only=True, section="gpus",
+       doc=(("clocks",
+            "NVML applications SM clock (what `nvidia-smi -ac` or `-lgc` left) against the GPU's maximum, and the "
+            "\"applications clocks setting\" clock event reason",
+            "warn when a GPU's clocks are held below 95% of its maximum",
+            "a GPU held at half its clock passes every other check at rest and runs slow from the first step"),))
+def check_clocks(node: str, report: ProbeReport) -> CheckResult:
+    """A GPU whose clocks someone set or locked below its maximum (fail-slow from the first step)."""
+    devices = [d for d in report.gpus.read if d.sm_clock_app_mhz and d.sm_clock_max_mhz]
+    held = [f"{d.label} applications clocks {d.sm_clock_app_mhz} of {d.sm_clock_max_mhz} MHz" for d in devices
+            if d.sm_clock_app_mhz < CLOCK_HELD * d.sm_clock_max_mhz]
+    held += [f"{d.label} clocks set by the applications clocks setting" for d in report.gpus.read
+             if "applications clocks setting" in (d.clock_events or ()) and not any(
+                 h.startswith(f"{d.label} ") for h in held)]
+    if held:
+        return result(node, WARN, "clocks held below the maximum: " + "; ".join(held),
+                      "reset them on the node: nvidia-smi -rac (applications clocks) and nvidia-smi -rgc (locked "
+                      "clocks), as root; nvidia-smi -q -d CLOCK shows them")
+    if not devices:
+        return result(node, SKIP, "NVML gives no applications clocks here")
+    tops = sorted({d.sm_clock_max_mhz for d in devices})
+    return result(node, PASS, f"applications clocks at their maximum ({'/'.join(map(str, tops))} MHz) on "
+                              f"{len(devices)} GPU(s)")
+
+
 @check("mig", "gpu", cuda_only=True, section="gpus",
        doc=(("mig",
             "NVML MIG mode (current, pending) and compute mode",

@@ -18,7 +18,7 @@ def gpu(index, **over):
               "remapped_rows_pending": False, "remapped_rows_failed": False, "nvlinks_active": 18, "nvlinks": 18,
               "compute_processes": [], "pci_bus_id": f"00000000:{0x18 + 0x10 * index:02X}:00.0",
               "numa_node": index // 4, "pcie_gen": 5, "pcie_gen_max": 5, "pcie_width": 16, "pcie_width_max": 16,
-              "clock_events": ["gpu idle"], "temperature_c": 34, "slowdown_c": 87, "mig_mode": 0, "mig_pending": 0,
+              "clock_events": ["gpu idle"], "sm_clock_app_mhz": 1980, "sm_clock_max_mhz": 1980, "temperature_c": 34, "slowdown_c": 87, "mig_mode": 0, "mig_pending": 0,
               "compute_mode": 0, "fabric": {"state": 3, "status": 0},
               "nvlink_errors": {"crc_flit": 0, "crc_data": 0, "replay": 0, "recovery": 0}}
     device.update(over)

@@ -33,6 +33,10 @@ def test_the_healthy_node_passes_every_health_check():
     ({"pcie_width": 8}, "pcie link", FAIL, "GPU3 x8 of x16"),
     ({"clock_events": ["hw slowdown", "hw thermal slowdown"]}, "thermal", FAIL, "GPU3 hw slowdown, hw thermal"),
     ({"temperature_c": 84}, "thermal", WARN, "GPU3 84 C (slowdown at 87 C)"),
+    ({"sm_clock_app_mhz": 1005, "clock_events": ["applications clocks setting"]}, "clocks", WARN,
+     "GPU3 applications clocks 1005 of 1980 MHz"),
+    ({"clock_events": ["gpu idle", "applications clocks setting"]}, "clocks", WARN,
+     "GPU3 clocks set by the applications clocks setting"),
     ({"mig_mode": 1}, "mig", FAIL, "GPU3 has MIG enabled"),
     ({"mig_pending": 1}, "mig", WARN, "GPU3 has a MIG change pending"),
     ({"compute_mode": 2}, "mig", FAIL, "GPU3 compute mode is prohibited"),
@@ -56,8 +60,9 @@ def test_facts_nvml_cannot_give_skip_with_the_reason():
                     "fabric", "nvlink_errors"):
             device[key] = None
         device["clock_events"] = None
+        device["sm_clock_app_mhz"] = None
     results = by_check(report)
-    for check in ("pcie link", "thermal", "mig", "fabric manager"):
+    for check in ("pcie link", "thermal", "clocks", "mig", "fabric manager"):
         assert results[check].verdict == SKIP, results[check]
     # counters it could not read are no pass (issue 41): a check that could not look says so
     assert results["nvlink errors"].verdict == SKIP and "no NVLink error counters" in results["nvlink errors"].detail
@@ -102,6 +107,7 @@ def test_the_probe_reads_xid_and_sxid_lines():
     assert [(e["kind"], e["code"], e["pci"]) for e in events] == [("xid", 79, "0000:1b:00"),
                                                                   ("sxid", 12028, "0000:07:00.0")]
     assert probe.clock_events(0x1 | 0x4 | 0x40) == ["gpu idle", "sw power cap", "hw thermal slowdown"]
+    assert probe.clock_events(0x2 | 0x200 | 0x400) == ["applications clocks setting", "board limit", "reliability"]
     # --quick reads torch's CUDA from its version.py as text (as the CUDA and CPU wheels write it)
     assert probe.torch_cuda_of("__version__ = '2.6.0+cu124'\ncuda: Optional[str] = '12.4'\n") == "12.4"
     assert probe.torch_cuda_of("cuda = '13.0'\nhip = None\n") == "13.0"
@@ -203,3 +209,32 @@ def test_gpu_job_failures_and_absence():
     assert result.verdict == FAIL and "CUDA error" in result.detail
     result = gpu_checks.check_gpu_perf("n0", job({4: {"error": "CUDA out of memory"}}))[0]
     assert result.verdict == FAIL and "GPU4: CUDA out of memory" in result.detail
+
+
+class HeldClocksNVML:
+    """NVML of a GPU whose applications clocks someone set to 1,005 of 1,980 MHz (issue 70); any other call
+    raises, as a call a driver does not support does."""
+    def nvmlDeviceGetApplicationsClock(self, handle, kind):
+        return 1005 if kind == 1 else 2619
+
+    def nvmlDeviceGetMaxClockInfo(self, handle, kind):
+        return 1980 if kind == 1 else 2619
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle):
+        return 0x1 | 0x2
+
+    def __getattr__(self, name):
+        def unsupported(*args):
+            raise RuntimeError(f"{name}: Not Supported")
+        return unsupported
+
+
+def test_the_probe_reads_the_applications_clocks_and_the_check_names_the_held_gpu():
+    from support import probe_script
+
+    health = probe_script.load()._gpu_health(HeldClocksNVML(), object(), 0)
+    assert (health["sm_clock_app_mhz"], health["sm_clock_max_mhz"]) == (1005, 1980)
+    assert health["clock_events"] == ["gpu idle", "applications clocks setting"]
+    result = by_check(with_gpu(5, **health))["clocks"]
+    assert result.verdict == WARN and "GPU5 applications clocks 1005 of 1980 MHz" in result.detail, result
+    assert "nvidia-smi -rac" in result.hint
