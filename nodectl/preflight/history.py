@@ -23,6 +23,11 @@ KEPT = 400                 # entries kept; older ones are dropped when the file 
 WINDOW = 10                # a part's own median: its last WINDOW measurements
 DRIFT_WARN, DRIFT_FAIL = 0.10, 0.20   # below its own median by this share: warn, fail (preflight --drift-warn/-fail)
 METRICS = {"gemm_tflops": ("bf16 GEMM", "TFLOP/s"), "hbm_gbps": ("HBM", "GB/s"), "busbw_gbs": ("busbw", "GB/s")}
+# Noisy figures (CPU/gloo busbw on shared cores) are judged from their NOISY_PAST'th earlier measurement on, with a
+# wider band: half their own median warns, a fifth fails (a 22x fall of a node pair's all-reduce failed nobody).
+NOISY_PAST, NOISY_WARN, NOISY_FAIL = 3, 0.50, 0.80
+# The preflight's own time (lower is better): over SLOW_PREFLIGHT times its median warns, never fails on its own
+SLOW_PREFLIGHT = 3.0
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class Figure:
     value: float
     node: str        # where a verdict about it is reported ("cluster" for the all-reduce and pairs)
     label: str       # how a person names it: "node1 GPU 3 (GPU-7f...)", "node0+node1"
-    judged: bool = True   # CPU (gloo) busbw is kept, not judged: on shared CPUs it varies past any threshold
+    judged: bool = True   # False: a noisy figure (CPU/gloo busbw, a preflight's time), judged with a wider band
     host: str | None = None   # a GPU's node's SSH host key as the controller verified it (None: a local node)
 
     def to_json(self) -> dict:
@@ -107,12 +112,14 @@ class Drift:
 @check("history", "cluster", scope="job", tiers=MEASURED,
        doc=(("history",
             "each measured figure (a GPU's bf16 GEMM and HBM rates by its UUID, the all-reduce's busbw at its "
-            "largest size, each node pair's busbw with `--full`) against the same part's median over its last "
-            f"{WINDOW} preflights, kept in the user's registry (`preflight --history [NODE]` shows them); CPU "
-            "(gloo) figures are kept, not judged",
+            "largest size, each node pair's busbw with `--full`) and the preflight's own time against the same "
+            f"part's median over its last {WINDOW} preflights, kept in the user's registry (`preflight --history "
+            "[NODE]` shows them)",
             f"warn {DRIFT_WARN:.0%} below its own median, fail {DRIFT_FAIL:.0%} below (`--drift-warn`, "
-            "`--drift-fail`), naming the part, both figures and when it last measured well; a part without a past "
-            "is recorded, not judged",
+            "`--drift-fail`), naming the part, both figures and when it last measured well; CPU (gloo) figures from "
+            f"their {NOISY_PAST}rd past on, warn {NOISY_WARN:.0%} below, fail {NOISY_FAIL:.0%} below; the "
+            f"preflight's time warns past {SLOW_PREFLIGHT:g}x its median; a part without a past is recorded, not "
+            "judged",
             "fail-slow parts (a GPU losing its GEMM rate, a link drifting down) pass every one-shot check; fleet "
             "health checks compare a part with its own past"),))
 def judge_history(today: list[Figure], past: list[dict], warn: float = DRIFT_WARN,
@@ -127,38 +134,49 @@ def judge_history(today: list[Figure], past: list[dict], warn: float = DRIFT_WAR
             f"judges neither node's figures",
             "a node that reports another node's GPU is misconfigured (a cloned image's cached inventory?) or "
             "compromised: compare `nvidia-smi -L` on each"))
-    for figure in (f for f in today if f.judged and f.key not in disputed):
+    for figure in (f for f in today if f.key not in disputed):
         earlier = [(entry.get("time", 0), found["value"]) for entry in past for found in entry.get("figures") or []
                    if isinstance(found, dict) and found.get("key") == figure.key
                    and found.get("metric") == figure.metric and figure.measured_by_same_node(found)
                    and isinstance(found.get("value"), (int, float))][-WINDOW:]
-        if not earlier:
+        if len(earlier) < (1 if figure.judged else NOISY_PAST):
             continue
         parts_seen += 1
         median = statistics.median(v for _, v in earlier)
         if median <= 0:
             continue
+        if figure.metric == "seconds":
+            if figure.value <= SLOW_PREFLIGHT * median:
+                matched += 1
+                continue
+            results.append(CheckResult(
+                "history", "cluster", WARN,
+                f"{figure.label} took {figure.value:.0f} s, {figure.value / median:.1f}x its own median of "
+                f"{median:.0f} s over {len(earlier)} earlier preflight(s)",
+                "a node slow to answer (its load, a hung mount, a slow name lookup) or a slower link: the per-node "
+                "times are in --json (reports.<node>.elapsed_s); `nodectl preflight --history` shows the past"))
+            continue
+        band_warn, band_fail = (warn, fail) if figure.judged else (max(warn, NOISY_WARN), max(fail, NOISY_FAIL))
         drop = 1 - figure.value / median
-        if drop < warn:
+        if drop < band_warn:
             matched += 1
             continue
         well = [(t, v) for t, v in earlier if v >= median * (1 - warn)]
         since = f"; last measured well {_when(well[-1][0])} ({well[-1][1]:.1f})" if well else ""
         what, unit = METRICS.get(figure.metric, (figure.metric, ""))
+        noisy = "" if figure.judged else " (a CPU figure: judged with a wider band)"
         results.append(CheckResult(
-            "history", figure.node, FAIL if drop >= fail else WARN,
+            "history", figure.node, FAIL if drop >= band_fail else WARN,
             f"{figure.label}: {what} {figure.value:.1f} {unit}, {drop:.0%} below its own median of {median:.1f} "
-            f"over {len(earlier)} earlier preflight(s){since}",
+            f"over {len(earlier)} earlier preflight(s){since}{noisy}",
             "a part losing speed fails slowly: look at its clocks and temperature (nvidia-smi -q -d "
             "PERFORMANCE,TEMPERATURE), its PCIe link and the node's load; `nodectl preflight --history "
             f"{figure.node if figure.node != 'cluster' else ''}`".rstrip() + " shows its figures over time"))
-    judged = [f for f in today if f.judged]
     if not today:
         summary = ""
-    elif not judged:
-        summary = f"history: {len(today)} figure(s) recorded (CPU figures are kept, not judged)"
     elif not parts_seen:
-        summary = f"history: {len(today)} figure(s) recorded, the first for these parts"
+        summary = (f"history: {len(today)} figure(s) recorded, without enough past to judge (CPU figures and "
+                   f"the preflight's time from their {NOISY_PAST}rd past on)")
     elif not results:
         summary = (f"history: matches its own past ({matched} figure(s) within {warn:.0%} of their medians over up "
                    f"to {WINDOW} earlier preflights)")

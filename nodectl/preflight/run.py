@@ -10,7 +10,7 @@ from pathlib import Path
 
 from nodectl.inventory import Inventory
 from nodectl.preflight.gpu import cluster_medians
-from nodectl.preflight.history import Drift, History, curve_of, figures_of, judge_history, versions_of
+from nodectl.preflight.history import Drift, Figure, History, curve_of, figures_of, judge_history, versions_of
 from nodectl.preflight.checks import Tier
 from nodectl.probe_report import ProbeReport
 from nodectl.preflight.judge import Expectation, NodeFacts, judge_cluster, judge_node
@@ -213,6 +213,10 @@ def compare_with_history(report: PreflightReport, history: History, warn: float,
     if report.quick:
         return Drift((), "")
     figures = figures_of(report.reports, report.gpu_jobs, report.collective)
+    nodes = "+".join(sorted(report.nodes))
+    tier = "full" if (report.collective or {}).get("pairs") else "default"
+    figures.append(Figure(f"preflight:{tier}:{nodes}", "seconds", round(time.time() - report.created, 1), "cluster",
+                          f"the {tier} preflight of {nodes}", judged=False))
     drift = judge_history(figures, history.entries(), warn, fail)
     report.results += list(drift.results)
     report.history = drift.summary

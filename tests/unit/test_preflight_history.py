@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 
-from nodectl.preflight.history import History, figures_of, judge_history, judge_stragglers
+from nodectl.preflight.history import Figure, History, figures_of, judge_history, judge_stragglers
 from nodectl.preflight.verdict import FAIL, WARN
 
 REPORTS = {"node0": {"gpus": {"driver": "550.54.15", "devices": [{"index": 0, "uuid": "GPU-aaaa0000"},
@@ -51,7 +51,7 @@ def test_a_healthy_rerun_raises_nothing_and_says_it_matches_its_history(tmp_path
     assert drift.summary.startswith("history: matches its own past (8 figure(s) within 10%"), drift.summary
 
 
-def test_a_pair_and_the_all_reduce_are_judged_and_cpu_figures_only_kept(tmp_path):
+def test_a_pair_and_the_all_reduce_are_judged_and_cpu_figures_from_their_third_past_on(tmp_path):
     history = History(tmp_path)
     past(history)
     slow_pair = dict(COLLECTIVE, pairs=[{"nodes": ["node0", "node1"], "busbw_gbs": 30.0}])
@@ -60,9 +60,36 @@ def test_a_pair_and_the_all_reduce_are_judged_and_cpu_figures_only_kept(tmp_path
     gloo = {"backend": "gloo", "sizes": [{"bytes": 64 << 20, "busbw_gbs": 1.0}]}
     cpu = figures_of({"a": {}, "b": {}}, {}, gloo)
     history.add(cpu, {}, ["a", "b"])
-    drift = judge_history(figures_of({"a": {}, "b": {}}, {}, dict(gloo, sizes=[{"bytes": 64 << 20, "busbw_gbs": 0.1}])),
-                          history.entries())
-    assert drift.results == () and "CPU figures are kept, not judged" in drift.summary
+    fallen = figures_of({"a": {}, "b": {}}, {}, dict(gloo, sizes=[{"bytes": 64 << 20, "busbw_gbs": 1 / 22}]))
+    drift = judge_history(fallen, history.entries())   # one CPU figure in its past: too noisy to judge yet
+    assert drift.results == () and "without enough past to judge" in drift.summary
+    history.add(figures_of({"a": {}, "b": {}}, {}, dict(gloo, sizes=[{"bytes": 64 << 20, "busbw_gbs": 1.3}])), {},
+                ["a", "b"])
+    history.add(figures_of({"a": {}, "b": {}}, {}, dict(gloo, sizes=[{"bytes": 64 << 20, "busbw_gbs": 0.8}])), {},
+                ["a", "b"])
+    (found,) = judge_history(fallen, history.entries()).results   # a 22x fall, judged with the wider band
+    assert found.verdict == FAIL and "95% below its own median of 1.0" in found.detail, found
+    assert "a CPU figure: judged with a wider band" in found.detail
+    halved = figures_of({"a": {}, "b": {}}, {}, dict(gloo, sizes=[{"bytes": 64 << 20, "busbw_gbs": 0.45}]))
+    assert [r.verdict for r in judge_history(halved, history.entries()).results] == [WARN]
+    jitter = figures_of({"a": {}, "b": {}}, {}, dict(gloo, sizes=[{"bytes": 64 << 20, "busbw_gbs": 0.6}]))
+    assert judge_history(jitter, history.entries()).results == ()   # 40% down: CPU noise, not judged a fall
+
+
+def test_a_preflight_that_takes_far_longer_than_its_own_past_warns(tmp_path):
+    history = History(tmp_path)
+    for seconds in (40.0, 52.0, 45.0):
+        history.add([Figure("preflight:default:a+b", "seconds", seconds, "cluster", "the default preflight of a+b",
+                            judged=False)], {}, ["a", "b"])
+    slow = [Figure("preflight:default:a+b", "seconds", 45.0 * 5.3, "cluster", "the default preflight of a+b",
+                   judged=False)]
+    (found,) = judge_history(slow, history.entries()).results
+    assert found.verdict == WARN and "the default preflight of a+b took 238 s, 5.3x its own median of 45 s" \
+        in found.detail, found
+    usual = [Figure("preflight:default:a+b", "seconds", 100.0, "cluster", "the default preflight of a+b",
+                    judged=False)]
+    assert judge_history(usual, history.entries()).results == ()
+    assert [r["label"] for r in history.rows("a")] == ["the default preflight of a+b"] * 3
 
 
 def test_the_history_is_bounded_private_and_survives_a_damaged_line(tmp_path):
