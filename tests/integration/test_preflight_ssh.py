@@ -90,7 +90,9 @@ def test_full_runs_a_collective_on_each_node_pair(ssh_cluster, tmp_path):
         assert part in shown.stdout, shown.stdout
     assert "pair node0+node2" not in shown.stdout   # node1's parts only
     rows = run_nodectl(["--json", "preflight", "--history", "node1"], env=ssh_cluster.env(), cwd=tmp_path).json()
-    assert {r["metric"] for r in rows["rows"]} == {"busbw_gbs"} and not any(r["judged"] for r in rows["rows"])
+    assert {r["metric"] for r in rows["rows"]} == {"busbw_gbs", "seconds"}
+    assert not any(r["judged"] for r in rows["rows"])
+    assert [r["label"] for r in rows["rows"] if r["metric"] == "seconds"] == ["the full preflight of node0+node1+node2"]
 
 
 def test_node_without_torch_fails_with_hint_and_launch_refuses(ssh_cluster, tmp_path):
