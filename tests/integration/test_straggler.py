@@ -88,9 +88,14 @@ def test_a_quota_held_rank_is_named_shown_by_status_and_left_out(ssh_cluster, pr
         print(f"straggler named {noticed:.1f}s after the quota")
 
         # the verdict is in the preflight history: with an earlier run's, the next preflight warns of node1
+        # (and the attempt it ended, as a failure on node1: `preflight --history node1` shows both)
         kept = [json.loads(line) for line in (tmp_path / "state" / "preflight-history.jsonl").read_text().splitlines()]
-        assert [(e["straggler"]["run"], e["straggler"]["node"]) for e in kept] == [(run_id, "node1")]
-        earlier = dict(kept[0], time=kept[0]["time"] - 86400, straggler=dict(kept[0]["straggler"], run="earlier"))
+        verdicts = [e for e in kept if "straggler" in e]
+        assert [(e["straggler"]["run"], e["straggler"]["node"]) for e in verdicts] == [(run_id, "node1")]
+        assert [(e["failure"]["run"], e["failure"]["node"], e["failure"]["kind"]) for e in kept if "failure" in e] \
+            == [(run_id, "node1", "straggler")]
+        earlier = dict(verdicts[0], time=verdicts[0]["time"] - 86400,
+                       straggler=dict(verdicts[0]["straggler"], run="earlier"))
         with open(tmp_path / "state" / "preflight-history.jsonl", "a") as history:
             history.write(json.dumps(earlier) + "\n")
         checked = run_nodectl(["-i", inventory, "--json", "preflight", "--quick"], env=env, cwd=project)
