@@ -254,7 +254,8 @@ def _passing_nodes(job: Job, failure: Failure, session: Session, notify, gate: G
     current = replace(job.spec.inventory, nodes=tuple(np.node for np in plan.nodes))
     # a node the watch found lost (or a certain straggler) is out already: asked again, a half-dead one (its
     # sshd gone, old sessions hanging on a stuck file system) held the check for minutes
-    bad = {failure.node: failure.detail} if failure.kind in (FailureKind.LOST, FailureKind.STRAGGLER) else {}
+    bad = {failure.node: failure.detail} \
+        if failure.kind in (FailureKind.LOST, FailureKind.STRAGGLER) and failure.node else {}
     checked = [node for node in current.nodes if node.name not in bad]
     if checked:
         notify(CheckingNodes(plan.run_id, len(checked)))
