@@ -81,11 +81,13 @@ def test_failing_rank_stops_every_node(ssh_cluster, project):
         rows = {row["rank"]: row["state"] for row in status.json()["ranks"]}
         assert rows[3] == "exited(7)" and "running" not in rows.values()
         # preflight's history of node1 shows what the run saw there (issue 70); node0's shows nothing of it
+        # (the session cluster's history holds other tests' runs too: this run's events are the ones asked about)
         history = run_nodectl(["--json", "preflight", "--history", "node1"], env=env, cwd=project).json()
-        assert [(e["event"], e["node"], e["run"], e["rank"], e["code"]) for e in history["events"]] == \
-            [("failure", "node1", run_id, 3, 7)]
-        assert "rank 3 on node node1 failed (exit code 7)" in history["events"][0]["description"]
-        assert run_nodectl(["--json", "preflight", "--history", "node0"], env=env, cwd=project).json()["events"] == []
+        mine = [e for e in history["events"] if e["run"] == run_id]
+        assert [(e["event"], e["node"], e["rank"], e["code"]) for e in mine] == [("failure", "node1", 3, 7)]
+        assert "rank 3 on node node1 failed (exit code 7)" in mine[0]["description"]
+        node0 = run_nodectl(["--json", "preflight", "--history", "node0"], env=env, cwd=project).json()["events"]
+        assert [e for e in node0 if e["run"] == run_id] == []
         shown = run_nodectl(["preflight", "--history", "node1"], env={**env, "COLUMNS": "200"}, cwd=project)
         assert "held back and failed in runs on node1" in shown.stdout and "failed (" in shown.stdout, shown.output
     finally:

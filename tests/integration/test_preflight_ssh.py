@@ -92,7 +92,7 @@ def test_full_runs_a_collective_on_each_node_pair(ssh_cluster, tmp_path):
     rows = run_nodectl(["--json", "preflight", "--history", "node1"], env=ssh_cluster.env(), cwd=tmp_path).json()
     assert {r["metric"] for r in rows["rows"]} == {"busbw_gbs", "seconds"}
     assert not any(r["judged"] for r in rows["rows"])
-    assert [r["label"] for r in rows["rows"] if r["metric"] == "seconds"] == ["the full preflight of node0+node1+node2"]
+    assert "the full preflight of node0+node1+node2" in [r["label"] for r in rows["rows"] if r["metric"] == "seconds"]
 
 
 def test_node_without_torch_fails_with_hint_and_launch_refuses(ssh_cluster, tmp_path):
