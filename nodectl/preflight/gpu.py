@@ -307,11 +307,12 @@ CLOCK_HELD = 0.95   # applications clocks below this share of the maximum hold t
 def check_clocks(node: str, report: ProbeReport) -> CheckResult:
     """A GPU whose clocks someone set or locked below its maximum (fail-slow from the first step)."""
     devices = [d for d in report.gpus.read if d.sm_clock_app_mhz and d.sm_clock_max_mhz]
-    held = [f"{d.label} applications clocks {d.sm_clock_app_mhz} of {d.sm_clock_max_mhz} MHz" for d in devices
-            if d.sm_clock_app_mhz < CLOCK_HELD * d.sm_clock_max_mhz]
-    held += [f"{d.label} clocks set by the applications clocks setting" for d in report.gpus.read
-             if "applications clocks setting" in (d.clock_events or ()) and not any(
-                 h.startswith(f"{d.label} ") for h in held)]
+    held = []
+    for d in report.gpus.read:
+        if d.sm_clock_app_mhz and d.sm_clock_max_mhz and d.sm_clock_app_mhz < CLOCK_HELD * d.sm_clock_max_mhz:
+            held.append(f"{d.label} applications clocks {d.sm_clock_app_mhz} of {d.sm_clock_max_mhz} MHz")
+        elif "applications clocks setting" in (d.clock_events or ()):
+            held.append(f"{d.label} clocks set by the applications clocks setting")
     if held:
         return result(node, WARN, "clocks held below the maximum: " + "; ".join(held),
                       "reset them on the node: nvidia-smi -rac (applications clocks) and nvidia-smi -rgc (locked "

@@ -324,7 +324,6 @@ class History:
                     out.append({"time": entry.get("time", 0), **figure})
         return out
 
-
     def events(self, node: str | None = None) -> list[dict]:
         """What runs saw of the nodes (of `node`), oldest first: straggler verdicts and failures, each
         {"time", "event": "straggler" | "failure", "node", "run", ...its record}."""
