@@ -4,6 +4,7 @@ has is never sent again."""
 from __future__ import annotations
 
 import atexit
+import fcntl
 import hashlib
 import os
 import shutil
@@ -81,13 +82,50 @@ def _own_output() -> set[tuple[int, int]]:
 
 
 _SNAPSHOTS: list[str] = []
+SNAPSHOT_PREFIX = "nodectl-snapshots-"
+# A folder this young may be one another nodectl has just made and not yet locked.
+SNAPSHOT_SETTLE_SECONDS = 60
 
 
 def _snapshot_folder() -> Path:
+    """This process's folder of snapshots, removed when it exits. A process killed with SIGKILL (or by a power
+    cut) cannot remove its own: each folder is locked (flock, on the folder itself) for as long as its process
+    lives, and the next nodectl to make one removes every folder of its user whose lock it can take."""
     if not _SNAPSHOTS:
-        _SNAPSHOTS.append(tempfile.mkdtemp(prefix="nodectl-sync-"))
-        atexit.register(shutil.rmtree, _SNAPSHOTS[0], True)
+        _reclaim_snapshot_folders()
+        folder = tempfile.mkdtemp(prefix=SNAPSHOT_PREFIX)
+        held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)   # not inherited by what this process runs
+        fcntl.flock(held, fcntl.LOCK_EX)   # released by the kernel however this process ends
+        _SNAPSHOTS.append(folder)
+        atexit.register(shutil.rmtree, folder, True)
     return Path(_SNAPSHOTS[0])
+
+
+def _reclaim_snapshot_folders() -> None:
+    """Remove the snapshot folders nodectl processes that were killed left in the temp folder: this user's,
+    older than SNAPSHOT_SETTLE_SECONDS, whose lock nobody holds. A folder held by a live nodectl, in any PID
+    namespace sharing this temp folder, is left alone, as is another user's."""
+    base = tempfile.gettempdir()
+    try:
+        names = [name for name in os.listdir(base) if name.startswith(SNAPSHOT_PREFIX)]
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(base, name)
+        try:
+            held = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            info = os.fstat(held)
+            if info.st_uid != os.getuid() or time.time() - info.st_mtime < SNAPSHOT_SETTLE_SECONDS:
+                continue
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue   # held: its process lives
+        finally:
+            os.close(held)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _snapshot(source: Path) -> tuple[Path, str, int]:
