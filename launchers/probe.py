@@ -21,7 +21,8 @@ import tempfile
 import threading
 import time
 
-from redaction import redact_env   # on a node: replaced by launchers/redaction.py's text (probe_source)
+from redaction import redact_env
+from hostsfile import hosts_line   # on a node: replaced by launchers/redaction.py's text (probe_source)
 
 
 def _section(report: dict, key: str, fn) -> None:
@@ -44,17 +45,18 @@ def probe_os() -> dict:
     hostname = socket.gethostname()
     return {"hostname": hostname, "system": platform.system(), "kernel": platform.release(),
             "distribution": release.get("PRETTY_NAME", ""), "machine": platform.machine(),
-            "hostname_resolves": _resolve(hostname), "hosts_line": _hosts_line(hostname)}
+            "hostname_resolves": _resolve(hostname), "hosts_line": hosts_line(hostname)}
 
 
 def _resolve(name: str, timeout: float = 3.0) -> list | dict:
-    """The addresses the node's resolver gives its own host name (what `hostname -i` and launchers that find
-    "their own address" by name hand the other nodes), or {"error"}; a resolver that hangs costs `timeout`."""
+    """The addresses the node's resolver gives its own host name, in its order (gloo binds the first it can; what
+    `hostname -i` and launchers that find "their own address" by name hand the other nodes), or {"error"}; a
+    resolver that hangs costs `timeout`."""
     found: dict = {}
 
     def ask() -> None:
         try:
-            found["addresses"] = sorted({info[4][0] for info in socket.getaddrinfo(name, None)})
+            found["addresses"] = list(dict.fromkeys(info[4][0] for info in socket.getaddrinfo(name, None)))
         except OSError as exc:
             found["error"] = f"{exc.__class__.__name__}: {exc}"
 
@@ -64,19 +66,6 @@ def _resolve(name: str, timeout: float = 3.0) -> list | dict:
     if "addresses" in found:
         return found["addresses"]
     return {"error": found.get("error") or f"the resolver did not answer within {timeout:.0f} s"}
-
-
-def _hosts_line(name: str):
-    """The /etc/hosts line that names this host, as written (number and text), or None."""
-    try:
-        with open("/etc/hosts", encoding="utf-8", errors="replace") as handle:
-            for number, line in enumerate(handle, 1):
-                words = line.split("#", 1)[0].split()
-                if len(words) > 1 and name in words[1:]:
-                    return {"line": number, "text": line.strip()[:200]}
-    except OSError:
-        pass
-    return None
 
 
 def probe_cpu() -> dict:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from hostsfile import hosts_line
+
 
 def cmd_port(args: list, request: dict) -> dict:
     """Whether a TCP port is free here, and a free one if not."""
@@ -37,33 +39,60 @@ SERVE = "import sys;sys.path.insert(0,sys.argv[1]);sys.argv=sys.argv[1:];from ru
 
 
 def cmd_listen(args: list, request: dict) -> dict:
-    """Listen on a port for a while in a detached process (preflight's reachability test); returns its pid."""
+    """Listen for a while in a detached process (preflight's reachability tests); returns its pid. On PORT (the
+    master port, 0 for none) and, with request {"ephemeral": true}, on a port the kernel picks from its ephemeral
+    range, as gloo and NCCL do for the connections between ranks: answered as `ephemeral`, with the range."""
     port, seconds = int(args[0]), float(args[1])
-    proc = subprocess.Popen([sys.executable, "-S", "-c", SERVE, IMPORT_ROOT, "_serve", str(port), str(seconds)],
-                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
-    deadline = time.time() + 5
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return {"pid": proc.pid, "port": port}
-        except OSError:
-            if proc.poll() is not None:
-                return {"error": f"cannot listen on port {port}"}
-            time.sleep(0.05)
-    return {"error": f"listener on port {port} did not come up"}
+    sockets = []
+    try:
+        for wanted in ([port] if port else []) + ([0] if request.get("ephemeral") else []):
+            server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sockets.append(server)
+            server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                server.bind(("", wanted))
+            except OSError:
+                return {"error": f"cannot listen on port {wanted}"}
+            server.listen(128)
+        if not sockets:
+            return {"error": "no port to listen on"}
+        fds = [str(server.fileno()) for server in sockets]
+        proc = subprocess.Popen([sys.executable, "-S", "-c", SERVE, IMPORT_ROOT, "_serve", str(seconds), *fds],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, pass_fds=[server.fileno() for server in sockets])
+        answer = {"pid": proc.pid, "port": port}
+        if request.get("ephemeral"):
+            answer["ephemeral"] = sockets[-1].getsockname()[1]
+            answer["ephemeral_range"] = _ephemeral_range()
+        return answer
+    finally:
+        for server in sockets:   # the listener holds its own copies
+            server.close()
+
+
+def _ephemeral_range() -> list | None:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="utf-8") as handle:
+            low, high = (int(word) for word in handle.read().split()[:2])
+        return [low, high]
+    except (OSError, ValueError):
+        return None
 
 
 def cmd_serve(args: list, request: dict) -> dict:
-    port, deadline = int(args[0]), time.time() + float(args[1])
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as server:
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("", port))
-        server.listen(128)
-        server.settimeout(0.2)
-        while time.time() < deadline:
+    """The listener `listen` started: accepts and closes connections on the sockets it was handed, for a while."""
+    import selectors
+
+    deadline = time.time() + float(args[0])
+    selector = selectors.DefaultSelector()
+    for fd in args[1:]:
+        server = socket.socket(fileno=int(fd))
+        server.setblocking(False)
+        selector.register(server, selectors.EVENT_READ)
+    while time.time() < deadline:
+        for key, _ in selector.select(timeout=0.2):
             try:
-                conn, _ = server.accept()
+                conn, _ = key.fileobj.accept()
                 conn.close()
             except OSError:
                 pass
@@ -107,7 +136,49 @@ def cmd_route(args: list, request: dict) -> dict:
     peers = [str(p) for p in (request.get("peers") or [])][:4096]
     if peers:
         answer["peers"] = _routes(peers)
+    ports = request.get("peer_ports")
+    if isinstance(ports, dict) and ports:
+        answer["peer_reach"] = _connect_all({str(a): int(p) for a, p in list(ports.items())[:4096]},
+                                            float(request.get("timeout", 5)))
+    name = request.get("resolve")
+    if isinstance(name, str) and name:
+        answer["resolved"] = _addresses(name)
+        answer["resolved_line"] = hosts_line(name)
+        answer["own"] = _own_addresses()
     return answer
+
+
+def _own_addresses() -> list:
+    """Every address of this node's interfaces (`ip -o addr`), without their prefix lengths."""
+    try:
+        proc = subprocess.run(["ip", "-o", "addr", "show"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    found = []
+    for line in proc.stdout.splitlines():
+        words = line.split()
+        for family in ("inet", "inet6"):
+            if family in words[:-1]:
+                found.append(words[words.index(family) + 1].split("/")[0])
+    return found
+
+
+def _connect_all(targets: dict, timeout: float) -> dict:
+    """A TCP connection to each address:port at once (one thread each, at most 64 at a time): {address: answer}."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=min(64, len(targets))) as pool:
+        futures = {addr: pool.submit(_connect, addr, port, timeout) for addr, port in targets.items()}
+    return {addr: future.result() for addr, future in futures.items()}
+
+
+def _addresses(name: str) -> list | dict:
+    """The addresses this node's resolver gives a name, in its order, or {"error"}."""
+    try:
+        return list(dict.fromkeys(info[4][0] for info in socket.getaddrinfo(name, None)))
+    except (OSError, UnicodeError) as exc:
+        return {"error": f"{exc.__class__.__name__}: {exc}"}
+
 
 
 ROUTE_TYPES = ("local", "unicast", "broadcast", "multicast", "anycast", "unreachable", "blackhole", "prohibit")

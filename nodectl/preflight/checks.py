@@ -46,6 +46,7 @@ class Expectation:
     gpus: int | None          # ranks per node on cuda nodes (None: whatever each node has)
     master_port: int | None
     master_addr: str
+    nodes: int = 1            # how many nodes the launch spans
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from nodectl.launch import LaunchRequest, Stage, launch
 from nodectl.launch.job import JobSpec, StartFailed
 from nodectl.preflight.checks import Tier
 from nodectl.probe_report import ProbeReport
-from nodectl.preflight.network import judge_collective, judge_pairs, result_in, transports_in
+from nodectl.preflight.network import address_owners, judge_collective, judge_pairs, result_in, transports_in
 from nodectl.remote import sync
 from nodectl.remote.answers import NO_LOG
 from nodectl.transport import Cluster, Session
@@ -85,7 +85,8 @@ def add_collectives(report, inventory: Inventory, session: Session, *, gpus: int
     phase(f"all-reduce test on {len(inventory.nodes)} node(s)")
     result, transports, failure, run_id = run_collective(inventory, session, gpus=gpus, full=full,
                                                          deadline=deadline, facts=reports)
-    report.results += judge_collective(result, transports, ib, len(inventory.nodes), failure, run_id)
+    owners = address_owners(inventory.nodes, {name: ProbeReport.of(r) for name, r in reports.items()})
+    report.results += judge_collective(result, transports, ib, len(inventory.nodes), failure, run_id, owners)
     report.collective, report.collective_run = result, run_id
     if transports:
         report.collective = {**(result or {}), "transports": transports}

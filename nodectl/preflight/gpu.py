@@ -298,30 +298,52 @@ def check_thermal(node: str, report: ProbeReport) -> CheckResult:
 CLOCK_HELD = 0.95   # applications clocks below this share of the maximum hold the GPU back from the first step
 
 
+CLOCKS_FIX = ("reset them on the node: nvidia-smi -rac (applications clocks) and nvidia-smi -rgc (locked clocks), as "
+              "root; nvidia-smi -q -d CLOCK shows them")
+
+
+def held_clocks(d) -> str | None:
+    """How a GPU's clocks are held below its maximum, in words, or None."""
+    if d.sm_clock_app_mhz and d.sm_clock_max_mhz and d.sm_clock_app_mhz < CLOCK_HELD * d.sm_clock_max_mhz:
+        return f"{d.label} applications clocks {d.sm_clock_app_mhz} of {d.sm_clock_max_mhz} MHz"
+    if "applications clocks setting" in (d.clock_events or ()):
+        return f"{d.label} clocks set by the applications clocks setting"
+    return None
+
+
 @check("clocks", "gpu", cuda_only=True, section="gpus",
        doc=(("clocks",
             "NVML applications SM clock (what `nvidia-smi -ac` or `-lgc` left) against the GPU's maximum, and the "
             "\"applications clocks setting\" clock event reason",
-            "warn when a GPU's clocks are held below 95% of its maximum",
+            "warn when a GPU's clocks are held below 95% of its maximum; fail when its measured bf16 GEMM also fell "
+            "below its own past (the clocks keep runs slow)",
             "a GPU held at half its clock passes every other check at rest and runs slow from the first step"),))
 def check_clocks(node: str, report: ProbeReport) -> CheckResult:
-    """A GPU whose clocks someone set or locked below its maximum (fail-slow from the first step)."""
+    """A GPU whose clocks someone set or locked below its maximum (fail-slow from the first step). At rest a
+    warning: held_clocks_that_slow (after the GPU job's figures are held to their past) fails the GPU whose GEMM
+    fell too."""
     devices = [d for d in report.gpus.read if d.sm_clock_app_mhz and d.sm_clock_max_mhz]
-    held = []
-    for d in report.gpus.read:
-        if d.sm_clock_app_mhz and d.sm_clock_max_mhz and d.sm_clock_app_mhz < CLOCK_HELD * d.sm_clock_max_mhz:
-            held.append(f"{d.label} applications clocks {d.sm_clock_app_mhz} of {d.sm_clock_max_mhz} MHz")
-        elif "applications clocks setting" in (d.clock_events or ()):
-            held.append(f"{d.label} clocks set by the applications clocks setting")
+    held = [said for said in map(held_clocks, report.gpus.read) if said]
     if held:
-        return result(node, WARN, "clocks held below the maximum: " + "; ".join(held),
-                      "reset them on the node: nvidia-smi -rac (applications clocks) and nvidia-smi -rgc (locked "
-                      "clocks), as root; nvidia-smi -q -d CLOCK shows them")
+        return result(node, WARN, "clocks held below the maximum: " + "; ".join(held), CLOCKS_FIX)
     if not devices:
         return result(node, SKIP, "NVML gives no applications clocks here")
     tops = sorted({d.sm_clock_max_mhz for d in devices})
     return result(node, PASS, f"applications clocks at their maximum ({'/'.join(map(str, tops))} MHz) on "
                               f"{len(devices)} GPU(s)")
+
+
+def held_clocks_that_slow(reports: Mapping[str, ProbeReport], fallen) -> list[CheckResult]:
+    """A GPU whose clocks are held below the maximum and whose measured bf16 GEMM fell below its own past
+    (`fallen`: the (key, metric) of each figure that fell): the clocks keep it slow, a failure, not a warning."""
+    out = []
+    for node, report in sorted(reports.items()):
+        slowed = [said for d in report.gpus.read
+                  if (said := held_clocks(d)) and (f"gpu:{d.uuid}", "gemm_tflops") in fallen]
+        if slowed:
+            out.append(CheckResult("clocks", node, FAIL, "clocks held below the maximum keep the GPU slow (its bf16 "
+                                   "GEMM fell below its own past, above): " + "; ".join(slowed), CLOCKS_FIX))
+    return out
 
 
 @check("mig", "gpu", cuda_only=True, section="gpus",

@@ -102,11 +102,13 @@ def versions_of(reports: Mapping[str, Mapping]) -> dict:
             for node, r in typed.items()}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Drift:
-    """What the history says of today's figures: the verdicts (one per part that fell) and one line for all."""
-    results: tuple[CheckResult, ...]
-    summary: str
+    """What the history says of today's figures: the verdicts (one per part that fell), one line for all, and
+    the (key, metric) of each figure that fell."""
+    results: tuple[CheckResult, ...] = ()
+    summary: str = ""
+    fallen: frozenset[tuple[str, str]] = frozenset()
 
 
 @check("history", "cluster", scope="job", tiers=MEASURED,
@@ -125,7 +127,7 @@ class Drift:
 def judge_history(today: list[Figure], past: list[dict], warn: float = DRIFT_WARN,
                   fail: float = DRIFT_FAIL) -> Drift:
     """Today's figures against each part's median over its last WINDOW entries in `past` (oldest first)."""
-    results, matched, parts_seen = [], 0, 0
+    results, matched, parts_seen, fallen = [], 0, 0, []
     disputed = _claimed_twice(today, past)
     for key, nodes in sorted(disputed.items()):
         results.append(CheckResult(
@@ -161,6 +163,7 @@ def judge_history(today: list[Figure], past: list[dict], warn: float = DRIFT_WAR
         if drop < band_warn:
             matched += 1
             continue
+        fallen.append((figure.key, figure.metric))
         well = [(t, v) for t, v in earlier if v >= median * (1 - warn)]
         since = f"; last measured well {_when(well[-1][0])} ({well[-1][1]:.1f})" if well else ""
         what, unit = METRICS.get(figure.metric, (figure.metric, ""))
@@ -182,7 +185,7 @@ def judge_history(today: list[Figure], past: list[dict], warn: float = DRIFT_WAR
                    f"to {WINDOW} earlier preflights)")
     else:
         summary = f"history: {len(results)} of {parts_seen} figure(s) below their own past (above)"
-    return Drift(tuple(results), summary)
+    return Drift(results=tuple(results), summary=summary, fallen=frozenset(fallen))
 
 
 def _claimed_twice(today: list[Figure], past: list[dict]) -> dict[str, set[str]]:

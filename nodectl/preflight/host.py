@@ -2,6 +2,8 @@
 workdir, clock). Pure functions of the probe report (launchers/probe.py)."""
 from __future__ import annotations
 
+from typing import Mapping
+
 from nodectl.preflight.checks import check
 from nodectl.probe_report import ProbeReport, Space
 from nodectl.preflight.verdict import FAIL, PASS, SKIP, WARN, CheckResult, gib, result
@@ -398,26 +400,47 @@ def check_overcommit(node: str, report: ProbeReport, device: str) -> CheckResult
 LOOPBACK_PREFIXES = ("127.", "::1", "0:0:0:0:0:0:0:1")
 
 
-@check("hostname", "host", given=lambda f: (f.report, f.addr), section="os",
+@check("hostname", "host", given=lambda f: (f.report, f.addr, f.device, f.expect.nodes, f.env), section="os",
        doc=(("hostname",
             "the node's host name as its resolver gives it (`getaddrinfo`, `/etc/hosts` first) and the /etc/hosts "
-            "line that names it",
-            "warn when it resolves to a loopback address while the other nodes reach the node at another one "
-            "(Debian's `127.0.1.1 <hostname>` kept in an image), naming the line",
-            "what finds \"its own address\" by host name (MPI-style launchers, `hostname -i` scripts, some "
-            "rendezvous settings) then hands the other nodes an address they cannot reach"),))
-def check_hostname(node: str, report: ProbeReport, addr: str) -> CheckResult:
+            "line that names it; `GLOO_SOCKET_IFNAME` in the environment its ranks get",
+            "over several nodes without `GLOO_SOCKET_IFNAME`: fail on a CPU node (warn on a GPU node, where only "
+            "gloo groups use it) when the name's first address is a loopback one (Debian's `127.0.1.1 <hostname>` "
+            "kept in an image) or the name does not resolve (gloo then binds 127.0.0.1), naming the line and "
+            "the fix; else warn when it resolves to a loopback address while the other nodes reach the node at "
+            "another one",
+            "gloo binds the address its host name resolves to and hands it to the other ranks: they connect to "
+            "their own loopback and the collective fails with `Connection refused, remote=[127.0.1.1]`, blamed on "
+            "the rank that connected"),))
+def check_hostname(node: str, report: ProbeReport, addr: str, device: str = "cpu", nodes: int = 1,
+                   env: Mapping[str, str] | None = None) -> CheckResult:
     name, found = report.os.hostname, report.os.hostname_resolves
     if not name or found is None:
         return result(node, SKIP, "the host name was not resolved")
-    if not isinstance(found, tuple):   # resolves to nothing ({"error"}): nothing to hand out wrongly
+    single_host = not addr or addr.startswith(LOOPBACK_PREFIXES) or addr == "localhost"
+    pinned = (env or {}).get("GLOO_SOCKET_IFNAME") or (report.env or {}).get("GLOO_SOCKET_IFNAME")
+    gloo_breaks = nodes > 1 and not single_host and not pinned
+    verdict = FAIL if device != "cuda" else WARN
+    who = "its ranks (gloo, the CPU backend)" if device != "cuda" else "any gloo group of its ranks"
+    pin = f"or set GLOO_SOCKET_IFNAME to the interface that carries {addr} in the inventory's env:"
+    if not isinstance(found, tuple):   # resolves to nothing ({"error"})
+        if gloo_breaks:
+            return result(node, verdict,
+                          f"{name} does not resolve on {node} ({found.get('error')}): {who} bind 127.0.0.1 and "
+                          f"hand it to the other nodes, which cannot connect to it",
+                          f"on {node}, map {name} to {addr} in /etc/hosts ({addr} {name}), {pin}")
         return result(node, PASS, f"{name} does not resolve on the node ({found.get('error')})")
     loopback = [a for a in found if str(a).startswith(LOOPBACK_PREFIXES)]
-    if not loopback or not addr or addr.startswith(LOOPBACK_PREFIXES) or addr == "localhost":
+    if not loopback or single_host:
         return result(node, PASS, f"{name} resolves to {', '.join(map(str, found)) or 'nothing'}")
     line = report.os.hosts_line
     where = f" (/etc/hosts line {line.line}: {line.text!r})" if line is not None else ""
+    fix = f"on {node}, map {name} to {addr} in /etc/hosts{' instead of that line' if line is not None else ''}"
+    if gloo_breaks and str(found[0]).startswith(LOOPBACK_PREFIXES):
+        return result(node, verdict,
+                      f"{name} resolves to {found[0]}{where}: {who} bind that address and hand it to the other "
+                      f"nodes, which reach {node} at {addr} and cannot connect to it", f"{fix}, {pin}")
     return result(node, WARN,
                   f"{name} resolves to {', '.join(loopback)}{where}, while the other nodes reach {node} at "
                   f"{addr}: a launcher that finds its own address by host name hands them one they cannot "
-                  f"reach", f"on {node}, map {name} to {addr} in /etc/hosts (or remove the loopback line)")
+                  f"reach", f"{fix} (or remove the loopback line)")

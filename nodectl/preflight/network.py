@@ -189,19 +189,81 @@ def check_master_port(node: str, port_answer: Mapping | None) -> CheckResult:
                   "stop what holds it or set another master_port: in hosts.yaml")
 
 
-@check("reach master", "network", given=lambda f: (f.extras["reach"], f"{f.expect.master_addr}:{f.expect.master_port}"), needs="reach",
+@check("reach master", "network", needs="reach",
+       given=lambda f: (f.extras["reach"], f"{f.expect.master_addr}:{f.expect.master_port}", f.extras.get("master_name")),
        doc=(("reach master",
             "every node opens a TCP connection to node 0's master port (a listener is started for the test)",
-            "fail with the error",
+            "fail with the error; where the node resolves node 0's name to none of its addresses, the fix is "
+            "that entry, not the firewall",
             "-"),))
-def check_reach_master(node: str, answer: Mapping | None, target: str) -> CheckResult:
+def check_reach_master(node: str, answer: Mapping | None, target: str, name: Mapping | None = None) -> CheckResult:
     if answer is None:
         return result(node, SKIP, "not tested")
     if answer.get("ok"):
         return result(node, PASS, f"{target} in {answer.get('ms', 0):.0f} ms")
+    if name and check_master_name(node, name).verdict == FAIL:
+        found = name.get("resolved")
+        shown = ", ".join(found) if isinstance(found, (list, tuple)) and found else "nothing"
+        return result(node, FAIL, f"cannot open {target} (resolved on {node} to {shown}): {answer.get('error')}",
+                      f"{node} resolves {name.get('name')} wrongly: see the master name check")
     return result(node, FAIL, f"cannot open {target}: {answer.get('error')}",
                   "open the master port on node 0's firewall to the other nodes, or set addr: of node 0 to "
                   "an address they can reach")
+
+
+@check("peer ports", "network", given=lambda f: (f.extras["peer_ports"],), needs="peer_ports",
+       doc=(("peer ports",
+            "a listener on a port from the node's ephemeral range (`net.ipv4.ip_local_port_range`, where gloo and "
+            "NCCL listen for the other ranks), and a TCP connection to it from every other node",
+            "fail when another node cannot connect, naming the nodes, the port, the error and the range to open",
+            "a firewall that lets SSH and the master port in but not the ephemeral ports: the rendezvous works, "
+            "then the collective fails with the connecting rank blamed"),))
+def check_peer_ports(node: str, answer: Mapping) -> CheckResult:
+    reached = answer.get("from") or {}
+    if not reached:
+        return result(node, SKIP, "no other node tried to connect")
+    port, span = answer.get("port"), answer.get("range")
+    failed = {peer: a for peer, a in reached.items() if not a.get("ok")}
+    if not failed:
+        return result(node, PASS, f"port {port} reached from {', '.join(sorted(reached))}")
+    said = "; ".join(f"{peer}: {a.get('error')}" for peer, a in sorted(failed.items())[:4])
+    ports = f"{span[0]}-{span[1]}" if span and len(span) == 2 else "32768-60999"
+    worked = sorted(set(reached) - set(failed))
+    also = f" ({', '.join(worked)} could)" if worked else ""
+    return result(node, FAIL,
+                  f"{'the other nodes' if not worked else ', '.join(sorted(failed))} cannot connect to {node}'s "
+                  f"port {port}, from its ephemeral range where gloo and NCCL listen{also}: {said}",
+                  f"open TCP ports {ports} (net.ipv4.ip_local_port_range) on {node} to the other nodes, e.g. "
+                  f"iptables -I INPUT -p tcp -s <the nodes' subnet> --dport {ports.replace('-', ':')} -j ACCEPT "
+                  f"(NODE_SETUP.md, section 4)")
+
+
+@check("master name", "network", given=lambda f: (f.extras["master_name"],), needs="master_name",
+       doc=(("master name",
+            "node 0's `addr:` when it is a host name: the addresses each other node resolves it to, against node "
+            "0's own interface addresses",
+            "fail when a node resolves it to none of node 0's addresses (a stale /etc/hosts entry or DNS record), "
+            "naming the line",
+            "every rank connects to MASTER_ADDR as its node resolves it: a stale entry on one node sends its "
+            "ranks elsewhere and the rendezvous times out"),))
+def check_master_name(node: str, answer: Mapping) -> CheckResult:
+    name, found, master = answer.get("name"), answer.get("resolved"), answer.get("master") or "node 0"
+    has = [a for a in answer.get("master_has") or () if not str(a).startswith(("127.", "::1"))]
+    if isinstance(found, Mapping):
+        return result(node, FAIL, f"{name} ({master}'s addr:) does not resolve on {node}: {found.get('error')}",
+                      f"add `<{master}'s address> {name}` to /etc/hosts on {node}, or set addr: of {master} to "
+                      f"its address")
+    if not found or not has:
+        return result(node, SKIP, f"{master}'s addresses are unknown" if found else f"{name} was not resolved")
+    if set(found) & set(has):
+        return result(node, PASS, f"{name} -> {', '.join(found)}")
+    line = answer.get("line")
+    where = f" (/etc/hosts line {line['line']}: {line['text']!r})" if isinstance(line, Mapping) else ""
+    return result(node, FAIL,
+                  f"{node} resolves {name} ({master}'s addr:) to {', '.join(found)}{where}, none of {master}'s "
+                  f"addresses ({', '.join(has)}): its ranks would look for the master elsewhere",
+                  f"correct the stale entry for {name} on {node}{' (that /etc/hosts line)' if where else ''} to "
+                  f"{has[0]}, or set addr: of {master} to {has[0]}")
 
 
 @check("interface", "network", given=lambda f: (f.extras["route"], f.expect.master_addr), needs="route",
@@ -248,15 +310,86 @@ def result_in(log: str) -> dict | None:
     return None
 
 
+# "Connection refused, remote=[127.0.1.1]:41234" (gloo), "... to 10.0.0.12<41234>" (NCCL's socket transport)
+REMOTE_RE = re.compile(r"remote=\[?([0-9A-Fa-f:.]+?)\]?:\d+|(\d{1,3}(?:\.\d{1,3}){3})<\d+>")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AddressOwner:
+    """A node an address in a failed collective belongs to, and what makes it that node's."""
+    node: str
+    how: str            # "addr", "hostname" or "interface"
+    said: str           # in words, for the verdict
+
+
+def address_owners(nodes, reports: Mapping[str, ProbeReport]) -> dict[str, list[AddressOwner]]:
+    """{address: the nodes it belongs to}: a node's inventory `addr:`, the addresses its host name resolves to
+    (what gloo binds and advertises) and its interfaces' (not loopback ones)."""
+    owners: dict[str, list[AddressOwner]] = {}
+
+    def add(address: str, owner: AddressOwner) -> None:
+        known = owners.setdefault(str(address).split("/")[0], [])
+        if all(o.node != owner.node for o in known):
+            known.append(owner)
+
+    for node in nodes:
+        add(node.addr, AddressOwner(node=node.name, how="addr", said=f"{node.name}'s addr:"))
+        report = reports.get(node.name)
+        if report is None:
+            continue
+        found = report.os.hostname_resolves
+        if isinstance(found, tuple) and found:
+            line = report.os.hosts_line
+            where = f" (/etc/hosts line {line.line}: {line.text!r})" if line is not None else ""
+            add(found[0], AddressOwner(node=node.name, how="hostname",
+                                       said=f"what {node.name}'s host name {report.os.hostname} resolves to{where}"))
+        for nic in report.nics:
+            for address in nic.addresses:
+                if not str(address).startswith(("127.", "::1")):
+                    add(address, AddressOwner(node=node.name, how="interface",
+                                              said=f"an address of {node.name}'s {nic.name}"))
+    return owners
+
+
+def culprit_of(failure: str, owners: Mapping[str, list[AddressOwner]]) -> CheckResult | None:
+    """The node a failed collective's error points at: the one the remote address it could not connect to belongs
+    to, with the cause and the fix; None when the error names no address, or one no single node owns."""
+    for match in REMOTE_RE.finditer(failure):
+        address = match[1] or match[2]
+        found = owners.get(address) or []
+        if len(found) != 1:
+            continue
+        owner = found[0]
+        if owner.how == "hostname" and address.startswith(("127.", "::1")):
+            return CheckResult("collective", owner.node, FAIL,
+                               f"the all-reduce job failed connecting to {address}, {owner.said}: gloo advertised "
+                               f"it to the other ranks, which cannot reach {owner.node} there: {failure}",
+                               f"on {owner.node}, map its host name to its addr: in /etc/hosts instead of "
+                               f"{address}, or set GLOO_SOCKET_IFNAME in the inventory's env:")
+        return CheckResult("collective", owner.node, FAIL,
+                           f"the all-reduce job failed connecting to {address}, {owner.said}: {failure}",
+                           f"{owner.node} does not accept connections from the other nodes on that port: open "
+                           f"its ephemeral range (net.ipv4.ip_local_port_range) to them in its firewall "
+                           f"(NODE_SETUP.md, section 4), or check that the address is right")
+    return None
+
+
 @check("collective, nccl transport", "network", scope="job", tiers=MEASURED,
        doc=(("collective",
             "an all-reduce job through the launch path: sums checked, busbw 1 MiB .. 1 GiB (GPU) or 64 MiB (CPU); "
             "NCCL transports from `NCCL_DEBUG=INFO`",
             "fail on wrong sums, a failed job, or sockets while InfiniBand is present; warn when NCCL uses "
-            "InfiniBand without GDRDMA",
+            "InfiniBand without GDRDMA; a failed job is named on the node that owns the address the failing rank "
+            "could not connect to (its `addr:`, an interface's, or what its host name resolves to), with the fix",
             "-"),))
 def judge_collective(result: dict | None, transports: dict[str, int], ib_present: bool, nnodes: int,
-                     failure: str | None, run_id: str | None = None) -> list[CheckResult]:
+                     failure: str | None, run_id: str | None = None,
+                     owners: Mapping[str, list[AddressOwner]] | None = None) -> list[CheckResult]:
+    """The all-reduce job's verdicts. A failure is blamed on the node that owns the address the failing rank
+    could not connect to (`owners`, from address_owners), not on the rank that reported it."""
+    named = culprit_of(failure, owners) if failure and owners else None
+    if named is not None:
+        return [named]
     if failure or result is None:
         return [CheckResult("collective", "cluster", FAIL, f"the all-reduce job failed: {failure or 'no result'}",
                             f"see every rank's log with nodectl tail all --run {run_id or 'RUN'} (NCCL_DEBUG=INFO "

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import shlex
 import json
 import time
@@ -9,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from nodectl.inventory import Inventory
-from nodectl.preflight.gpu import cluster_medians
+from nodectl.preflight.gpu import cluster_medians, held_clocks_that_slow
 from nodectl.preflight.history import Drift, Figure, History, curve_of, figures_of, judge_history, versions_of
 from nodectl.preflight.checks import Tier
 from nodectl.probe_report import ProbeReport
@@ -114,19 +115,67 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, ProbeRepor
     chosen = port_answer.value.port if port_answer.value.free else None
     if chosen is None:
         return extras, None
-    listener = cluster.fan_out(lambda t: NodeClient(t).listen(chosen, 30), [master])[0]
+    # With more than one node, every node also listens on a port from its ephemeral range, as gloo and NCCL do for
+    # the connections between ranks, and every other node connects to it: a firewall that lets SSH and the master
+    # port in but not those is named here, not as a collective that fails with node 0 blamed.
+    several = len(reachable) > 1
+    listeners = {r.node.name: r for r in cluster.fan_out(lambda t: NodeClient(t).listen(
+        chosen if t.node.name == master.name else 0, 30, ephemeral=several), reachable if several else [master])}
+    ephemeral = _ephemeral_ports(reachable, listeners)
+    resolve = None if _is_address(master.addr) else master.addr   # a name: how each node resolves it
     try:   # one call per node: the connection to the master's port, then the routes to every other node
         route = cluster.fan_out(lambda t: NodeClient(t).route(
-            master.addr, tuple(n.addr for n in reachable if n.name != t.node.name), connect=chosen), reachable)
+            master.addr, tuple(n.addr for n in reachable if n.name != t.node.name), connect=chosen,
+            peer_ports={addr: port for addr, (name, port) in ephemeral.items() if name != t.node.name},
+            resolve=resolve), reachable)
     finally:
-        if listener.ok:
-            cluster.fan_out(lambda t: NodeClient(t).unlisten(listener.value.pid), [master])
+        held = [n for n in reachable if n.name in listeners and listeners[n.name].ok]
+        cluster.fan_out(lambda t: NodeClient(t).unlisten(listeners[t.node.name].value.pid), held)
+    answered = {r.node.name: r.value for r in route if r.ok}
     for r in route:
         reach = r.value.reach if r.ok else None
         extras[r.node.name]["reach"] = asdict(reach) if reach is not None else \
             {"ok": False, "error": r.error if not r.ok else "no answer to the connection test"}
-        extras[r.node.name]["route"] = {k: v for k, v in asdict(r.value).items() if k != "reach"} if r.ok else None
+        extras[r.node.name]["route"] = {k: v for k, v in asdict(r.value).items()
+                                        if k not in ("reach", "peer_reach", "resolved", "resolved_line", "own")} \
+            if r.ok else None
+    for addr, (name, port) in ephemeral.items():   # keyed by the node listened on: who could reach it
+        extras[name]["peer_ports"] = {
+            "port": port, "range": listeners[name].value.ephemeral_range,
+            "from": {n.name: asdict(answered[n.name].peer_reach[addr]) for n in reachable
+                     if n.name != name and n.name in answered and addr in answered[n.name].peer_reach}}
+    if resolve and master.name in answered:
+        own = answered[master.name].resolved
+        master_has = sorted({a.split("/")[0] for nic in reports[master.name].nics for a in nic.addresses}
+                            | set(answered[master.name].own) | set(own if isinstance(own, tuple) else ()))
+        for n in reachable:
+            if n.name != master.name and n.name in answered:
+                extras[n.name]["master_name"] = {"name": resolve, "resolved": answered[n.name].resolved,
+                                                 "line": answered[n.name].resolved_line, "master": master.name,
+                                                 "master_has": master_has}
     return extras, chosen
+
+
+def _is_address(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _ephemeral_ports(nodes, listeners: dict) -> dict[str, tuple[str, int]]:
+    """{address: (node, port)} of each node's ephemeral listener; nodes sharing an address are not told apart,
+    so none of them is tested."""
+    by_addr: dict[str, list] = {}
+    for n in nodes:
+        by_addr.setdefault(n.addr, []).append(n)
+    out = {}
+    for addr, named in by_addr.items():
+        answer = listeners.get(named[0].name)
+        if len(named) == 1 and answer is not None and answer.ok and answer.value.ephemeral:
+            out[addr] = (named[0].name, answer.value.ephemeral)
+    return out
 
 
 # Runs a launcher read from stdin (its length first), which then reads its request from the rest of stdin: the
@@ -187,7 +236,7 @@ def run_preflight(inventory: Inventory, session: Session, *, gpus: int | None, t
     phase = on_probe.phase if on_probe is not None else (lambda text: None)
     phase("port checks" if quick else "GPU load, P2P and port checks")
     extras, port = _facts(cluster, inventory, typed, inventory.master_port, quick)
-    expect = Expectation(gpus=gpus, master_port=port, master_addr=inventory.nodes[0].addr)
+    expect = Expectation(gpus=gpus, master_port=port, master_addr=inventory.nodes[0].addr, nodes=len(inventory.nodes))
     devices = {n.name: n.device for n in inventory.nodes}
     jobs = {name: facts.get("p2p") for name, facts in extras.items() if facts.get("p2p")}
     medians = cluster_medians(jobs)
@@ -211,7 +260,7 @@ def run_preflight(inventory: Inventory, session: Session, *, gpus: int | None, t
 def compare_with_history(report: PreflightReport, history: History, warn: float, fail: float) -> Drift:
     """A measured preflight's figures against each part's own past (its verdicts join the report's), then kept."""
     if report.quick:
-        return Drift((), "")
+        return Drift()
     figures = figures_of(report.reports, report.gpu_jobs, report.collective)
     nodes = "+".join(sorted(report.nodes))
     tier = "full" if (report.collective or {}).get("pairs") else "default"
@@ -219,6 +268,7 @@ def compare_with_history(report: PreflightReport, history: History, warn: float,
                           f"the {tier} preflight of {nodes}", judged=False))
     drift = judge_history(figures, history.entries(), warn, fail)
     report.results += list(drift.results)
+    report.results += held_clocks_that_slow({n: ProbeReport.of(r) for n, r in report.reports.items()}, drift.fallen)
     report.history = drift.summary
     if figures:
         try:

@@ -32,7 +32,7 @@ def preflight(inventory: Inventory, session: Session, *, tier: Tier, gpus: int |
     report = run_preflight(inventory, session, gpus=gpus, tier=tier, on_probe=on_probe)
     phase = on_probe.phase if on_probe is not None else (lambda text: None)
     add_collectives(report, inventory, session, gpus=gpus, tier=tier, deadline=deadline, phase=phase)
-    judged = Drift((), "")
+    judged = Drift()
     if history is not None:
         judged = compare_with_history(report, history, *drift)
         report.results += judge_stragglers(report.nodes, history.entries())

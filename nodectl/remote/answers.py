@@ -286,6 +286,8 @@ class ReceiveAnswer:
 class ListenAnswer:
     pid: int
     port: int
+    ephemeral: int | None = None                      # with ephemeral=: a port the kernel picked, as gloo's
+    ephemeral_range: tuple[int, ...] | None = None    # net.ipv4.ip_local_port_range: where such ports come from
 
 
 @dataclass(frozen=True)
@@ -301,6 +303,11 @@ class RouteAnswer:
     raw: str | None = None
     peers: dict[str, str | None] = field(default_factory=dict)   # another node's address -> the interface toward it
     reach: ConnectAnswer | None = None   # with connect=: the TCP connection to the master's port, made first
+    peer_reach: dict[str, ConnectAnswer] = field(default_factory=dict)   # another node's address -> the connection
+                                                                         # to its ephemeral listener
+    resolved: tuple[str, ...] | dict | None = None   # with resolve=: the addresses of that name here, or {"error"}
+    resolved_line: dict | None = None                # the /etc/hosts line naming it
+    own: tuple[str, ...] = ()                        # with resolve=: the node's own interface addresses
 
 
 @dataclass(frozen=True)

@@ -57,8 +57,10 @@ class NodeClient:
         """Whether `port` is free here (0: any free one)."""
         return agent.call(self.transport, "port", str(port))
 
-    def listen(self, port: int, seconds: int) -> ListenAnswer:
-        return agent.call(self.transport, "listen", str(port), str(seconds))
+    def listen(self, port: int, seconds: int, ephemeral: bool = False) -> ListenAnswer:
+        """A listener on `port` (0: none) and, with `ephemeral`, on a port from the kernel's ephemeral range."""
+        return agent.call(self.transport, "listen", str(port), str(seconds),
+                          request={"ephemeral": True} if ephemeral else None)
 
     def unlisten(self, pid: int) -> Done:
         return agent.call(self.transport, "unlisten", str(pid))
@@ -66,12 +68,18 @@ class NodeClient:
     def connect(self, addr: str, port: int) -> ConnectAnswer:
         return agent.call(self.transport, "connect", addr, str(port))
 
-    def route(self, addr: str, peers: tuple[str, ...] = (), connect: int | None = None) -> RouteAnswer:
+    def route(self, addr: str, peers: tuple[str, ...] = (), connect: int | None = None,
+              peer_ports: dict[str, int] | None = None, resolve: str | None = None) -> RouteAnswer:
         """The interface toward `addr` (and each of `peers`); with `connect`, a TCP connection to addr:connect
-        first, in the same call (its answer in `reach`)."""
-        request = {"peers": list(peers)} if peers else {}
+        first, in the same call (its answer in `reach`); with `peer_ports` ({address: port}), a connection to each
+        (`peer_reach`); with `resolve`, that name's addresses here (`resolved`) and its /etc/hosts line."""
+        request: dict = {"peers": list(peers)} if peers else {}
         if connect is not None:
             request["connect"] = {"host": addr, "port": connect}
+        if peer_ports:
+            request["peer_ports"] = dict(peer_ports)
+        if resolve:
+            request["resolve"] = resolve
         return agent.call(self.transport, "route", addr, request=request or None)
 
     # --- a run -------------------------------------------------------------------------------------------------

@@ -27,19 +27,23 @@ class ProbeFailed(Exception):
         self.check = check
 
 
-RULES_IMPORT = "\nfrom redaction import redact_env"   # the line itself, at a line's start
+# Lines of launchers/probe.py (each at a line's start) that probe_source replaces by the module they import
+INLINED = (("\nfrom redaction import redact_env", "redaction.py"), ("\nfrom hostsfile import hosts_line", "hostsfile.py"))
 
 
 def probe_source() -> str:
-    """launchers/probe.py as the one script a node's `python3 -` runs: launchers/redaction.py's rules (but its
-    `from __future__` line, which probe.py has already) in place of probe.py's import of them."""
+    """launchers/probe.py as the one script a node's `python3 -` runs: the modules it imports from launchers/
+    (redaction.py's rules, hostsfile.py's reader; but their `from __future__` line, which probe.py has already) in
+    place of its imports of them."""
     launchers = resource_dir("launchers")
     probe = (launchers / "probe.py").read_text(encoding="utf-8")
-    rules = (launchers / "redaction.py").read_text(encoding="utf-8").replace("from __future__ import annotations\n", "", 1)
-    head, line, rest = probe.partition(RULES_IMPORT)
-    if not line:
-        raise RuntimeError(f"launchers/probe.py lacks its `{RULES_IMPORT.strip()}` line")
-    return head + "\n" + rules + rest.partition("\n")[2]
+    for line, module in INLINED:
+        inlined = (launchers / module).read_text(encoding="utf-8").replace("from __future__ import annotations\n", "", 1)
+        head, found, rest = probe.partition(line)
+        if not found:
+            raise RuntimeError(f"launchers/probe.py lacks its `{line.strip()}` line")
+        probe = head + "\n" + inlined + rest.partition("\n")[2]
+    return probe
 
 
 def run_probe(transport: Transport, source: str | None = None, import_torch: bool | None = None,

@@ -116,6 +116,21 @@ def test_every_runctl_answer_parses_into_its_type(local_node):
         assert isinstance(both, answers.RouteAnswer) and both.reach.ok and both.reach.ms is not None
     finally:
         one(cluster, node, lambda t: agent.call(t, "unlisten", str(listener.pid)))
+    # a listener on a port from the ephemeral range, reached as another node reaches it; a name resolved there
+    ephemeral = one(cluster, node, lambda t: agent.call(t, "listen", "0", "10", request={"ephemeral": True}))
+    try:
+        low, high = ephemeral.ephemeral_range
+        assert low <= ephemeral.ephemeral <= high and ephemeral.port == 0
+        peers = one(cluster, node, lambda t: agent.call(t, "route", "127.0.0.1", request={
+            "peer_ports": {"127.0.0.1": ephemeral.ephemeral}, "resolve": "localhost"}))
+        assert peers.peer_reach["127.0.0.1"].ok, peers
+        assert "127.0.0.1" in peers.resolved and peers.resolved_line["text"].split()[0] in ("127.0.0.1", "::1")
+        assert "127.0.0.1" in peers.own
+    finally:
+        one(cluster, node, lambda t: agent.call(t, "unlisten", str(ephemeral.pid)))
+    closed = _until(lambda: one(cluster, node, lambda t: agent.call(t, "route", "127.0.0.1", request={
+        "peer_ports": {"127.0.0.1": ephemeral.ephemeral}})), lambda a: not a.peer_reach["127.0.0.1"].ok, timeout=10)
+    assert "refused" in closed.peer_reach["127.0.0.1"].error   # the listener is gone: nothing listens there now
     route = one(cluster, node, lambda t: agent.call(t, "route", "127.0.0.1"))
     assert isinstance(route, answers.RouteAnswer)
 

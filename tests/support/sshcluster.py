@@ -428,8 +428,10 @@ def namespaced_cluster(root: Path, count: int, subnet: str, tag: str, offline: b
         etc = Path("/etc/netns") / ns
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-        (etc / "hosts").write_text("127.0.0.1 localhost\n" + "".join(f"{subnet}.{i}.2 nodectl-node{i}\n"
-                                                                      for i in range(count)))
+        # Each node's host name (this machine's: no UTS namespace) resolves to its own address, as a real node's
+        # does: gloo binds the address its host name resolves to (127.0.0.1 when it does not resolve).
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n{subnet}.{k}.2 {socket.gethostname()}\n"
+                                   + "".join(f"{subnet}.{i}.2 nodectl-node{i}\n" for i in range(count)))
     ip_forward = Path("/proc/sys/net/ipv4/ip_forward")
     before = ip_forward.read_text().strip()
     try:

@@ -183,6 +183,33 @@ def test_a_failed_collective_job_names_its_run_for_the_logs():
     assert "nodectl tail all --run 20261122-101010-abcd" in failed.hint and "--run RUN" not in failed.hint
 
 
+def test_a_failed_collective_is_named_on_the_node_whose_address_could_not_be_reached_not_on_the_reporter():
+    """The issue's case: rank 0 on n0 reports `Connection refused, remote=[127.0.1.1]`; 127.0.1.1 is what n1's
+    host name resolves to, so n1 is named, with its /etc/hosts line; an address that is n1's addr: points at n1's
+    firewall; an address no node owns leaves the verdict on the cluster."""
+    from types import SimpleNamespace
+
+    from nodectl.preflight.network import address_owners
+    from nodectl.probe_report import ProbeReport
+
+    healthy, debian = healthy_report(), healthy_report()
+    healthy["os"].update(hostname="n0", hostname_resolves=["10.0.0.11"])
+    debian["os"].update(hostname="n1", hostname_resolves=["127.0.1.1", "10.0.0.12"],
+                        hosts_line={"line": 2, "text": "127.0.1.1 n1"})
+    nodes = [SimpleNamespace(name="n0", addr="10.0.0.11"), SimpleNamespace(name="n1", addr="10.0.0.12")]
+    owners = address_owners(nodes, {"n0": ProbeReport.of(healthy), "n1": ProbeReport.of(debian)})
+    said = ("rank 0 on node n0 failed (exit code 1): RuntimeError: Gloo connectFullMesh failed with [pair.cc:144] "
+            "Connection refused, remote=[127.0.1.1]:41234")
+    named = judge_collective(None, {}, False, 2, said, "R", owners)
+    assert [(r.node, r.verdict) for r in named] == [("n1", FAIL)], named
+    assert "127.0.1.1, what n1's host name n1 resolves to (/etc/hosts line 2: '127.0.1.1 n1')" in named[0].detail
+    assert "GLOO_SOCKET_IFNAME" in named[0].hint and "on n1, map its host name" in named[0].hint
+    walled = judge_collective(None, {}, False, 2, said.replace("127.0.1.1", "10.0.0.12"), "R", owners)
+    assert [(r.node, r.verdict) for r in walled] == [("n1", FAIL)] and "firewall" in walled[0].hint, walled
+    nobody = judge_collective(None, {}, False, 2, said.replace("127.0.1.1", "10.9.9.9"), "R", owners)
+    assert [r.node for r in nobody] == ["cluster"] and "nodectl tail all --run R" in nobody[0].hint
+
+
 def test_pair_tests_point_at_the_common_slow_node():
     from nodectl.preflight.network import judge_pairs
 
@@ -455,6 +482,61 @@ def test_a_host_name_that_resolves_to_loopback_is_a_warning_naming_the_hosts_lin
     on_loopback = {r.check: r for r in judge.judge_node(NodeFacts("n0", report, "cuda", EXPECT, {}, {},
                                                                    addr="127.0.0.2"))}
     assert on_loopback["hostname"].verdict == PASS   # a cluster on one machine's loopback reaches it there
+
+
+def test_over_several_nodes_a_host_name_gloo_would_bind_to_loopback_fails_a_cpu_node_unless_pinned():
+    """gloo binds the first address the host name resolves to (127.0.0.1 when none): over several nodes the others
+    connect to their own loopback. A CPU node fails; a GPU node (NCCL picks its own interface) warns."""
+    from nodectl.preflight.host import check_hostname
+    from nodectl.probe_report import ProbeReport
+
+    report = healthy_report()
+    report["os"].update(hostname_resolves=["127.0.1.1", "10.0.0.11"], hosts_line={"line": 2, "text": "127.0.1.1 gpu01"})
+    typed = ProbeReport.of(report)
+    cpu = check_hostname("n1", typed, "10.0.0.11", "cpu", 2)
+    assert cpu.verdict == FAIL and "gloo" in cpu.detail and "reach n1 at 10.0.0.11" in cpu.detail, cpu
+    assert "GLOO_SOCKET_IFNAME" in cpu.hint and "map gpu01 to 10.0.0.11" in cpu.hint
+    assert check_hostname("n1", typed, "10.0.0.11", "cuda", 2).verdict == WARN
+    assert check_hostname("n1", typed, "10.0.0.11", "cpu", 1).verdict == WARN   # one node: its ranks are all there
+    assert check_hostname("n1", typed, "10.0.0.11", "cpu", 2, {"GLOO_SOCKET_IFNAME": "eth0"}).verdict == WARN
+    report["os"]["hostname_resolves"] = ["10.0.0.11", "127.0.1.1"]   # the node's address first: gloo binds it
+    assert check_hostname("n1", ProbeReport.of(report), "10.0.0.11", "cpu", 2).verdict == WARN
+    report["os"].update(hostname_resolves={"error": "gaierror: [Errno -2] Name or service not known"}, hosts_line=None)
+    unresolved = check_hostname("n1", ProbeReport.of(report), "10.0.0.11", "cpu", 2)
+    assert unresolved.verdict == FAIL and "bind 127.0.0.1" in unresolved.detail, unresolved
+    assert check_hostname("n1", ProbeReport.of(report), "10.0.0.11", "cpu", 1).verdict == PASS
+
+
+def test_a_node_whose_ephemeral_port_another_cannot_reach_fails_naming_both_and_the_range():
+    from nodectl.preflight.network import check_peer_ports
+
+    refused = {"ok": False, "error": "[Errno 111] Connection refused"}
+    answer = {"port": 41234, "range": [32768, 60999], "from": {"n0": refused, "n2": {"ok": True, "ms": 0.3}}}
+    found = check_peer_ports("n1", answer)
+    assert found.verdict == FAIL and "n0 cannot connect to n1's port 41234" in found.detail, found
+    assert "(n2 could)" in found.detail and "Connection refused" in found.detail
+    assert "open TCP ports 32768-60999" in found.hint and "--dport 32768:60999" in found.hint
+    everyone = check_peer_ports("n1", dict(answer, **{"from": {"n0": refused, "n2": refused}}))
+    assert everyone.verdict == FAIL and everyone.detail.startswith("the other nodes cannot connect"), everyone
+    assert check_peer_ports("n1", dict(answer, **{"from": {"n0": {"ok": True}}})).verdict == PASS
+    assert check_peer_ports("n1", {"port": 1, "from": {}}).verdict == SKIP
+
+
+def test_a_node_that_resolves_the_masters_name_to_another_address_fails_and_reach_master_says_why():
+    from nodectl.preflight.network import check_master_name, check_reach_master
+
+    stale = {"name": "gpu-a", "resolved": ["10.0.0.99"], "line": {"line": 4, "text": "10.0.0.99 gpu-a"},
+             "master": "n0", "master_has": ["127.0.0.1", "10.0.0.11"]}
+    found = check_master_name("n1", stale)
+    assert found.verdict == FAIL and "n1 resolves gpu-a (n0's addr:) to 10.0.0.99" in found.detail, found
+    assert "/etc/hosts line 4: '10.0.0.99 gpu-a'" in found.detail and "10.0.0.11" in found.hint
+    assert check_master_name("n1", dict(stale, resolved=["10.0.0.11"])).verdict == PASS
+    assert check_master_name("n1", dict(stale, resolved={"error": "gaierror"})).verdict == FAIL
+    assert check_master_name("n1", dict(stale, master_has=["127.0.0.1"])).verdict == SKIP   # nothing to hold it to
+    refused = {"ok": False, "error": "timed out"}
+    reach = check_reach_master("n1", refused, "gpu-a:29500", stale)
+    assert reach.verdict == FAIL and "resolved on n1 to 10.0.0.99" in reach.detail and "firewall" not in reach.hint
+    assert "firewall" in check_reach_master("n1", refused, "gpu-a:29500").hint
 
 
 def test_a_socket_interface_that_does_not_carry_the_route_to_the_other_nodes_fails():

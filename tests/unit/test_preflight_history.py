@@ -190,3 +190,25 @@ def test_failures_and_stragglers_are_the_nodes_events_beside_its_figures(tmp_pat
     assert events[1]["code"] == 7 and len(events[1]["description"]) == 400
     assert [e["run"] for e in history.events()] == ["run-a", "run-b", "run-c"]
     assert len(history.rows()) == len(figures_of(REPORTS, jobs(), COLLECTIVE))   # no figure among them
+
+
+def test_held_clocks_are_a_failure_on_the_gpu_whose_gemm_fell_below_its_own_past(tmp_path):
+    """Application clocks set to 1,005 of 1,980 MHz: a warning at rest (check_clocks); once the GPU's measured GEMM
+    fell below its own past, the clocks keep runs slow: a failure on that GPU's node, and on no other GPU's."""
+    from nodectl.preflight.gpu import held_clocks_that_slow
+    from nodectl.probe_report import ProbeReport
+
+    history = History(tmp_path)
+    past(history)
+    held = {"sm_clock_app_mhz": 1005, "sm_clock_max_mhz": 1980, "clock_events": ["applications clocks setting"]}
+    reports = json.loads(json.dumps(REPORTS))
+    reports["node0"]["gpus"]["devices"][1].update(held)   # GPU 1 of node0, the one whose GEMM falls
+    reports["node1"]["gpus"]["devices"][0].update(held)   # held too, its GEMM as before: a warning still
+    typed = {node: ProbeReport.of(r) for node, r in reports.items()}
+    drift = judge_history(figures_of(reports, jobs(slow=520.0), COLLECTIVE), history.entries())
+    assert ("gpu:GPU-bbbb1111", "gemm_tflops") in drift.fallen and len(drift.fallen) == 1, drift.fallen
+    (failed,) = held_clocks_that_slow(typed, drift.fallen)
+    assert (failed.check, failed.node, failed.verdict) == ("clocks", "node0", FAIL), failed
+    assert "GPU1 applications clocks 1005 of 1980 MHz" in failed.detail and "nvidia-smi -rac" in failed.hint
+    steady = judge_history(figures_of(reports, jobs(), COLLECTIVE), history.entries())
+    assert held_clocks_that_slow(typed, steady.fallen) == []   # at rest, held: check_clocks's warning alone
