@@ -41,6 +41,7 @@ def main() -> int:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), lib) if p)
     env["NODECTL_RANK_HELPER"] = _request_fifo(at(layout.rank_request(rank)))
     exit_file = at(layout.rank_exit(rank))
+    write_file(at(layout.rank_wrapper(rank)), str(os.getpid()))   # while it lives, a missing exit is still coming
     if os.path.exists(exit_file):  # torchrun restarted this rank (--max-restarts): keep the earlier exit aside
         os.replace(exit_file, f"{exit_file}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', 'prev')}")
     with open(at(layout.rank_log(rank)), "ab", buffering=0) as log:

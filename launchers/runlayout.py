@@ -48,6 +48,11 @@ def rank_pid(rank: int) -> str:
     return f"ranks/rank{rank}.pid"
 
 
+def rank_wrapper(rank: int) -> str:
+    """The pid of the rank's wrapper (lib/rankexec.py), the process that writes its exit record."""
+    return f"ranks/rank{rank}.wrapper"
+
+
 def heartbeat(rank: int) -> str:
     return f"heartbeat/rank{rank}.json"
 

@@ -17,13 +17,16 @@ from runctl.processes import belongs, is_zombie, record_seen, run_markers, run_p
 
 
 def rank_state(run_dir: str, rank: int, now: float, markers: tuple) -> dict:
-    state = {"rank": rank, "exit": read_json(os.path.join(run_dir, layout.rank_exit(rank)))}
-    try:
-        with open_run_file(os.path.join(run_dir, layout.rank_pid(rank))) as handle:
-            pid = int(handle.read())
-        state["pid"], state["alive"] = pid, belongs(pid, markers) and not is_zombie(pid)
-    except (OSError, ValueError):
-        state["pid"], state["alive"] = None, False
+    """A rank as its node sees it. Whether the rank and its wrapper live is read before the exit record the
+    wrapper writes once the rank ended: a rank that ends meanwhile is seen with its record, or as `ending` (gone,
+    its wrapper still to write the record), never as gone without one (which `status` calls killed)."""
+    pid = _recorded_pid(run_dir, layout.rank_pid(rank))
+    alive = pid is not None and belongs(pid, markers) and not is_zombie(pid)
+    wrapper = None if alive else _recorded_pid(run_dir, layout.rank_wrapper(rank))
+    wrapping = wrapper is not None and belongs(wrapper, markers) and not is_zombie(wrapper)
+    state = {"rank": rank, "pid": pid, "alive": alive, "exit": read_json(os.path.join(run_dir, layout.rank_exit(rank)))}
+    if wrapping and state["exit"] is None:
+        state["ending"] = True
     heartbeat = read_json(os.path.join(run_dir, layout.heartbeat(rank)))
     if isinstance(heartbeat, dict):
         state["heartbeat"] = heartbeat
@@ -33,6 +36,12 @@ def rank_state(run_dir: str, rank: int, now: float, markers: tuple) -> dict:
     return state
 
 
+def _recorded_pid(run_dir: str, relative: str):
+    try:
+        with open_run_file(os.path.join(run_dir, relative)) as handle:
+            return int(handle.read())
+    except (OSError, ValueError):
+        return None
 
 
 def _read_from(path: str, offset: int) -> tuple:

@@ -49,7 +49,7 @@ def _rank_state(rank: RankState, answer: PollAnswer, stall_after: float) -> dict
            "pid": rank.pid}
     if rank.exit:
         row["state"], row["exit_code"] = f"exited({rank.exit.code})", rank.exit.code
-    elif rank.alive:
+    elif rank.alive or rank.ending:   # ending: its exit record is being written, it was not killed
         row["state"] = "stalled" if age is not None and age > stall_after else "running"
     elif not answer.started:
         row["state"] = "not started"

@@ -37,6 +37,7 @@ class RankState:
     exit: ExitRecord | None = None
     pid: int | None = None
     alive: bool = False
+    ending: bool = False               # gone, its wrapper alive and still to write the exit record
     heartbeat: dict | None = None      # what the rank last wrote (step, time, phase...): its own fields
     heartbeat_age: float | None = None
     log_size: int = 0

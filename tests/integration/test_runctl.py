@@ -248,3 +248,49 @@ def test_a_venv_from_wheels_with_pip_then_from_a_node_index_and_drift_is_caught(
                                                    "requirements": "six==1.17.0\n"})
     assert online["installer"] == "pip (node's index)" and _import_six(online) == "1.17.0"
     assert online["key"] != built["key"]
+
+
+def test_a_rank_that_ended_while_its_wrapper_writes_the_exit_is_never_called_killed(tmp_path):
+    """`status` polled as a run ended said `killed` of a rank that exited 0: the rank was gone (reaped) and its
+    exit record not yet written. The window is held open here: the real wrapper (lib/rankexec.py) is stopped
+    while its rank ends. Seen then, the rank is ending (shown running); once the wrapper goes on, exited(0)."""
+    import signal
+
+    from nodectl.cli.status import _rank_state
+    from nodectl.remote.answers import PollAnswer, RankState
+
+    run_dir = make_run(tmp_path)
+    go = tmp_path / "go"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NODECTL_")}
+    env.update(NODECTL_RUN_ID="20260101-000000-abcd", NODECTL_NODE_RANK="0", NODECTL_RUN_DIR=str(run_dir), RANK="0")
+    program = f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
+    wrapper = subprocess.Popen([sys.executable, str(resource_dir("launchers") / "rankexec.py"), "-c", program],
+                               env=env, start_new_session=True)
+    markers = runctl.processes.run_markers(str(run_dir))
+    pid_file = run_dir / runlayout.rank_pid(0)
+    try:
+        deadline = time.time() + 30
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert time.time() < deadline and wrapper.poll() is None
+            time.sleep(0.02)
+        child = int(pid_file.read_text())
+        assert runctl.watch.rank_state(str(run_dir), 0, time.time(), markers)["alive"]
+        os.kill(wrapper.pid, signal.SIGSTOP)   # it cannot reap its rank nor write the exit record
+        go.touch()
+        while not runctl.processes.is_zombie(child):
+            assert time.time() < deadline
+            time.sleep(0.02)
+        seen = runctl.watch.rank_state(str(run_dir), 0, time.time(), markers)
+        assert not seen["alive"] and seen["exit"] is None and seen.get("ending"), seen
+        poll = PollAnswer(now=time.time(), node_rank=0, alive=1, ranks=(), started=True, same_boot=True)
+        shown = _rank_state(RankState(rank=0, pid=child, alive=False, ending=True), poll, 60)
+        assert shown["state"] == "running", shown
+        assert _rank_state(RankState(rank=0, pid=child, alive=False), poll, 60)["state"] == "killed"  # no wrapper
+        os.kill(wrapper.pid, signal.SIGCONT)
+        assert wrapper.wait(10) == 0
+        done = runctl.watch.rank_state(str(run_dir), 0, time.time(), markers)
+        assert done["exit"]["code"] == 0 and not done.get("ending"), done
+    finally:
+        os.kill(wrapper.pid, signal.SIGCONT) if wrapper.poll() is None else None
+        wrapper.kill()
+        wrapper.wait()
