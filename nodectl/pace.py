@@ -299,14 +299,17 @@ class PaceWatch:
         base = statistics.median(self._healthy) if len(self._healthy) >= 2 else None
         state.pace = round(rate / base, 2) if base else None
         busiest, slower = _slowest(times)
+        told = self._told(slower, state.pace)
         straggler = state.straggler
         if straggler is None:
-            if slower >= s.slower and len(times) > 1:
+            # named only where its own share says so and the figure told is past the line too (on GPUs the
+            # run's own slowdown, which a lone straggler sets): never "9% slower" against a 15% line
+            if slower >= s.slower and told >= s.slower and len(times) > 1:
                 if self._candidate is None or self._candidate[0] != busiest.rank:
                     self._candidate = (busiest.rank, now)
                 elif now - self._candidate[1] >= s.hold:
                     found = Straggler(busiest.rank, busiest.node, self.rank_gpus.get(busiest.rank),
-                                      self._told(slower, state.pace), state.pace, self._candidate[1])
+                                      told, state.pace, self._candidate[1])
                     with self._lock:
                         found.causes = self._causes(found, now)
                         found.corroborated, found.basis = self._corroborate(found, now)
@@ -316,9 +319,11 @@ class PaceWatch:
             else:
                 self._candidate = None
         else:
-            same = busiest.rank == straggler.rank and slower >= s.slower / 2
+            # kept while it still holds; below the line it is calm, and ends once calm for the hold (its last
+            # figure past the line is what stays told meanwhile)
+            same = busiest.rank == straggler.rank and slower >= s.slower and told >= s.slower
             if same:
-                straggler.slower, straggler.pace = self._told(slower, state.pace), state.pace
+                straggler.slower, straggler.pace = told, state.pace
                 self._calm_since = None
                 if not straggler.corroborated:   # a cause or a witness may show later
                     with self._lock:
@@ -593,10 +598,13 @@ def earlier_stragglers(record) -> list[Straggler]:
 RECORD_FRESH = 45.0   # seconds a record's pace stands for the live run (the attached launch writes it every 15)
 
 
-def current(record, look: PaceState | None) -> tuple[dict | None, dict[int, tuple]]:
+def current(record, look: PaceState | None, attempt: int = 0) -> tuple[dict | None, dict[int, tuple]]:
     """(the pace to tell, {rank: (busy, wait, data)}) of a live run: the attached launch's verdict from its record while
-    it is fresh, else what one look at the ranks' pace files says."""
-    fresh = isinstance(record, dict) and (_number(record.get("time")) or 0) >= time.time() - RECORD_FRESH
+    it is fresh and of the attempt running now (`attempt`: just after a restart the record still holds the last
+    attempt's verdict, which named a rank beside the new attempt's shares), else what one look at the ranks' pace
+    files says."""
+    fresh = isinstance(record, dict) and (_number(record.get("time")) or 0) >= time.time() - RECORD_FRESH \
+        and record.get("attempt", 0) == attempt
     looked = look.to_json() if look is not None and look.ranks else None
     chosen = record if fresh else looked
     return chosen, rank_split(looked or chosen)

@@ -150,7 +150,7 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
         if first:
             first.last_lines = failure_lines(cluster, run_nodes, first)
     live = run_state == RunState.RUNNING
-    told, split = pace.current(manifest.pace, watch.look()) if live else (manifest.pace, {})
+    told, split = pace.current(manifest.pace, watch.look(), manifest.attempt) if live else (manifest.pace, {})
     for row in rows:
         row["busy"], row["in_collectives"], row["data"] = split.get(row["rank"], (None, None, None))
     pace_said = pace.pace_lines(told, live=live)

@@ -49,7 +49,7 @@ def snapshot(run: Run, cluster, run_nodes, stall_after: float, watch: pace.PaceW
     live = state == RunState.RUNNING
     watch.judge()   # the verdicts of a watch kept across updates (with causes), as an attached launch gives them
     look = watch.state if watch.state.ranks else watch.look()
-    told, split = pace.current(manifest.pace, look) if live else (manifest.pace, {})
+    told, split = pace.current(manifest.pace, look, manifest.attempt) if live else (manifest.pace, {})
     for row in rows:
         row["busy"], row["in_collectives"], row["data"] = split.get(row["rank"], (None, None, None))
     return {"run_id": run.run_id, "state": state.value, "attempt": manifest.attempt,

@@ -144,6 +144,7 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
         pace.state.reference = gate.latest_allreduce([rn.node.name for rn in run_nodes])
     recorded = [0.0]
     verdicts_acted = StragglerVerdicts(run.run_id, gate, notify, exclude_after)
+    attempt = run.read().attempt   # the record's pace says whose it is: status trusts only the running attempt's
 
     def paced(changes: list, watch: PaceWatch) -> Straggler | None:
         for change in changes:
@@ -152,7 +153,7 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
         if changes or time.time() - recorded[0] >= PACE_RECORD_EVERY:
             recorded[0] = time.time()
             try:
-                run.update(pace=watch.state.to_json())
+                run.update(pace={**watch.state.to_json(), "attempt": attempt})
             except OSError:
                 pass   # the record is the run's; a full disk here must not end the watch
         return verdicts_acted.take(watch.state.straggler)

@@ -326,3 +326,35 @@ def test_exclude_acts_only_on_a_certain_verdict_and_only_that_one_is_remembered(
     watching = StragglerVerdicts("run-b", PreflightGate(), told.append, exclude_after=None)
     assert watching.take(replace(real, since=300.0), now=900.0) is None
     assert len([e for e in History(tmp_path).entries() if e.get("straggler")]) == 2
+
+
+def test_a_verdict_is_never_told_below_the_line_and_ends_once_its_rank_stays_under_it():
+    """A held verdict was kept while its rank stayed over half the line, told "9% slower" against a 15% line (and,
+    under --on-straggler exclude, still acted on). Now it is calm under the line and ends after the hold."""
+    compute = lambda r, t: (0.14 if t < 150 else 0.11) if r == 3 and t >= 50 else 0.1  # noqa: E731
+    watch, changes = simulate(compute, 330)
+    named = found(changes)
+    assert [c.rank for _, c in named] == [3], named
+    gone = [(t, c) for t, c in changes if isinstance(c, Straggler) and c.ended is not None]
+    assert gone and 150 < gone[0][0] < 260, gone   # 10% slower from t=150: calm, then the hold
+    assert watch.state.straggler is None
+    assert all(c.slower >= PaceSettings().slower for _, c in changes if isinstance(c, Straggler))
+
+
+def test_status_trusts_the_record_only_for_the_attempt_running_now():
+    """Just after a restart the record still holds the last attempt's verdict (rank 0 named, fresh): status showed
+    it beside the new attempt's shares, which had rank 0 the less busy. The record speaks for its own attempt."""
+    import time
+
+    from nodectl.pace import PaceState, RankTime, current
+
+    record = {"time": time.time(), "attempt": 0, "straggler": {"rank": 0, "node": "node0", "slower": 0.22},
+              "ranks": [{"rank": 0, "busy": 0.9, "wait": 0.1}, {"rank": 1, "busy": 0.6, "wait": 0.4}]}
+    look = PaceState(ranks=[RankTime(rank=0, node="node0", busy=0.76, wait=0.24),
+                            RankTime(rank=1, node="node0", busy=0.87, wait=0.13)])
+    told, split = current(record, look, attempt=1)
+    assert told is not record and told.get("straggler") is None, told
+    assert split[0][0] == 0.76 and split[1][0] == 0.87
+    assert current(record, look, attempt=0)[0] is record   # its own attempt's, while fresh
+    older = {k: v for k, v in record.items() if k != "attempt"}   # written before records said their attempt
+    assert current(older, look, attempt=0)[0] is older and current(older, look, attempt=1)[0] is not older
