@@ -174,6 +174,7 @@ class PaceWatch:
         self._data: dict[int, list[tuple]] = defaultdict(list)       # rank -> [(time, seconds getting data)]
         self._node_cpu: dict[str, list[tuple]] = defaultdict(list)   # node -> [(time, steal, load, cpus)]
         self._gpu_detail: dict[str, dict] = {}
+        self._others: dict[str, list[dict]] = {}                # node -> its busiest processes not the run's
         self._steps: list[tuple[float, float]] = []            # (time, step) of the slowest rank's heartbeat
         self._first: float | None = None
         self._recent: list = []                                # the last window's complete collectives
@@ -226,6 +227,8 @@ class PaceWatch:
                 cpu = pace.cpu
                 self._node_cpu[node].append((received, cpu.get("steal_s"), cpu.get("load1"), cpu.get("cpus")))
                 del self._node_cpu[node][:-120]
+                if "others" in cpu:
+                    self._others[node] = _others_of(cpu.get("others"))
             if pace.gpus:
                 self._gpu_detail[node] = {k: v for k, v in pace.gpus.items()}
             for rank_state in answer.ranks:
@@ -360,6 +363,12 @@ class PaceWatch:
                           f"rank to blame (each waits {waits * 100:.0f}% of the time in collectives); "
                           f"{'the collectives themselves' if waits > 0.5 else 'compute or data on every node'} "
                           f"take the time now")
+        busy_nodes = {node: others for node, others in sorted(self._others.items())
+                      if node in {t.node for t in times} and others}
+        if busy_nodes and waits <= 0.5:
+            state.run_wide += "; other processes take CPU there: " + "; ".join(
+                f"on {node} pid {o['pid']} ({o['user']}, {o['name']}) {o['share'] * 100:.0f}% of a CPU"
+                for node, others in busy_nodes.items() for o in others[:2])
         healthy = statistics.median(self._healthy_busbw) if len(self._healthy_busbw) >= 2 else None
         if healthy and state.busbw_gbs is not None and state.busbw_gbs < 0.7 * healthy:
             state.run_wide += (f"; the collectives move {state.busbw_gbs:.1f} GB/s against {healthy:.1f} GB/s "
@@ -498,8 +507,12 @@ class PaceWatch:
                 load = self._node_cpu.get(found.node)
                 said = f" (node load {load[-1][2]:.1f} on {load[-1][3]} CPUs)" if load and load[-1][2] is not None \
                     else ""
-                causes.append(f"its main thread waited for a CPU {min(queue, 1) * 100:.0f}% of the time: another "
-                              f"process shares its cores{said}")
+                others = self._others.get(found.node) or []
+                named = "; ".join(f"pid {o['pid']} ({o['user']}, {o['name']}) {o['share'] * 100:.0f}% of a CPU"
+                                  for o in others)
+                causes.append(f"its main thread waited for a CPU {min(queue, 1) * 100:.0f}% of the time: "
+                              + (f"other processes on node {found.node} take its cores: {named}{said}" if named
+                                 else f"another process shares its cores{said}"))
         shares = {t.rank: t.data for t in self.state.ranks if t.data is not None}
         if found.rank in shares and len(shares) > 1:
             usual = statistics.median(v for r, v in shares.items() if r != found.rank)
@@ -521,6 +534,25 @@ class PaceWatch:
                 causes.append(f"GPU {found.gpu}'s PCIe link trained down to x{gpu.pcie_width} of "
                               f"x{gpu.pcie_width_max}")
         return causes
+
+
+def _others_of(found) -> list[dict]:
+    """A node's busiest other processes as runctl told them, each {pid, user, name, share}; what is not that (a
+    node's words are data) is left out."""
+    out = []
+    for entry in found if isinstance(found, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("pid"), int) and _number(entry.get("share")) is not None:
+            out.append({"pid": entry["pid"], "user": _printable(entry.get("user")),
+                        "name": _printable(entry.get("name")), "share": _number(entry["share"])})
+    return out[:OTHERS_TOLD]
+
+
+OTHERS_TOLD = 3
+
+
+def _printable(text) -> str:
+    """A process's user or name as told: 32 characters at most, nothing a terminal would act on."""
+    return "".join(c if c.isprintable() else "?" for c in str(text or "?")[:32])
 
 
 def _slowest(times: list[RankTime]) -> tuple[RankTime, float]:

@@ -138,6 +138,57 @@ def node_cpu() -> dict:
     return answer
 
 
+_CPU_SEEN: dict = {}   # pid -> (monotonic time, CPU seconds) at this process's last look (a watch stream's)
+OTHERS_SHOWN, OTHERS_SHARE = 3, 0.2   # the busiest others told, each using at least this share of a CPU
+FIRST_LOOK_S = 0.3    # a one-shot poll has no earlier look: it takes two this far apart
+
+
+def busiest_others(markers: tuple) -> list:
+    """The node's busiest processes that are not the run's, each with its share of a CPU since this process last
+    looked (a watch stream looks at each pace sample; a one-shot poll looks twice, FIRST_LOOK_S apart): what
+    takes the cores a rank waits for. Each is {pid, user, name, share}."""
+    from runctl.processes import belongs
+
+    if not _CPU_SEEN:
+        _CPU_SEEN.update(_cpu_times())
+        time.sleep(FIRST_LOOK_S)
+    before, now = dict(_CPU_SEEN), _cpu_times()
+    _CPU_SEEN.clear()
+    _CPU_SEEN.update(now)
+    rates = []
+    for pid, (at, cpu, name) in now.items():
+        earlier = before.get(pid)
+        if earlier is not None and at > earlier[0] and earlier[2] == name:
+            rates.append(((cpu - earlier[1]) / (at - earlier[0]), pid, name))
+    out = []
+    for share, pid, name in sorted(rates, reverse=True):
+        if share < OTHERS_SHARE or len(out) == OTHERS_SHOWN:
+            break
+        if pid == os.getpid() or belongs(pid, markers):
+            continue
+        out.append({"pid": pid, "user": _user_of(pid), "name": name, "share": round(share, 2)})
+    return out
+
+
+def _cpu_times() -> dict:
+    """{pid: (monotonic time, user + system CPU seconds, command name)} of every process here."""
+    hz = os.sysconf("SC_CLK_TCK") or 100
+    out = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", encoding="utf-8", errors="replace") as handle:
+                text = handle.read()
+            head, _, tail = text.rpartition(")")
+            fields = tail.split()
+            out[int(entry.name)] = (time.monotonic(), (int(fields[11]) + int(fields[12])) / hz,
+                                    head.partition("(")[2][:32])
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 GPU_DETAIL = ("index", "uuid", "clocks_event_reasons.active", "pcie.link.gen.gpucurrent", "pcie.link.gen.max",
               "pcie.link.width.current", "pcie.link.width.max")
 

@@ -294,3 +294,34 @@ def test_a_rank_that_ended_while_its_wrapper_writes_the_exit_is_never_called_kil
         os.kill(wrapper.pid, signal.SIGCONT) if wrapper.poll() is None else None
         wrapper.kill()
         wrapper.wait()
+
+
+def test_the_busiest_processes_not_the_runs_are_told_with_their_share_of_a_cpu(tmp_path, monkeypatch):
+    """What a rank waiting for a CPU waits on: a spinning process of someone else's is told (pid, name, share);
+    one of the run's own, spinning as hard, is not. (Every process past a small share is told here: beside the
+    rest of the suite the two spinners need not be the busiest three.)"""
+    import runctl.pace
+
+    monkeypatch.setattr(runctl.pace, "OTHERS_SHOWN", 1000)
+    monkeypatch.setattr(runctl.pace, "OTHERS_SHARE", 0.02)
+    run_dir = make_run(tmp_path)
+    spin = "import time\nend = time.time() + 20\nwhile time.time() < end:\n    pass\n"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NODECTL_")}
+    hog = subprocess.Popen([sys.executable, "-c", spin], env=env)
+    ours = subprocess.Popen([sys.executable, "-c", spin],
+                            env={**env, "NODECTL_RUN_ID": "20260101-000000-abcd", "NODECTL_NODE_RANK": "0"})
+    time.sleep(0.5)   # both started (between fork and exec a child still has this process's environment)
+    try:
+        runctl.pace._CPU_SEEN.clear()
+        first = runctl.pace.busiest_others(runctl.processes.run_markers(str(run_dir)))   # a one-shot: two looks
+        time.sleep(1.0)
+        later = runctl.pace.busiest_others(runctl.processes.run_markers(str(run_dir)))   # since the first
+        for told in (first, later):
+            mine = [o for o in told if o["pid"] == hog.pid]
+            assert mine and mine[0]["name"].startswith("python"), told
+            assert mine[0]["share"] >= 0.1, told   # two spinners on 2 cores beside the suite: a share, not 1.0
+            assert ours.pid not in [o["pid"] for o in told]
+    finally:
+        for proc in (hog, ours):
+            proc.kill()
+            proc.wait()

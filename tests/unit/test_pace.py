@@ -18,12 +18,14 @@ NODES = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
 
 def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: float = 0.003, durations=False,
              steps_per_beat: int = 0, settings=PaceSettings(), seed: int = 0, data=None, moved=None,
-             comm_of=None, nodes=NODES, forge=None, throttled=None):
+             comm_of=None, nodes=NODES, forge=None, throttled=None, queued=None, others=None):
     """Run `seconds` of training where `compute(rank, t)` is a rank's compute time per step at time t; feed the
     watch a poll per node per second; return (watch, [(t, change)]). With `data(rank, t)`, that much of each step
     is the rank getting its batch, told in its heartbeat's data_s as the built-in trainer tells it. A node in
     `forge` has its ranks say they reached each collective that many seconds before they did (their clock as it
-    is); with `throttled(rank, t)`, the share of wall time runctl read of the rank's CPU quota holding it back."""
+    is); with `throttled(rank, t)`, the share of wall time runctl read of the rank's CPU quota holding it back;
+    with `queued(rank, t)`, the share it waited on its run queue for a CPU, and `others(node, t)`, the busiest
+    processes not the run's that runctl tells of the node."""
     NODES = nodes  # noqa: N806 (the simulation's ranks and nodes)
     forge = forge or {}
     rng = random.Random(seed)
@@ -32,6 +34,7 @@ def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: flo
     t, seq, pending, changes = 0.0, 0, {n: [] for n in set(NODES.values())}, []
     next_poll = 1.0
     held = dict.fromkeys(NODES, 0.0)
+    waited = dict.fromkeys(NODES, 0.0)
     ends = dict.fromkeys(NODES, 0.0)
     fed = dict.fromkeys(NODES, 0.0)
     while t < seconds:
@@ -49,6 +52,7 @@ def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: flo
         while t >= next_poll:
             for r in NODES:
                 held[r] += throttled(r, next_poll) if throttled else 0.0
+                waited[r] += queued(r, next_poll) if queued else 0.0
             for node, entries in pending.items():
                 ranks = {}
                 for r in (r for r, n in NODES.items() if n == node):
@@ -59,13 +63,14 @@ def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: flo
                                              durations=tuple(e[3] for e in mine),
                                              moved=tuple(moved[0] for _ in mine) if moved else (),
                                              kinds=tuple(moved[1] for _ in mine) if moved else (),
-                                             cpu_s=next_poll, runqueue_s=0.0,
+                                             cpu_s=next_poll, runqueue_s=waited[r],
                                              throttled_s=held[r] if throttled else None)
                 step = seq // steps_per_beat if steps_per_beat else None
                 answer = PollAnswer(now=next_poll + skew.get(node, 0.0), node_rank=0, alive=2,
                                     ranks=tuple(RankState(r, heartbeat=_beat(step, fed[r] if data else None))
                                                 for r in NODES if NODES[r] == node),
-                                    pace=PaceSample(ranks=ranks))
+                                    pace=PaceSample(ranks=ranks, cpu={"cpus": 2, "load1": 1.0, "others": others(
+                                        node, next_poll)} if others else {}))
                 watch.feed(node, answer, received=next_poll + 0.004, sent=next_poll - 0.004)
                 entries.clear()
             changes += [(next_poll, c) for c in watch.judge(now=next_poll)]
@@ -358,3 +363,17 @@ def test_status_trusts_the_record_only_for_the_attempt_running_now():
     assert current(record, look, attempt=0)[0] is record   # its own attempt's, while fresh
     older = {k: v for k, v in record.items() if k != "attempt"}   # written before records said their attempt
     assert current(older, look, attempt=0)[0] is older and current(older, look, attempt=1)[0] is not older
+
+
+def test_a_rank_whose_cores_another_process_takes_is_named_with_that_process_and_its_share():
+    """A plain script's rank 3 waits on its run queue (a hog shares its cores on node1): the verdict names the
+    hog as runctl told it (pid, user, command, its share of a CPU), not only "another process"."""
+    slow = lambda r, t: 0.2 if r == 3 and t >= 60 else 0.1  # noqa: E731
+    hog = [{"pid": 4446, "user": "bob", "name": "stress\x1b[2J", "share": 0.97}]
+    _, changes = simulate(slow, 200, queued=lambda r, t: 0.45 if r == 3 and t >= 60 else 0.0,
+                          others=lambda node, t: hog if node == "node1" and t >= 60 else [])
+    (at, straggler), = found(changes)
+    assert straggler.rank == 3, straggler
+    said = "; ".join(straggler.causes)
+    assert "waited for a CPU" in said and "on node node1 take its cores: pid 4446 (bob, stress?[2J) 97% of a CPU" \
+        in said, said
