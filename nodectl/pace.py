@@ -221,6 +221,11 @@ class PaceWatch:
                         self._durations[key][rank] = duration / 1e3
                     self._since[rank] = max(self._since.get(rank, 0), reached)
                 if rp.cpu_s is not None:
+                    first = rp.earlier or {}
+                    ago, cpu_then = _number(first.get("ago")), _number(first.get("cpu_s"))
+                    if ago is not None and 0 < ago < 60 and cpu_then is not None and not self._counters[rank]:
+                        self._counters[rank].append((received - ago, cpu_then, _number(first.get("runqueue_s")) or 0.0,
+                                                     _number(first.get("throttled_s"))))
                     self._counters[rank].append((received, rp.cpu_s, rp.runqueue_s or 0.0, rp.throttled_s))
                     del self._counters[rank][:-120]
             if pace.cpu:

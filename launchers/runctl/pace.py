@@ -143,15 +143,29 @@ OTHERS_SHOWN, OTHERS_SHARE = 3, 0.2   # the busiest others told, each using at l
 FIRST_LOOK_S = 0.3    # a one-shot poll has no earlier look: it takes two this far apart
 
 
+def first_look(pids: dict) -> dict:
+    """A one-shot poll (no earlier look in this process): each rank's scheduler counters and every process's CPU
+    time now, then FIRST_LOOK_S of waiting, so its rates have two ends (a detached run's single `status` named no
+    cause for a rank its CPU quota held back). {rank: counters, with `ago`}; {} where this process looked before
+    (a watch stream)."""
+    if _CPU_SEEN:
+        return {}
+    started = time.monotonic()
+    counters = {rank: _sched(pid) for rank, pid in pids.items() if pid}
+    _CPU_SEEN.update(_cpu_times())
+    time.sleep(FIRST_LOOK_S)
+    ago = time.monotonic() - started
+    return {rank: {**c, "ago": round(ago, 3)} for rank, c in counters.items() if c}
+
+
 def busiest_others(markers: tuple) -> list:
     """The node's busiest processes that are not the run's, each with its share of a CPU since this process last
-    looked (a watch stream looks at each pace sample; a one-shot poll looks twice, FIRST_LOOK_S apart): what
-    takes the cores a rank waits for. Each is {pid, user, name, share}."""
+    looked (a watch stream looks at each pace sample; a one-shot poll looked first: first_look): what takes the
+    cores a rank waits for. Each is {pid, user, name, share}."""
     from runctl.processes import belongs
 
     if not _CPU_SEEN:
-        _CPU_SEEN.update(_cpu_times())
-        time.sleep(FIRST_LOOK_S)
+        first_look({})
     before, now = dict(_CPU_SEEN), _cpu_times()
     _CPU_SEEN.clear()
     _CPU_SEEN.update(now)

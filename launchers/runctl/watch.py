@@ -143,12 +143,16 @@ def cmd_poll(args: list, request: dict) -> dict:
     if request.get("gpus"):
         answer["gpu_sample"] = gpu_sample()
     if isinstance(request.get("pace"), dict):
-        from runctl.pace import busiest_others, gpu_detail, node_cpu, rank_pace
+        from runctl.pace import busiest_others, first_look, gpu_detail, node_cpu, rank_pace
 
         pids = {str(r["rank"]): r["pid"] for r in answer["ranks"] if r.get("alive")}
+        earlier = first_look(pids)
         answer["pace"] = {"ranks": {rank: rank_pace(run_dir, int(rank), pids.get(rank), int(since or 0))
                                     for rank, since in request["pace"].items() if str(rank).isdigit()},
                           "cpu": {**node_cpu(), "others": busiest_others(run_markers(run_dir))}}
+        for rank, counters in earlier.items():
+            if rank in answer["pace"]["ranks"]:
+                answer["pace"]["ranks"][rank]["earlier"] = counters
         if request.get("gpu_detail"):
             answer["pace"]["gpus"] = gpu_detail(set(pids.values()))
     upload = read_json(os.path.join(run_dir, layout.UPLOAD))

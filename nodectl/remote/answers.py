@@ -105,6 +105,7 @@ class RankPace:
     cpu_s: float | None = None          # CPU the rank's process used (its threads' schedstat), a counter
     runqueue_s: float | None = None     # time its threads were ready but waited for a CPU, a counter
     throttled_s: float | None = None    # time its cgroup's CPU quota held it back, a counter; None: no quota
+    earlier: dict | None = None         # a one-shot poll's first look: the same counters `ago` seconds before
 
 
 @dataclass(frozen=True)

@@ -377,3 +377,25 @@ def test_a_rank_whose_cores_another_process_takes_is_named_with_that_process_and
     said = "; ".join(straggler.causes)
     assert "waited for a CPU" in said and "on node node1 take its cores: pid 4446 (bob, stress?[2J) 97% of a CPU" \
         in said, said
+
+
+def test_a_single_status_names_the_cpu_quota_from_the_first_look_runctl_took():
+    """A detached run's one `status` polls each node once: with one sample of the rank's counters no rate could be
+    made, and a rank its quota held back 35% of the time got "no cause seen on its node". runctl's one-shot poll
+    now reads the counters twice (`earlier`, FIRST_LOOK_S before), and the one look names the quota."""
+    nodes = {0: "node0", 1: "node1"}
+    watch = PaceWatch(nodes)
+    now = 1_000.0
+    steps = [(now - 40 + i * 0.3, i) for i in range(100)]   # rank 1 reaches each collective 0.2 s after rank 0
+    for rank, node in nodes.items():
+        late = 0.2 if rank == 1 else 0.0
+        earlier = {"ago": 0.3, "cpu_s": 10.0, "runqueue_s": 0.0, "throttled_s": 5.0 if rank == 1 else None}
+        pace = RankPace(groups=tuple("0" for _ in steps), seqs=tuple(seq for _, seq in steps),
+                        reached=tuple(int((at + late) * 1e9) for at, _ in steps),
+                        durations=tuple(None for _ in steps), cpu_s=10.1, runqueue_s=0.0,
+                        throttled_s=5.105 if rank == 1 else None, earlier=earlier)
+        watch.feed(node, PollAnswer(now=now, node_rank=rank, alive=1, ranks=(RankState(rank),),
+                                    pace=PaceSample(ranks={str(rank): pace})), received=now, sent=now - 0.01)
+    state = watch.look(now)
+    assert state.straggler is not None and state.straggler.rank == 1, state
+    assert any("CPU quota held it back 35% of the time" in c for c in state.straggler.causes), state.straggler.causes
