@@ -65,6 +65,7 @@ class Straggler:
     # own node's counters (read by runctl, not written by any rank) show a cause; `basis` says which, or why not
     corroborated: bool = False
     basis: str = ""
+    told: float | None = None  # when the verdict was told (after the hold): --straggler-hold counts from here
 
     def describe(self) -> str:
         where = f"rank {self.rank} on node {self.node}" + (f" (GPU {self.gpu})" if self.gpu is not None else "")
@@ -307,17 +308,17 @@ class PaceWatch:
         base = statistics.median(self._healthy) if len(self._healthy) >= 2 else None
         state.pace = round(rate / base, 2) if base else None
         busiest, slower = _slowest(times)
-        told = self._told(slower, state.pace)
+        figure = self._told(slower, state.pace)
         straggler = state.straggler
         if straggler is None:
             # named only where its own share says so and the figure told is past the line too (on GPUs the
             # run's own slowdown, which a lone straggler sets): never "9% slower" against a 15% line
-            if slower >= s.slower and told >= s.slower and len(times) > 1:
+            if slower >= s.slower and figure >= s.slower and len(times) > 1:
                 if self._candidate is None or self._candidate[0] != busiest.rank:
                     self._candidate = (busiest.rank, now)
                 elif now - self._candidate[1] >= s.hold:
                     found = Straggler(busiest.rank, busiest.node, self.rank_gpus.get(busiest.rank),
-                                      told, state.pace, self._candidate[1])
+                                      figure, state.pace, self._candidate[1], told=now)
                     with self._lock:
                         found.causes = self._causes(found, now)
                         found.corroborated, found.basis = self._corroborate(found, now)
@@ -329,9 +330,9 @@ class PaceWatch:
         else:
             # kept while it still holds; below the line it is calm, and ends once calm for the hold (its last
             # figure past the line is what stays told meanwhile)
-            same = busiest.rank == straggler.rank and slower >= s.slower and told >= s.slower
+            same = busiest.rank == straggler.rank and slower >= s.slower and figure >= s.slower
             if same:
-                straggler.slower, straggler.pace = told, state.pace
+                straggler.slower, straggler.pace = figure, state.pace
                 self._calm_since = None
                 if not straggler.corroborated:   # a cause or a witness may show later
                     with self._lock:
@@ -618,7 +619,7 @@ def straggler_from(entry) -> Straggler | None:
                      since=_number(entry.get("since")) or 0.0,
                      causes=[c for c in causes if isinstance(c, str)] if isinstance(causes, list) else [],
                      ended=_number(entry.get("ended")), corroborated=entry.get("corroborated") is True,
-                     basis=entry["basis"] if isinstance(entry.get("basis"), str) else "")
+                     basis=entry["basis"] if isinstance(entry.get("basis"), str) else "", told=_number(entry.get("told")))
 
 
 def earlier_stragglers(record) -> list[Straggler]:

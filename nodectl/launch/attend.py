@@ -91,8 +91,8 @@ class StragglerVerdicts:
             self.remembered.add(key)
             self.gate.remember_straggler(self.run_id, straggler.to_json())
         now = time.time() if now is None else now
-        if self.exclude_after is None or now - straggler.since < self.exclude_after:
-            return None
+        if self.exclude_after is None or now - (straggler.told or straggler.since) < self.exclude_after:
+            return None   # held for --straggler-hold seconds from when it was told (not from when first seen)
         if straggler.corroborated:
             return straggler
         if key not in self.held_back:

@@ -399,3 +399,19 @@ def test_a_single_status_names_the_cpu_quota_from_the_first_look_runctl_took():
     state = watch.look(now)
     assert state.straggler is not None and state.straggler.rank == 1, state
     assert any("CPU quota held it back 35% of the time" in c for c in state.straggler.causes), state.straggler.causes
+
+
+def test_straggler_hold_counts_from_the_verdict_told_not_from_when_the_rank_was_first_seen_slower():
+    """--straggler-hold 60 acted 47 s after the printed verdict: the hold was counted from when the rank was first
+    seen slower, 13 s before it was told. It counts from the verdict now."""
+    from nodectl.launch.attend import StragglerVerdicts
+    from nodectl.launch.gate import NO_GATE
+
+    verdicts = StragglerVerdicts("run-a", NO_GATE, lambda event: None, exclude_after=60.0)
+    seen = Straggler(rank=1, node="node1", gpu=None, slower=0.5, pace=0.7, since=100.0, corroborated=True,
+                     basis="its node's own counters", told=113.0)
+    assert verdicts.take(seen, now=161.0) is None   # 61 s after first seen, 48 s after told
+    assert verdicts.take(seen, now=173.5) is seen
+    _, changes = simulate(lambda r, t: 0.2 if r == 3 and t >= 60 else 0.1, 150)
+    (at, named), = found(changes)
+    assert named.told == at and named.since < named.told, named   # when it was told, after being seen slower
