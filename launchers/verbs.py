@@ -25,7 +25,6 @@ VERBS = {
     # the network, for preflight and the master port
     "port": Verb("net", "none", "PortAnswer"),
     "listen": Verb("net", "none", "ListenAnswer"),
-    "_serve": Verb("net", "none", "Done", internal=True),   # listen's own child process
     "unlisten": Verb("net", "none", "Done"),
     "connect": Verb("net", "none", "ConnectAnswer"),
     "route": Verb("net", "none", "RouteAnswer"),

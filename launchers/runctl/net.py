@@ -32,16 +32,29 @@ def cmd_port(args: list, request: dict) -> dict:
         return {"port": probe.getsockname()[1], "free": False, "asked": port}
 
 
-# Where `runctl` imports from: the artifact (a zip) on a node, launchers/ in a checkout. The listener runs from the
-# same place in a process of its own.
-IMPORT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SERVE = "import sys;sys.path.insert(0,sys.argv[1]);sys.argv=sys.argv[1:];from runctl.dispatch import main;main()"
+# The listener `listen` starts: a process of its own that accepts and closes connections on the sockets it was
+# handed (their fds after its time and the count it expects, 0 for none), until its time is up or it has accepted
+# that many. Standard library only: 15 nodes' listeners started at once cost their interpreters' start, no more.
+# Its "_serve" argument is what `unlisten` checks before it signals a pid.
+LISTENER = ("import selectors,socket,sys,time\n"
+            "end,expect,accepted=time.time()+float(sys.argv[2]),int(sys.argv[3]),0\n"
+            "chosen=selectors.DefaultSelector()\n"
+            "for fd in sys.argv[4:]:\n"
+            "    server=socket.socket(fileno=int(fd));server.setblocking(False)\n"
+            "    chosen.register(server,selectors.EVENT_READ)\n"
+            "while time.time()<end and not(expect and accepted>=expect):\n"
+            "    for key,_ in chosen.select(timeout=0.2):\n"
+            "        try:\n"
+            "            conn,_=key.fileobj.accept();conn.close();accepted+=1\n"
+            "        except OSError:\n"
+            "            pass\n")
 
 
 def cmd_listen(args: list, request: dict) -> dict:
     """Listen for a while in a detached process (preflight's reachability tests); returns its pid. On PORT (the
     master port, 0 for none) and, with request {"ephemeral": true}, on a port the kernel picks from its ephemeral
-    range, as gloo and NCCL do for the connections between ranks: answered as `ephemeral`, with the range."""
+    range, as gloo and NCCL do for the connections between ranks: answered as `ephemeral`, with the range. With
+    {"expect": N} the listener ends once it has accepted N connections (no `unlisten` needed), or at its time."""
     port, seconds = int(args[0]), float(args[1])
     sockets = []
     try:
@@ -57,7 +70,8 @@ def cmd_listen(args: list, request: dict) -> dict:
         if not sockets:
             return {"error": "no port to listen on"}
         fds = [str(server.fileno()) for server in sockets]
-        proc = subprocess.Popen([sys.executable, "-S", "-c", SERVE, IMPORT_ROOT, "_serve", str(seconds), *fds],
+        expect = int(request.get("expect") or 0)
+        proc = subprocess.Popen([sys.executable, "-S", "-c", LISTENER, "_serve", str(seconds), str(expect), *fds],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True, pass_fds=[server.fileno() for server in sockets])
         answer = {"pid": proc.pid, "port": port}
@@ -77,26 +91,6 @@ def _ephemeral_range() -> list | None:
         return [low, high]
     except (OSError, ValueError):
         return None
-
-
-def cmd_serve(args: list, request: dict) -> dict:
-    """The listener `listen` started: accepts and closes connections on the sockets it was handed, for a while."""
-    import selectors
-
-    deadline = time.time() + float(args[0])
-    selector = selectors.DefaultSelector()
-    for fd in args[1:]:
-        server = socket.socket(fileno=int(fd))
-        server.setblocking(False)
-        selector.register(server, selectors.EVENT_READ)
-    while time.time() < deadline:
-        for key, _ in selector.select(timeout=0.2):
-            try:
-                conn, _ = key.fileobj.accept()
-                conn.close()
-            except OSError:
-                pass
-    return {}
 
 
 def cmd_unlisten(args: list, request: dict) -> dict:

@@ -119,8 +119,10 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, ProbeRepor
     # the connections between ranks, and every other node connects to it: a firewall that lets SSH and the master
     # port in but not those is named here, not as a collective that fails with node 0 blamed.
     several = len(reachable) > 1
+    # the other nodes' listeners end by themselves once each other node connected (no call to end them)
     listeners = {r.node.name: r for r in cluster.fan_out(lambda t: NodeClient(t).listen(
-        chosen if t.node.name == master.name else 0, 30, ephemeral=several), reachable if several else [master])}
+        chosen if t.node.name == master.name else 0, 30, ephemeral=several,
+        expect=0 if t.node.name == master.name else len(reachable) - 1), reachable if several else [master])}
     ephemeral = _ephemeral_ports(reachable, listeners)
     resolve = None if _is_address(master.addr) else master.addr   # a name: how each node resolves it
     try:   # one call per node: the connection to the master's port, then the routes to every other node
@@ -129,8 +131,8 @@ def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, ProbeRepor
             peer_ports={addr: port for addr, (name, port) in ephemeral.items() if name != t.node.name},
             resolve=resolve), reachable)
     finally:
-        held = [n for n in reachable if n.name in listeners and listeners[n.name].ok]
-        cluster.fan_out(lambda t: NodeClient(t).unlisten(listeners[t.node.name].value.pid), held)
+        if listeners[master.name].ok:
+            cluster.fan_out(lambda t: NodeClient(t).unlisten(listeners[master.name].value.pid), [master])
     answered = {r.node.name: r.value for r in route if r.ok}
     for r in route:
         reach = r.value.reach if r.ok else None

@@ -57,10 +57,13 @@ class NodeClient:
         """Whether `port` is free here (0: any free one)."""
         return agent.call(self.transport, "port", str(port))
 
-    def listen(self, port: int, seconds: int, ephemeral: bool = False) -> ListenAnswer:
-        """A listener on `port` (0: none) and, with `ephemeral`, on a port from the kernel's ephemeral range."""
-        return agent.call(self.transport, "listen", str(port), str(seconds),
-                          request={"ephemeral": True} if ephemeral else None)
+    def listen(self, port: int, seconds: int, ephemeral: bool = False, expect: int = 0) -> ListenAnswer:
+        """A listener on `port` (0: none) and, with `ephemeral`, on a port from the kernel's ephemeral range; with
+        `expect`, it ends by itself once it has accepted that many connections."""
+        request = {"ephemeral": True} if ephemeral else {}
+        if expect:
+            request["expect"] = expect
+        return agent.call(self.transport, "listen", str(port), str(seconds), request=request or None)
 
     def unlisten(self, pid: int) -> Done:
         return agent.call(self.transport, "unlisten", str(pid))

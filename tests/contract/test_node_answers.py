@@ -4,6 +4,7 @@ by the preflight checks. A key renamed on one side fails here, not silently on a
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -128,6 +129,11 @@ def test_every_runctl_answer_parses_into_its_type(local_node):
         assert "127.0.0.1" in peers.own
     finally:
         one(cluster, node, lambda t: agent.call(t, "unlisten", str(ephemeral.pid)))
+    # a peer's listener that expects one connection ends by itself once it has it: nothing to stop afterwards
+    once = one(cluster, node, lambda t: agent.call(t, "listen", "0", "30", request={"ephemeral": True, "expect": 1}))
+    assert one(cluster, node, lambda t: agent.call(t, "route", "127.0.0.1", request={
+        "peer_ports": {"127.0.0.1": once.ephemeral}})).peer_reach["127.0.0.1"].ok
+    assert _until(lambda: os.path.exists(f"/proc/{once.pid}"), lambda alive: not alive, timeout=10) is False
     closed = _until(lambda: one(cluster, node, lambda t: agent.call(t, "route", "127.0.0.1", request={
         "peer_ports": {"127.0.0.1": ephemeral.ephemeral}})), lambda a: not a.peer_reach["127.0.0.1"].ok, timeout=10)
     assert "refused" in closed.peer_reach["127.0.0.1"].error   # the listener is gone: nothing listens there now
