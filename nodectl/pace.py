@@ -193,7 +193,8 @@ class PaceWatch:
         with self._lock:
             since = {str(r): self._since.get(r, 0) for r in ranks}
             candidate = self._candidate or (self.state.straggler and (self.state.straggler.rank, 0))
-            detail = bool(self.gpus and candidate and self.rank_nodes.get(candidate[0]) == node)
+            slowed = self._low_since is not None or bool(self.state.run_wide)   # every rank: every node's GPUs
+            detail = bool(self.gpus and (slowed or candidate and self.rank_nodes.get(candidate[0]) == node))
         return since, detail
 
     # what the nodes answered --------------------------------------------------------------------------------
@@ -369,6 +370,9 @@ class PaceWatch:
                           f"rank to blame (each waits {waits * 100:.0f}% of the time in collectives); "
                           f"{'the collectives themselves' if waits > 0.5 else 'compute or data on every node'} "
                           f"take the time now")
+        gpu_causes = self._gpu_causes()
+        if gpu_causes:
+            state.run_wide += "; " + "; ".join(gpu_causes)
         busy_nodes = {node: others for node, others in sorted(self._others.items())
                       if node in {t.node for t in times} and others}
         if busy_nodes and waits <= 0.5:
@@ -381,6 +385,25 @@ class PaceWatch:
                                f"earlier in this run: the network between the nodes slowed (a link or one node "
                                f"pair: `nodectl preflight --full` times each pair)")
         return [state.run_wide]
+
+    def _gpu_causes(self) -> list[str]:
+        """What the run's GPUs on every node show that slows every rank: another process on one (pid, user,
+        command), clocks held back and why (NVML's clock event reasons)."""
+        causes = []
+        for node, detail in sorted(self._gpu_detail.items()):
+            mine = sorted({self.rank_gpus.get(r) for r, n in self.rank_nodes.items() if n == node} - {None})
+            for index in mine:
+                gpu = detail.get(str(index))
+                if gpu is None:
+                    continue
+                for other in gpu.others[:3]:
+                    name = f", {_printable(other['name'])}" if other.get("name") else ""
+                    causes.append(f"another process on GPU {index} of {node} (pid {other.get('pid')}, user "
+                                  f"{_printable(other.get('user'))}{name})")
+                held = [text for bit, text in CLOCK_REASONS.items() if gpu.reasons and gpu.reasons & bit]
+                if held:
+                    causes.append(f"GPU {index} of {node}'s clocks are slowed by {', '.join(held)}")
+        return causes
 
     def _window(self, now: float, seconds: float | None = None):
         """(per-rank time split, rate, unit) over the last `seconds` (the window), or None while too little is
@@ -531,8 +554,9 @@ class PaceWatch:
         gpu = self._gpu_detail.get(found.node, {}).get(str(found.gpu)) if found.gpu is not None else None
         if gpu is not None:
             for other in gpu.others[:3]:
+                name = f", {_printable(other['name'])}" if other.get("name") else ""
                 causes.append(f"another process on GPU {found.gpu} (pid {other.get('pid')}, user "
-                              f"{other.get('user')}{', ' + other['name'] if other.get('name') else ''})")
+                              f"{_printable(other.get('user'))}{name})")
             held = [text for bit, text in CLOCK_REASONS.items() if gpu.reasons and gpu.reasons & bit]
             if held:
                 causes.append(f"GPU {found.gpu}'s clocks are slowed by {', '.join(held)}")

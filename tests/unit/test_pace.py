@@ -18,19 +18,21 @@ NODES = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
 
 def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: float = 0.003, durations=False,
              steps_per_beat: int = 0, settings=PaceSettings(), seed: int = 0, data=None, moved=None,
-             comm_of=None, nodes=NODES, forge=None, throttled=None, queued=None, others=None):
+             comm_of=None, nodes=NODES, forge=None, throttled=None, queued=None, others=None, gpus_of=None,
+             rank_gpus=None):
     """Run `seconds` of training where `compute(rank, t)` is a rank's compute time per step at time t; feed the
     watch a poll per node per second; return (watch, [(t, change)]). With `data(rank, t)`, that much of each step
     is the rank getting its batch, told in its heartbeat's data_s as the built-in trainer tells it. A node in
     `forge` has its ranks say they reached each collective that many seconds before they did (their clock as it
     is); with `throttled(rank, t)`, the share of wall time runctl read of the rank's CPU quota holding it back;
     with `queued(rank, t)`, the share it waited on its run queue for a CPU, and `others(node, t)`, the busiest
-    processes not the run's that runctl tells of the node."""
+    processes not the run's that runctl tells of the node; with `gpus_of(node, t)`, the GPU detail runctl gives
+    where the watch asks for it (`rank_gpus`: each rank's GPU on its node)."""
     NODES = nodes  # noqa: N806 (the simulation's ranks and nodes)
     forge = forge or {}
     rng = random.Random(seed)
     skew = skew or {}
-    watch = PaceWatch(NODES, settings=settings, gpus=durations)
+    watch = PaceWatch(NODES, rank_gpus, settings=settings, gpus=durations)
     t, seq, pending, changes = 0.0, 0, {n: [] for n in set(NODES.values())}, []
     next_poll = 1.0
     held = dict.fromkeys(NODES, 0.0)
@@ -70,7 +72,9 @@ def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: flo
                                     ranks=tuple(RankState(r, heartbeat=_beat(step, fed[r] if data else None))
                                                 for r in NODES if NODES[r] == node),
                                     pace=PaceSample(ranks=ranks, cpu={"cpus": 2, "load1": 1.0, "others": others(
-                                        node, next_poll)} if others else {}))
+                                        node, next_poll)} if others else {},
+                                        gpus=gpus_of(node, next_poll) if gpus_of and watch.request(
+                                            node, [r for r, n in NODES.items() if n == node])[1] else {}))
                 watch.feed(node, answer, received=next_poll + 0.004, sent=next_poll - 0.004)
                 entries.clear()
             changes += [(next_poll, c) for c in watch.judge(now=next_poll)]
@@ -415,3 +419,27 @@ def test_straggler_hold_counts_from_the_verdict_told_not_from_when_the_rank_was_
     _, changes = simulate(lambda r, t: 0.2 if r == 3 and t >= 60 else 0.1, 150)
     (at, named), = found(changes)
     assert named.told == at and named.since < named.told, named   # when it was told, after being seen slower
+
+
+def test_every_rank_slower_names_another_process_on_the_runs_gpus_and_clocks_held_back():
+    """One H200, another process sharing the GPU: "every rank is slower ... compute or data on every node take the
+    time now", while NVML listed the process. Once the pace falls under the line the watch asks every node for its
+    GPUs' detail, and the run-wide line names the process (pid, user, command) and a GPU's clocks held back."""
+    from nodectl.remote.answers import GpuDetail
+
+    slow = lambda r, t: 0.2 if t >= 100 else 0.1  # noqa: E731
+    burner = GpuDetail(others=({"pid": 3694, "user": "bob", "name": "python3"},))
+    capped = GpuDetail(reasons=0x4)
+    asked = []
+
+    def gpus_of(node, t):
+        asked.append((node, t))
+        return {"0": burner if node == "node0" else capped} if t >= 100 else {}
+
+    watch, changes = simulate(slow, 200, durations=True, gpus_of=gpus_of,
+                              rank_gpus={r: "0" if r % 2 == 0 else "1" for r in NODES})
+    lines = [c for _, c in changes if isinstance(c, str)]
+    assert lines and "every rank is slower" in lines[0], changes
+    assert "another process on GPU 0 of node0 (pid 3694, user bob, python3)" in lines[0], lines[0]
+    assert "GPU 0 of node1's clocks are slowed by its power cap" in lines[0], lines[0]
+    assert not [t for _, t in asked if t < 100], asked   # healthy: no node asked for its GPUs
