@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import stat
@@ -12,7 +13,7 @@ import sys
 import time
 
 import runlayout as layout
-from runctl.common import READ_LIMIT, boot_id, is_file, lstat_nofollow, no_run, open_run_file, read_json
+from runctl.common import READ_LIMIT, boot_id, is_file, listdir_nofollow, lstat_nofollow, no_run, open_run_file, read_json
 from runctl.processes import belongs, is_zombie, record_seen, run_markers, run_processes
 
 
@@ -34,6 +35,24 @@ def rank_state(run_dir: str, rank: int, now: float, markers: tuple) -> dict:
     info = lstat_nofollow(os.path.join(run_dir, layout.rank_log(rank)))
     state["log_size"] = info.st_size if info is not None and stat.S_ISREG(info.st_mode) else 0
     return state
+
+
+CHECKPOINT = re.compile(r"ckpt-(\d{1,12})")   # the built-in trainer's output/checkpoints/ckpt-<step>/COMPLETE
+
+
+def latest_checkpoint(run_dir: str):
+    """The step of the newest complete checkpoint of the built-in trainer's in this node's output/ (a folder
+    ckpt-<step> holding COMPLETE, written last), or None."""
+    folder = os.path.join(run_dir, "output", "checkpoints")
+    try:
+        names = listdir_nofollow(folder)
+    except OSError:
+        return None
+    steps = sorted((int(m[1]) for m in map(CHECKPOINT.fullmatch, names) if m), reverse=True)
+    for step in steps[:8]:
+        if is_file(os.path.join(folder, f"ckpt-{step:07d}", "COMPLETE")):
+            return step
+    return None
 
 
 def _recorded_pid(run_dir: str, relative: str):
@@ -137,6 +156,8 @@ def cmd_poll(args: list, request: dict) -> dict:
         answer["same_boot"] = bool(started_boot) and started_boot == boot_id()
     except OSError:
         pass
+    if request.get("checkpoint"):
+        answer["checkpoint"] = latest_checkpoint(run_dir)
     for rank, offset in (request.get("offsets") or {}).items():
         new_offset, text = _read_from(os.path.join(run_dir, layout.rank_log(rank)), int(offset))
         answer["logs"][rank] = {"from": int(offset), "offset": new_offset, "text": text}

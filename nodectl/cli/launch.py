@@ -186,6 +186,8 @@ def _attended(app: AppContext, event: ev.Event) -> None:
     elif isinstance(event, ev.Restarting):
         app.err.print(f"[yellow]restarting run {event.run_id}[/] as attempt {event.attempt} after: "
                       f"{escape(event.failure.describe())} ({event.restarts_left} restart(s) left)")
+    elif isinstance(event, ev.Continuing):
+        app.err.print(continuing_line(event))
     elif isinstance(event, ev.CheckingNodes):
         app.info(f"checking the {event.count} node(s) of run {event.run_id} before the restart (quick preflight)")
     elif isinstance(event, ev.LeavingOut):
@@ -225,6 +227,22 @@ def _attended(app: AppContext, event: ev.Event) -> None:
 
 
 LIVENESS_NAMED = 4   # nodes named with their lag in one slow notice; the rest counted
+
+
+def continuing_line(event) -> str:
+    """What a restart costs, in words: where the next attempt continues from and what is done again."""
+    reached = f" (the last attempt reached step {event.reached:,})" if event.reached else ""
+    if event.checkpoint is not None:
+        redone = event.reached - event.checkpoint if event.reached and event.reached > event.checkpoint else 0
+        again = f"; {redone:,} step(s) are done again" if redone else ""
+        return (f"attempt {event.attempt} continues from step {event.checkpoint:,}, the newest checkpoint every "
+                f"node of it holds{reached}{again}")
+    if event.builtin:
+        return (f"attempt {event.attempt} starts from step 0: no checkpoint every node of it holds complete"
+                f"{reached}; set train.checkpoint_every to keep one")
+    return (f"attempt {event.attempt} runs the script again from its start: nodectl sees no checkpoint of its "
+            f"own{reached}; a script that keeps none (under $NODECTL_OUTPUT_DIR, read back at its start) does its "
+            f"work so far again")
 
 
 def _liveness(app: AppContext, event: ev.NodeLiveness) -> None:

@@ -13,13 +13,14 @@ from typing import Callable
 
 from nodectl.launch.attending import Attending
 from nodectl.errors import RunFailed
-from nodectl.launch.events import (CheckingNodes, Diagnosed, Event, LeavingOut, NodeLiveness, NotAnswering,
+from nodectl.launch.events import (CheckingNodes, Continuing, Diagnosed, Event, LeavingOut, NodeLiveness, NotAnswering,
                                    Restarting, RunPace, Stopping, StragglerHeldBack, StragglerSeen,
                                    UploadTrouble)
 from nodectl.pace import PaceWatch, Straggler, for_run
 from nodectl.launch.gate import NO_GATE, Gate
 from nodectl.launch.job import Job, next_attempt, stop_run
 from nodectl.progress import Progress, no_progress
+from nodectl.remote.client import NodeClient
 from nodectl.remote.liveness import Health, Liveness
 from nodectl.secrets import redact_words
 from nodectl.runs import Run, RunNode, RunState
@@ -123,7 +124,26 @@ def attend(job: Job, run: Run, session: Session, attending: Attending, *, restar
         left_out, inventory = [], None
         if attending.exclude_failed or failure.kind == FailureKind.STRAGGLER:
             inventory, left_out = _passing_nodes(job, failure, session, notify, gate)
+        notify(_continuing(job, run, session, inventory))
         job, run = restart(next_attempt(job, inventory=inventory), left_out)
+
+
+def _continuing(job: Job, run: Run, session: Session, inventory) -> Continuing:
+    """Where the next attempt continues from: the newest checkpoint of the built-in trainer's that every node of
+    it holds complete (the one the trainer resumes from), and the step the last attempt reached, from one poll of
+    those nodes. A node that does not answer leaves the checkpoint unknown."""
+    names = {n.name for n in (inventory.nodes if inventory is not None else (np.node for np in job.plan.nodes))}
+    run_nodes = [rn for rn in run.nodes() if rn.node.name in names]
+    found = session.cluster(rn.node for rn in run_nodes).fan_out(
+        lambda t: NodeClient(t).poll(next(rn.run_dir for rn in run_nodes if rn.node.name == t.node.name), {},
+                                     timeout=15, checkpoint=True))
+    answers = [r.value for r in found if r.ok]
+    steps = [r.step for a in answers for r in a.ranks
+             if isinstance(r.step, (int, float)) and not isinstance(r.step, bool)]
+    saved = [a.checkpoint for a in answers]
+    whole = len(answers) == len(run_nodes) and saved and all(isinstance(c, int) for c in saved)
+    return Continuing(run_id=job.run_id, attempt=job.plan.attempt + 1, checkpoint=min(saved) if whole else None,
+                      reached=int(max(steps)) if steps else None, builtin=not job.spec.command)
 
 
 def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall_after: float | None = None,

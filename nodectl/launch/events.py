@@ -89,6 +89,17 @@ class Restarting:
     restarts_left: int
 
 
+@dataclass(frozen=True, kw_only=True)
+class Continuing:
+    """What a restart costs: the step the next attempt continues from (the built-in trainer's newest checkpoint
+    every node of it holds complete; None: none seen) and the step the last attempt reached."""
+    run_id: str
+    attempt: int
+    checkpoint: int | None
+    reached: int | None
+    builtin: bool          # the built-in trainer (whose checkpoints nodectl can see), not the user's script
+
+
 @dataclass(frozen=True)
 class CheckingNodes:
     """--exclude-failed: the quick preflight on the run's nodes before a restart."""
@@ -170,7 +181,7 @@ class Interrupted:
 
 
 Event = (EnvironmentsReady | PreflightReused | PreflightProbing | PreflightFailed | Planned | SharedWorkdirs
-         | Recorded | CodeReady | Started | Stopping | NotAnswering | Restarting | CheckingNodes | LeavingOut
+         | Recorded | CodeReady | Started | Stopping | NotAnswering | Restarting | Continuing | CheckingNodes | LeavingOut
          | AttemptRecorded | Diagnosed | StragglerSeen | StragglerHeldBack | RunPace | UploadTrouble | NodeLiveness
          | Interrupting | Interrupted)
 Listener = Callable[[Event], None]

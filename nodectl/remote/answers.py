@@ -149,6 +149,7 @@ class PollAnswer:
     gpu_sample: GpuSample | None = None
     upload: UploadState | None = None
     same_boot: bool | None = None     # the node has not restarted since the run started (None: not known)
+    checkpoint: int | None = None     # asked for: the step of the built-in trainer's newest complete checkpoint here
     pace: PaceSample | None = None
     seq: int | None = None            # a watch stream's line number (runctl watch), None for a poll
     asked: float | None = None        # the `sent` time of the latest request line the watcher had read

@@ -116,6 +116,8 @@ def test_a_node_powered_off_is_named_with_its_refusal_and_the_run_goes_on_withou
     assert said and "node node1 was lost" in said[0], err[-3000:]
     assert "failed (exit code" not in said[0].split("; after it")[0]
     assert "leaving out node1" in err
+    # what the restart costs, said before it: a plain script keeps no checkpoint nodectl can see
+    assert "attempt 1 runs the script again from its start: nodectl sees no checkpoint of its own" in err, err[-3000:]
     assert manifest["state"] == "succeeded" and [n["node"]["name"] for n in manifest["plan"]["nodes"]] == \
         ["node0", "node2"]
     status = subprocess.run([sys.executable, "-m", "nodectl", "--json", "runs"], env=cluster.env(), cwd=project,

@@ -72,6 +72,16 @@ def test_kill9_a_rank_then_resume_logs_the_same_losses_and_report(ssh_cluster, t
         out, err = attached.communicate(timeout=300)
         assert attached.returncode == 0, err[-3000:]
         assert "restarting run" in err and "rank 1 on node node1 failed (killed by SIGKILL)" in err
+        # what the restart costs, said before it: the checkpoint it continues from (the one the trainer then
+        # resumed from), and the steps done again
+        import re
+
+        said = re.search(r"attempt 1 continues from step (\d+), the newest checkpoint every node of it holds "
+                         r"\(the last attempt reached step (\d+)\); (\d+) step\(s\) are done again", err)
+        assert said, err[-3000:]
+        kept, reached, redone = map(int, said.groups())
+        assert kept % 5 == 0 and reached >= 12 and redone == reached - kept > 0, said[0]
+        assert f"resuming at step {kept}" in out, out[-2000:]
         assert "resuming at step" in out
     finally:
         attached.kill()

@@ -325,3 +325,24 @@ def test_the_busiest_processes_not_the_runs_are_told_with_their_share_of_a_cpu(t
         for proc in (hog, ours):
             proc.kill()
             proc.wait()
+
+
+def test_the_newest_complete_checkpoint_is_the_one_a_restart_continues_from(tmp_path):
+    """poll's `checkpoint`: the built-in trainer's newest checkpoint holding COMPLETE (written last); one being
+    written (.ckpt-*.tmp) or cut short (no COMPLETE) is not it, nor a link that leads out of the run folder."""
+    run_dir = make_run(tmp_path)
+    folder = run_dir / "output" / "checkpoints"
+    for step, complete in ((5, True), (10, True), (15, False)):
+        (folder / f"ckpt-{step:07d}").mkdir(parents=True)
+        if complete:
+            (folder / f"ckpt-{step:07d}" / "COMPLETE").write_text("{}")
+    (folder / ".ckpt-0000020.tmp").mkdir()
+    elsewhere = tmp_path / "elsewhere" / "ckpt-0000025"
+    elsewhere.mkdir(parents=True)
+    (elsewhere / "COMPLETE").write_text("{}")
+    (folder / "ckpt-0000025").symlink_to(elsewhere)
+    answer = runctl.watch.cmd_poll([str(run_dir)], {"checkpoint": True})
+    assert answer["checkpoint"] == 10, answer
+    assert "checkpoint" not in runctl.watch.cmd_poll([str(run_dir)], {})   # asked for only at a restart
+    empty = make_run(tmp_path / "other")
+    assert runctl.watch.cmd_poll([str(empty)], {"checkpoint": True})["checkpoint"] is None

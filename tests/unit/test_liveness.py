@@ -219,3 +219,16 @@ def test_nodes_that_turn_slow_in_one_tick_are_one_notice_and_the_cli_says_it_in_
     notices.flush()
     _liveness(app, told[-1])
     assert "nodes node0, node1, node2, node3 and 6 more answer on time again" in out.getvalue()
+
+
+def test_a_restart_says_where_it_continues_from_and_what_is_done_again():
+    from nodectl.cli.launch import continuing_line
+    from nodectl.launch.events import Continuing
+
+    kept = continuing_line(Continuing(run_id="r", attempt=1, checkpoint=690, reached=712, builtin=True))
+    assert kept == ("attempt 1 continues from step 690, the newest checkpoint every node of it holds (the last "
+                    "attempt reached step 712); 22 step(s) are done again")
+    none = continuing_line(Continuing(run_id="r", attempt=2, checkpoint=None, reached=40, builtin=True))
+    assert none.startswith("attempt 2 starts from step 0: no checkpoint") and "train.checkpoint_every" in none
+    script = continuing_line(Continuing(run_id="r", attempt=1, checkpoint=None, reached=1180, builtin=False))
+    assert "runs the script again from its start" in script and "reached step 1,180" in script, script
