@@ -666,10 +666,29 @@ def current(record, look: PaceState | None, attempt: int = 0) -> tuple[dict | No
     attempt's verdict, which named a rank beside the new attempt's shares), else what one look at the ranks' pace
     files says."""
     fresh = isinstance(record, dict) and (_number(record.get("time")) or 0) >= time.time() - RECORD_FRESH \
-        and record.get("attempt", 0) == attempt
+        and record.get("attempt", 0) == attempt and record.get("by") != "status"
     looked = look.to_json() if look is not None and look.ranks else None
     chosen = record if fresh else looked
     return chosen, rank_split(looked or chosen)
+
+
+def looked_record(record, look: PaceState, attempt: int) -> dict | None:
+    """What `status` keeps of its one look at a run no attached launch watches (a detached one): the record to
+    write, so that `runs` tells the straggler it saw once the run ended; None when the look named none, or one the
+    record holds already (the same rank, since it was first seen). Marked as status's: never taken for an
+    attached launch's verdict (current)."""
+    found = look.straggler
+    if found is None or not look.ranks:
+        return None
+    earlier = earlier_stragglers(record) if isinstance(record, dict) else []
+    since, causes = found.since, list(found.causes)
+    if isinstance(record, dict) and record.get("by") == "status" and earlier and \
+            (earlier[-1].rank, earlier[-1].node) == (found.rank, found.node):
+        seen = earlier.pop()   # the same straggler an earlier status saw: one event, from then, with its causes
+        since, causes = seen.since, causes or seen.causes
+    kept = replace(found, causes=causes, since=since, ended=None)
+    return {**look.to_json(), "events": [e.to_json() for e in earlier] + [kept.to_json()], "attempt": attempt,
+            "by": "status"}
 
 
 def pace_lines(record, live: bool = True) -> list[str]:

@@ -1,10 +1,11 @@
 """The straggler verdict (issue 51) on CPU, 2 isolated SSH nodes x 2 gloo ranks, in one command:
 
-    .venv/bin/python bench/watch/straggler.py [--repeats 3] [--healthy 600] [--scripts ddp,trainer]
+    .venv/bin/python bench/watch/straggler.py [--repeats 3] [--healthy 600] [--scripts ddp,trainer] [--cause hog]
 
 For each script (bench/watch/scripts/ddp_plain.py, a plain DDP loop written for no tool; and the built-in trainer):
 1. time to name: an attached `nodectl launch`; once its pace is judged, rank 3 (node1) is held to 20% of a CPU
-   (a cgroup quota); the seconds until the launch prints "straggler: rank 3 on node node1". Median of --repeats.
+   (a cgroup quota; with --cause hog, pinned to one core where another process spins); the seconds until the launch
+   prints "straggler: rank 3 on node node1", and the cause it names. Median of --repeats.
 2. a healthy run of --healthy seconds: any straggler line is a false verdict.
 3. the cost of the measurement: the DDP loop's steps/s (from rank 0's own wall-clock lines) with the pace off
    (NODECTL_PACE_EVERY=0) and on, alternated, each --cost seconds.
@@ -26,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 from support.launch import kill_leftovers  # noqa: E402
-from support.slowdown import cpu_quota, rank_process  # noqa: E402
+from support.slowdown import cpu_hog, cpu_quota, rank_process  # noqa: E402
 from support.sshcluster import SSHCluster  # noqa: E402
 
 DDP = (REPO / "bench" / "watch" / "scripts" / "ddp_plain.py").read_text()
@@ -79,18 +80,20 @@ class Launch:
         kill_leftovers(run_id)
 
 
-def time_to_name(project: Path, inventory: Path, args: list[str], script: str) -> float | None:
+def time_to_name(project: Path, inventory: Path, args: list[str], script: str, cause: str = "quota") -> float | None:
     launch = Launch(project, inventory, args)
     run_id = launch.run_id()
     try:
         launch.paced(run_id)
         slow = rank_process(run_id, 3, script)
-        with cpu_quota(slow.pid, 0.2):
+        with (cpu_quota(slow.pid, 0.2) if cause == "quota" else cpu_hog(slow.pid)) as held_by:
             held = time.monotonic()
             while time.monotonic() - held < 120:
-                said = [at for at, line in launch.lines if "straggler: rank 3 on node node1" in line]
+                said = [(at, line) for at, line in launch.lines if "straggler: rank 3 on node node1" in line]
                 if said:
-                    return said[0] - held
+                    spinner = f" (the spinning process: pid {held_by.pid})" if cause == "hog" else ""
+                    print(f"  {said[0][1].strip()}{spinner}", flush=True)
+                    return said[0][0] - held
                 time.sleep(0.5)
         return None
     finally:
@@ -127,6 +130,8 @@ def main() -> None:
     parser.add_argument("--healthy", type=float, default=600)
     parser.add_argument("--cost", type=float, default=60)
     parser.add_argument("--scripts", default="ddp,trainer")
+    parser.add_argument("--cause", choices=("quota", "hog"), default="quota",
+                        help="what holds rank 3 back: a CPU quota of 20%%, or another process spinning on its core")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="nodectl-straggler-"))
     cluster = SSHCluster(root, count=2, first_octet=230).start()   # no test uses 127.x.0.230
@@ -144,7 +149,7 @@ def main() -> None:
     try:
         for name in args.scripts.split(","):
             launch_args, marker = scripts[name]
-            times = [time_to_name(project, inventory, launch_args, marker) for _ in range(args.repeats)]
+            times = [time_to_name(project, inventory, launch_args, marker, args.cause) for _ in range(args.repeats)]
             named = [t for t in times if t is not None]
             if args.repeats:   # --repeats 0: the healthy run alone
                 print(f"{name}: named in {', '.join('never' if t is None else f'{t:.1f}s' for t in times)}; "

@@ -150,7 +150,14 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
         if first:
             first.last_lines = failure_lines(cluster, run_nodes, first)
     live = run_state == RunState.RUNNING
-    told, split = pace.current(manifest.pace, watch.look(), manifest.attempt) if live else (manifest.pace, {})
+    look = watch.look() if live else None
+    told, split = pace.current(manifest.pace, look, manifest.attempt) if live else (manifest.pace, {})
+    kept = pace.looked_record(manifest.pace, look, manifest.attempt) if live and told is not manifest.pace else None
+    if kept is not None:   # no attached launch watches it: what this look saw stays for `runs`
+        try:
+            run.update(pace=kept)
+        except OSError:
+            pass
     for row in rows:
         row["busy"], row["in_collectives"], row["data"] = split.get(row["rank"], (None, None, None))
     pace_said = pace.pace_lines(told, live=live)

@@ -1,9 +1,12 @@
 """Making one rank slow, as a shared or limited machine does: a CPU quota on its process (a cgroup of its own, v1 or
-v2), for the straggler tests and bench/watch/straggler.py."""
+v2), or another process spinning on the one core it is pinned to, for the straggler tests and
+bench/watch/straggler.py."""
 from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import psutil
@@ -58,3 +61,29 @@ def cpu_quota(pid: int, share: float):
                     home.write_text(tid)
         with contextlib.suppress(OSError):
             group.rmdir()
+
+
+HOG = "while True:\n    pass\n"
+
+
+@contextlib.contextmanager
+def cpu_hog(pid: int):
+    """`pid` (all its threads) pinned to one core, and another process spinning there while inside: the rank waits
+    on its run queue as on a node whose cores someone else's job takes. Yields the spinning process."""
+    core = max(os.sched_getaffinity(0))
+    threads = [t.id for t in psutil.Process(pid).threads()]
+    before = {tid: os.sched_getaffinity(tid) for tid in threads}
+    hog = subprocess.Popen([sys.executable, "-c", HOG], env={k: v for k, v in os.environ.items()
+                                                              if not k.startswith("NODECTL_")})
+    try:
+        os.sched_setaffinity(hog.pid, {core})
+        for tid in threads:
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, {core})
+        yield hog
+    finally:
+        hog.kill()
+        hog.wait()
+        for tid, cores in before.items():
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, cores)

@@ -443,3 +443,28 @@ def test_every_rank_slower_names_another_process_on_the_runs_gpus_and_clocks_hel
     assert "another process on GPU 0 of node0 (pid 3694, user bob, python3)" in lines[0], lines[0]
     assert "GPU 0 of node1's clocks are slowed by its power cap" in lines[0], lines[0]
     assert not [t for _, t in asked if t < 100], asked   # healthy: no node asked for its GPUs
+
+
+def test_what_a_status_look_sees_of_a_detached_run_is_kept_for_runs_and_never_taken_for_a_launchs_verdict():
+    """A detached run has no attached launch to write its pace: `runs` never told the straggler a `status` saw.
+    status keeps its look in the record (one event per straggler, from when it was first seen); the next status
+    looks again rather than repeating it, and once the run ended `runs` says it had one."""
+    import time
+
+    from nodectl.pace import PaceState, RankTime, current, looked_record
+
+    ranks = [RankTime(rank=0, node="node0", busy=0.5, wait=0.5), RankTime(rank=3, node="node1", busy=0.9, wait=0.1)]
+    first = PaceState(ranks=ranks, straggler=Straggler(3, "node1", None, 0.8, None, 100.0,
+                                                       causes=["its cgroup's CPU quota held it back 35% of the time "
+                                                               "(CPU throttling)"]))
+    kept = looked_record(None, first, attempt=0)
+    assert kept["by"] == "status" and [e["rank"] for e in kept["events"]] == [3]
+    later = PaceState(ranks=ranks, straggler=Straggler(3, "node1", None, 0.7, None, 160.0))
+    again = looked_record(kept, later, attempt=0)
+    assert [(e["rank"], e["since"]) for e in again["events"]] == [(3, 100.0)], again["events"]   # one, from 100
+    assert "CPU quota" in again["events"][0]["causes"][0]   # the cause the first look saw stays with it
+    assert current(again, later, attempt=0)[0] is not again   # a status's look is not a launch's verdict
+    assert looked_record(again, PaceState(ranks=ranks), attempt=0) is None   # nothing seen: nothing written
+    ended = dict(again, time=time.time())
+    said = pace_lines(ended, live=False)
+    assert any(line.startswith("had a straggler") and "rank 3 on node node1" in line for line in said), said
