@@ -95,6 +95,10 @@ def time_to_name(project: Path, inventory: Path, args: list[str], script: str, c
                     print(f"  {said[0][1].strip()}{spinner}", flush=True)
                     return said[0][0] - held
                 time.sleep(0.5)
+        shown = subprocess.run([sys.executable, "-m", "nodectl", "status", "--run", run_id], cwd=project, env=ENV,
+                               capture_output=True, text=True, timeout=120).stdout
+        print(f"  not named in 120 s; the launch said: {''.join(line for _, line in launch.lines)[-800:]}\n"
+              f"  status: {shown[-1500:]}", flush=True)
         return None
     finally:
         launch.stop(run_id)

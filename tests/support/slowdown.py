@@ -68,14 +68,26 @@ HOG = "while True:\n    pass\n"
 
 @contextlib.contextmanager
 def cpu_hog(pid: int):
-    """`pid` (all its threads) pinned to one core, and another process spinning there while inside: the rank waits
-    on its run queue as on a node whose cores someone else's job takes. Yields the spinning process."""
+    """`pid` (all its threads) pinned to one core, and another process spinning there while inside, in a cgroup of
+    its own weighted 10 times the rank's (the rank's run has a cgroup of its own, and cgroups share a core by their
+    weights, whatever the niceness; at equal weights the rank, which needs a sixth of a CPU, kept its pace): the
+    rank waits on its run queue as on a node whose cores someone else's job takes. Yields the spinning process."""
     core = max(os.sched_getaffinity(0))
     threads = [t.id for t in psutil.Process(pid).threads()]
     before = {tid: os.sched_getaffinity(tid) for tid in threads}
     hog = subprocess.Popen([sys.executable, "-c", HOG], env={k: v for k, v in os.environ.items()
                                                               if not k.startswith("NODECTL_")})
+    name = f"nodectl-hog-{os.getpid()}-{hog.pid}"
+    if (V1 / "cpu.shares").exists():
+        group, members = V1 / name, V1 / name / "tasks"
+        group.mkdir()
+        (group / "cpu.shares").write_text(str(1024 * 10))
+    else:
+        group, members = V2 / name, V2 / name / "cgroup.procs"
+        group.mkdir()
+        (group / "cpu.weight").write_text("1000")
     try:
+        members.write_text(str(hog.pid))
         os.sched_setaffinity(hog.pid, {core})
         for tid in threads:
             with contextlib.suppress(OSError):
@@ -87,3 +99,5 @@ def cpu_hog(pid: int):
         for tid, cores in before.items():
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(tid, cores)
+        with contextlib.suppress(OSError):
+            group.rmdir()
