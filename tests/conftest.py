@@ -11,7 +11,7 @@ from support import REPO  # noqa: E402,F401 - the repository, for tests that nam
 from support.launch import make_project  # noqa: E402
 from support.sshcluster import NodeSpec, make_cluster  # noqa: E402
 
-# The files that take longest first, so the two workers finish together: xdist hands whole files out in
+# The files that take longest first, so the workers finish together: xdist hands whole files out in
 # collection order (pyproject.toml turns off its own reordering by test count, which sent these one-test files
 # last and left one worker running them alone for minutes). Then the other files that start processes, then the
 # pure ones. The order of the tests inside a file is kept.
