@@ -394,15 +394,8 @@ class PaceWatch:
             mine = sorted({self.rank_gpus.get(r) for r, n in self.rank_nodes.items() if n == node} - {None})
             for index in mine:
                 gpu = detail.get(str(index))
-                if gpu is None:
-                    continue
-                for other in gpu.others[:3]:
-                    name = f", {_printable(other['name'])}" if other.get("name") else ""
-                    causes.append(f"another process on GPU {index} of {node} (pid {other.get('pid')}, user "
-                                  f"{_printable(other.get('user'))}{name})")
-                held = [text for bit, text in CLOCK_REASONS.items() if gpu.reasons and gpu.reasons & bit]
-                if held:
-                    causes.append(f"GPU {index} of {node}'s clocks are slowed by {', '.join(held)}")
+                if gpu is not None:
+                    causes += _gpu_said(gpu, f"GPU {index} of {node}")
         return causes
 
     def _window(self, now: float, seconds: float | None = None):
@@ -553,17 +546,24 @@ class PaceWatch:
             causes.append(f"the hypervisor took {steal * 100:.0f}% of its node's CPU time (steal)")
         gpu = self._gpu_detail.get(found.node, {}).get(str(found.gpu)) if found.gpu is not None else None
         if gpu is not None:
-            for other in gpu.others[:3]:
-                name = f", {_printable(other['name'])}" if other.get("name") else ""
-                causes.append(f"another process on GPU {found.gpu} (pid {other.get('pid')}, user "
-                              f"{_printable(other.get('user'))}{name})")
-            held = [text for bit, text in CLOCK_REASONS.items() if gpu.reasons and gpu.reasons & bit]
-            if held:
-                causes.append(f"GPU {found.gpu}'s clocks are slowed by {', '.join(held)}")
+            causes += _gpu_said(gpu, f"GPU {found.gpu}")
             if gpu.pcie_width and gpu.pcie_width_max and gpu.pcie_width < gpu.pcie_width_max:
                 causes.append(f"GPU {found.gpu}'s PCIe link trained down to x{gpu.pcie_width} of "
                               f"x{gpu.pcie_width_max}")
         return causes
+
+
+def _gpu_said(gpu, which: str) -> list[str]:
+    """What a GPU's detail shows that slows its rank(s): the processes on it that are not the run's (pid, user,
+    command) and its clocks held back, with NVML's reasons. `which` names it ("GPU 1", "GPU 0 of node0")."""
+    said = []
+    for other in gpu.others[:3]:
+        name = f", {_printable(other['name'])}" if other.get("name") else ""
+        said.append(f"another process on {which} (pid {other.get('pid')}, user {_printable(other.get('user'))}{name})")
+    held = [text for bit, text in CLOCK_REASONS.items() if gpu.reasons and gpu.reasons & bit]
+    if held:
+        said.append(f"{which}'s clocks are slowed by {', '.join(held)}")
+    return said
 
 
 def _others_of(found) -> list[dict]:
