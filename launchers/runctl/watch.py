@@ -167,10 +167,10 @@ def cmd_poll(args: list, request: dict) -> dict:
         from runctl.pace import busiest_others, first_look, gpu_detail, node_cpu, rank_pace
 
         pids = {str(r["rank"]): r["pid"] for r in answer["ranks"] if r.get("alive")}
-        earlier = first_look(pids)
+        earlier = first_look(pids) if pids else {}   # a run whose ranks are gone: nothing to wait for
         answer["pace"] = {"ranks": {rank: rank_pace(run_dir, int(rank), pids.get(rank), int(since or 0))
                                     for rank, since in request["pace"].items() if str(rank).isdigit()},
-                          "cpu": {**node_cpu(), "others": busiest_others(run_markers(run_dir))}}
+                          "cpu": {**node_cpu(), **({"others": busiest_others(run_markers(run_dir))} if pids else {})}}
         for rank, counters in earlier.items():
             if rank in answer["pace"]["ranks"]:
                 answer["pace"]["ranks"][rank]["earlier"] = counters
