@@ -98,7 +98,9 @@ def _gpu_job(transport: Transport) -> dict:
 def _facts(cluster: Cluster, inventory: Inventory, reports: dict[str, ProbeReport], port: int | None,
            quick: bool = True) -> tuple[dict[str, dict], int | None]:
     """(per node: the GPU job on GPU nodes (not --quick), node 0's master port, every node's connection to it and
-    route toward it; the master port the checks tried, None when node 0 could not take one)."""
+    route toward it, the other nodes' connections to a port of its ephemeral range (`peer_ports`), how it resolves
+    node 0's `addr:` when that is a name (`master_name`); the master port the checks tried, None when node 0 could
+    not take one)."""
     master = inventory.nodes[0]
     reachable = [n for n in inventory.nodes if n.name in reports]
     extras: dict[str, dict] = {n.name: {} for n in reachable}
