@@ -78,8 +78,11 @@ def probe_cpu() -> dict:
                     break
     except OSError:
         pass
-    return {"model": model, "count": os.cpu_count(),
-            "available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    # The kernel's boot id and the CPUs this login may use: nodes that show the same boot id run on one machine
+    # (local "nodes", containers, namespaces) and share the CPUs their sets have in common.
+    return {"model": model, "count": os.cpu_count(), "available": len(allowed) if allowed else os.cpu_count(),
+            "cpu_set": allowed, "boot_id": _read("/proc/sys/kernel/random/boot_id"),
             "governor": _read("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor")}
 
 

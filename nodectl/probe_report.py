@@ -92,6 +92,8 @@ class Cpu(Section):
     model: str | None = None
     count: int | None = None
     available: int | None = None
+    cpu_set: tuple[int, ...] | None = None   # the CPU ids this login may run on
+    boot_id: str | None = None               # the kernel's: one machine's nodes share it
     governor: str | None = None
 
 

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tarfile
 
-from runctl.common import read_json, write_file
+from runctl.common import boot_id, read_json, write_file
 from runctl.runfolder import cmd_prepare
 
 
@@ -223,6 +223,9 @@ def cmd_identity(args: list, request: dict) -> dict:
             os.unlink(tmp)
     with open(path, encoding="utf-8") as handle:
         answer = {"identity": handle.read().strip(), "workdir": os.path.realpath(workdir)}
+    if hasattr(os, "sched_getaffinity"):  # the CPUs this login's ranks may use, and the kernel they share
+        allowed = sorted(os.sched_getaffinity(0))
+        answer["cpu"] = {"available": len(allowed), "cpu_set": allowed, "boot_id": boot_id()}
     if "hashes" in request:  # what a launch asks next: which objects the store lacks
         answer.update(cmd_have(args, request))
     return answer

@@ -96,6 +96,12 @@ def settle_job(job: Job, cluster: Cluster, *, survey_nodes: bool = True) -> Job:
         missing = surveyed.missing
         if surveyed.shared:
             spec = replace(spec, shared_workdirs=surveyed.shared)
+        # without a preflight's report (--skip-preflight), what the survey saw of each node's CPUs sizes its
+        # OMP_NUM_THREADS: nodes of one machine share its cores
+        unprobed = {name: {**spec.facts.get(name, {}), "cpu": cpu} for name, cpu in surveyed.cpus.items()
+                    if not (spec.facts.get(name, {}).get("cpu") or {}).get("cpu_set")}
+        if unprobed:
+            spec = replace(spec, facts={**spec.facts, **unprobed})
     plan = settle_master_port(spec.plan() if spec is not job.spec else job.plan, cluster, move=spec.any_port)
     return Job(spec, plan, tuple(render_plan(plan, spec.template)), missing)
 

@@ -6,9 +6,10 @@ during the sync therefore starts nothing, and nothing half-sent is left on a nod
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
 from nodectl.container import container_name
@@ -61,6 +62,7 @@ def settle_master_port(plan: LaunchPlan, cluster: Cluster, move: bool = False) -
 class Survey:
     shared: frozenset[str]  # nodes whose run folders need a per-node subfolder (see shared_workdirs)
     missing: dict[str, list[str]]  # node name -> the objects its store lacks, when files were given
+    cpus: dict[str, dict] = field(default_factory=dict)  # node name -> its CPUs and boot id, as a probe's "cpu"
 
 
 def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None = None) -> Survey:
@@ -88,7 +90,8 @@ def survey(plan: LaunchPlan, cluster: Cluster, files: list[sync.SyncFile] | None
     shared = {name for names in seen.values() if len(names) > 1 for name in names}
     run_dirs = [np.run_dir for np in plan.nodes if np.node.name in shared]
     missing = {name: list(answer.missing) for name, answer in results.succeeded.items() if answer.missing is not None}
-    return Survey(frozenset(shared) if len(set(run_dirs)) < len(run_dirs) else frozenset(), missing)
+    cpus = {name: dataclasses.asdict(answer.cpu) for name, answer in results.succeeded.items() if answer.cpu}
+    return Survey(frozenset(shared) if len(set(run_dirs)) < len(run_dirs) else frozenset(), missing, cpus)
 
 
 def _node_json(plan: LaunchPlan, node_plan: NodePlan) -> str:

@@ -268,11 +268,21 @@ class HaveAnswer:
     missing: tuple[str, ...]
 
 
+@dataclass(frozen=True, kw_only=True)
+class CpuShare:
+    """The CPUs a node's login may use and its kernel's boot id: nodes of one boot share the CPUs they have in
+    common (plan.threads_per_rank)."""
+    available: int
+    cpu_set: tuple[int, ...]
+    boot_id: str | None = None
+
+
 @dataclass(frozen=True)
 class IdentityAnswer:
     identity: str
     workdir: str
     missing: tuple[str, ...] | None = None
+    cpu: CpuShare | None = None
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ def test_plain_script_two_nodes_two_ranks_args_intact(ssh_cluster, project, tmp_
     node_dir = ssh_cluster.nodes[1].workdir / "runs" / run_id
     assert (node_dir / "code" / "train.py").is_file() and not (node_dir / "code" / "data").exists()
     assert oct((node_dir / "env.sh").stat().st_mode & 0o777) == "0o600"
+    # nothing probed (--skip-preflight), yet the launch saw both nodes on this one kernel: its CPUs over 4 ranks
+    threads = max(1, len(os.sched_getaffinity(0)) // 4)
+    assert f"OMP_NUM_THREADS={threads}\n" in (node_dir / "env.sh").read_text()
     manifest = json.loads((project / "runs" / run_id / "manifest.json").read_text())
     assert manifest["state"] == "succeeded" and manifest["fingerprint"]
     assert (project / "runs" / run_id / "scripts" / "node0.sh").read_text().count("--node-rank=0") == 1

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 
 import psutil
@@ -54,6 +55,10 @@ def test_kill9_a_rank_then_resume_logs_the_same_losses_and_report(ssh_cluster, t
     straight = run_nodectl(base, env=env, cwd=project, timeout=300)
     assert straight.exit_code == 0, straight.output[-2000:]
     run_a = sorted(p.name for p in (project / "runs").iterdir() if p.name[0].isdigit())[-1]
+    # two nodes of one kernel, no OMP_NUM_THREADS (nothing probed them): their ranks share its CPUs, where each
+    # used to start a thread per core and spin against the other
+    summary = json.loads((ssh_cluster.nodes[0].workdir / "runs" / run_a / "output" / "summary.json").read_text())
+    assert summary["threads"] == max(1, min(8, len(os.sched_getaffinity(0)) // 2)), summary
 
     # Run B: rank 1 is killed with SIGKILL at step 12 (its last complete checkpoint is at step 10); --max-restarts makes nodectl stop the run everywhere and
     # start it again as attempt 1, which continues from the latest complete checkpoint.

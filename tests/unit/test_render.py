@@ -158,3 +158,33 @@ def test_a_cuda_node_without_gpus_runs_one_rank_per_gpu_its_probe_saw():
     assert ranks(gpus=None, facts=facts) == [8, 2]
     assert ranks(gpus=4, facts=facts) == [4, 4]
     assert ranks(gpus=None, facts={}) == [1, 2]          # --skip-preflight: nothing probed, one rank
+
+
+def test_nodes_of_one_machine_share_its_cpus_between_their_ranks(monkeypatch):
+    """Each node divided its own CPUs by its own ranks: local "nodes", containers or namespaces of one kernel then
+    ran a thread per core each and spun against each other (the 2-core demo took 45 s, not 12). The ranks of every
+    node on the same boot id whose CPU set meets a node's own now share it."""
+    inventory = parse_inventory("nodes:\n  - {host: a, gpus: 2}\n  - {host: b, gpus: 2}\n  - {host: c, gpus: 2}\n"
+                                "  - {host: d, gpus: 1}\n")
+
+    def cpu(boot, cpus):
+        return {"cpu": {"available": len(cpus), "cpu_set": list(cpus), "boot_id": boot}}
+
+    facts = {"a": cpu("k1", range(16)), "b": cpu("k1", range(8, 16)), "c": cpu("k1", range(16, 32)),
+             "d": cpu("k2", range(16))}
+    envs = {n.node.name: n.env["OMP_NUM_THREADS"]
+            for n in build_plan(inventory, gpus=None, command=("t.py",), sync_dir=".", facts=facts).nodes}
+    # a's 16 CPUs hold its 2 ranks and b's 2; b's 8 the same 4; c shares the kernel but not a CPU; d is elsewhere
+    assert envs == {"a": "4", "b": "2", "c": "8", "d": "16"}
+    # a probe from before cpu_set: the node's own CPUs over its own ranks, as it always was
+    envs = {n.node.name: n.env.get("OMP_NUM_THREADS")
+            for n in build_plan(inventory, gpus=None, command=("t.py",), sync_dir=".",
+                                facts={"a": {"cpu": {"available": 6}}, "b": {"cpu": {"available": 6}}}).nodes}
+    assert envs == {"a": "3", "b": "3", "c": None, "d": None}
+
+    from nodectl.inventory import builtin_inventory
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    local = builtin_inventory(2)
+    assert [n.env["OMP_NUM_THREADS"] for n in build_plan(local, gpus=1, command=("t.py",), sync_dir=".").nodes] \
+        == ["3", "3"], "two local nodes of one rank on 6 CPUs: 3 threads each, with --skip-preflight too"
