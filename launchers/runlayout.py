@@ -26,6 +26,7 @@ CGROUP = "state/cgroup"                 # the run's cgroup, where the login coul
 STOPPED = "state/stopped"               # what `stop` did
 LAUNCHER_EXIT = "state/launcher.exit"   # torchrun's exit code and time, written by launch.sh's trap
 UPLOAD = "state/upload.json"            # the bucket uploader's record
+HARDWARE = "state/hardware.json"        # the hardware counters when the run started (runctl/hardware.py)
 BORROWED = "state/borrowed.json"        # output/ files another node's share brought for a resume (fill, or a pull
                                         # of node 0's): {path: [size, mtime_ns]}, not this node's to upload
 LAUNCHER_LOG = "logs/launcher.log"      # launch.sh's and torchrun's own output

@@ -174,6 +174,7 @@ class PaceWatch:
         self._counters: dict[int, list[tuple]] = defaultdict(list)   # rank -> [(time, cpu, runqueue, throttled)]
         self._data: dict[int, list[tuple]] = defaultdict(list)       # rank -> [(time, seconds getting data)]
         self._node_cpu: dict[str, list[tuple]] = defaultdict(list)   # node -> [(time, steal, load, cpus)]
+        self._pressure: dict[str, list[tuple]] = defaultdict(list)   # node -> [(time, memory s, I/O s, swap pages)]
         self._gpu_detail: dict[str, dict] = {}
         self._others: dict[str, list[dict]] = {}                # node -> its busiest processes not the run's
         self._steps: list[tuple[float, float]] = []            # (time, step) of the slowest rank's heartbeat
@@ -234,6 +235,9 @@ class PaceWatch:
                 cpu = pace.cpu
                 self._node_cpu[node].append((received, cpu.get("steal_s"), cpu.get("load1"), cpu.get("cpus")))
                 del self._node_cpu[node][:-120]
+                self._pressure[node].append((received, _number(cpu.get("mem_some_s")), _number(cpu.get("io_some_s")),
+                                             _number(cpu.get("swap_pages"))))
+                del self._pressure[node][:-120]
                 if "others" in cpu:
                     self._others[node] = _others_of(cpu.get("others"))
             if pace.gpus:
@@ -379,12 +383,37 @@ class PaceWatch:
             state.run_wide += "; other processes take CPU there: " + "; ".join(
                 f"on {node} pid {o['pid']} ({o['user']}, {o['name']}) {o['share'] * 100:.0f}% of a CPU"
                 for node, others in busy_nodes.items() for o in others[:2])
+        for node in sorted({t.node for t in times}):
+            pressed = self._pressed(node, now - s.window, f"on {node}")
+            if pressed:
+                state.run_wide += "; " + "; ".join(pressed)
         healthy = statistics.median(self._healthy_busbw) if len(self._healthy_busbw) >= 2 else None
         if healthy and state.busbw_gbs is not None and state.busbw_gbs < 0.7 * healthy:
             state.run_wide += (f"; the collectives move {state.busbw_gbs:.1f} GB/s against {healthy:.1f} GB/s "
                                f"earlier in this run: the network between the nodes slowed (a link or one node "
                                f"pair: `nodectl preflight --full` times each pair)")
         return [state.run_wide]
+
+    def _pressed(self, node: str, since: float, whose: str) -> list[str]:
+        """Memory and I/O pressure on `node` since `since` (the share of wall time some of its tasks stalled), each
+        named from PRESSED of the time on, with the pages swapped per second."""
+        recent = [p for p in self._pressure.get(node, []) if p[0] >= since]
+        if len(recent) < 2 or recent[-1][0] <= recent[0][0]:
+            return []
+        wall, said = recent[-1][0] - recent[0][0], []
+
+        def rate(i):
+            return (recent[-1][i] - recent[0][i]) / wall \
+                if recent[-1][i] is not None and recent[0][i] is not None else None
+
+        memory, io, swap = rate(1), rate(2), rate(3)
+        if memory is not None and memory >= PRESSED:
+            said.append(f"{whose} tasks stalled on memory {min(memory, 1) * 100:.0f}% of the time (memory pressure"
+                        + (f"; {swap:,.0f} pages swapped per second" if swap and swap >= 1 else "") + ")")
+        if io is not None and io >= PRESSED:
+            said.append(f"{whose} tasks waited for I/O {min(io, 1) * 100:.0f}% of the time (the disk or file "
+                        f"system the data and checkpoints are read from and written to)")
+        return said
 
     def _gpu_causes(self) -> list[str]:
         """What the run's GPUs on every node show that slows every rank: another process on one (pid, user,
@@ -544,6 +573,7 @@ class PaceWatch:
         steal = _steal(self._node_cpu.get(found.node, []), now - window)
         if steal is not None and steal >= 0.05:
             causes.append(f"the hypervisor took {steal * 100:.0f}% of its node's CPU time (steal)")
+        causes += self._pressed(found.node, now - window, "its node's")
         gpu = self._gpu_detail.get(found.node, {}).get(str(found.gpu)) if found.gpu is not None else None
         if gpu is not None:
             causes += _gpu_said(gpu, f"GPU {found.gpu}")
@@ -578,6 +608,7 @@ def _others_of(found) -> list[dict]:
 
 
 OTHERS_TOLD = 3
+PRESSED = 0.1    # memory or I/O pressure named from this share of wall time on (some tasks stalled)
 
 
 def _printable(text) -> str:

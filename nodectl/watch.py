@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable
 
+from nodectl import hardware
 from nodectl.errors import interruptible, uninterruptible
 from nodectl.pace import PaceWatch, Straggler
 from nodectl.resources.launchers import runlayout as layout
@@ -26,6 +27,7 @@ class FailureKind(str, Enum):
     LOST = "lost"              # a node stopped answering
     STALLED = "stalled"        # no step for --stall-after
     STRAGGLER = "straggler"    # --on-straggler exclude acted on a verdict that held
+    HARDWARE = "hardware"      # a part of the run became unusable (an Xid that needs a reset, a GPU lost)
 
     def __str__(self) -> str:
         return self.value
@@ -59,7 +61,7 @@ class Failure:
             return f"node {self.node} was lost: {self.detail}"
         if self.kind == FailureKind.STALLED:
             return f"rank {self.rank} on node {self.node} stalled: {self.detail}"
-        if self.kind == FailureKind.STRAGGLER:
+        if self.kind in (FailureKind.STRAGGLER, FailureKind.HARDWARE):
             return self.detail
         if self.code is None:
             return f"node {self.node}: {self.detail}"
@@ -74,9 +76,10 @@ def _signal_name(number: int) -> str:
 
 
 def poll(cluster: Cluster, run_nodes: list[RunNode], offsets: dict[int, int] | None = None,
-         gpus: bool = False, pace: PaceWatch | None = None) -> dict[str, NodeResult]:
-    """Every node's state of the run (and new log text from `offsets`; with `gpus`, an nvidia-smi sample); with
-    `pace`, what it asks of the ranks' pace, and each answer fed to it."""
+         gpus: bool = False, pace: PaceWatch | None = None, hardware: bool = False) -> dict[str, NodeResult]:
+    """Every node's state of the run (and new log text from `offsets`; with `gpus`, an nvidia-smi sample; with
+    `hardware`, its parts' events since the run started); with `pace`, what it asks of the ranks' pace, and each
+    answer fed to it."""
     by_name = {rn.node.name: rn for rn in run_nodes}
 
     def work(transport):
@@ -85,7 +88,7 @@ def poll(cluster: Cluster, run_nodes: list[RunNode], offsets: dict[int, int] | N
         since, detail = pace.request(rn.node.name, list(rn.ranks)) if pace else (None, False)
         sent = time.time()
         answer = NodeClient(transport).poll(rn.run_dir, wanted, gpus=gpus, pace=since, gpu_detail=detail,
-                                            timeout=30)
+                                            timeout=30, hardware=hardware)
         if pace:
             pace.feed(rn.node.name, answer, time.time(), sent)
         return answer
@@ -338,6 +341,9 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
             if isinstance(outcome, Failure) and outcome.kind in (FailureKind.RANK, FailureKind.LAUNCHER):
                 held = held or time.monotonic()
                 outcome = _cause(outcome, latest, health, time.monotonic() - held < IN_DOUBT_HOLD * lost_after)
+            if outcome is None or isinstance(outcome, Failure) and outcome.kind in (FailureKind.RANK,
+                                                                                     FailureKind.LAUNCHER):
+                outcome = _broken_part(cluster, run_nodes, latest, outcome)
             if pace and outcome is None:
                 outcome = _pace(pace, on_pace)
             if outcome is None:
@@ -352,6 +358,23 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
                     followed = [rn for rn in run_nodes if set(rn.ranks) & set(stream.offsets)]
                     stream.feed({name: r for name, r in poll(cluster, followed, offsets()).items() if r.ok})
                 return (RunState.FAILED, outcome) if isinstance(outcome, Failure) else (RunState.SUCCEEDED, None)
+
+
+def _broken_part(cluster: Cluster, run_nodes: list[RunNode], latest: dict[str, NodeResult],
+                 failure: Failure | None) -> Failure | None:
+    """A part of the run that cannot go on (runctl/hardware.py) is the cause: of a rank's failure too, which is
+    what the part did to it. A rank failure is set against a fresh look at its node's parts first (a stream
+    reads them every few seconds; the rank may have died of it in between)."""
+    broken = hardware.fatal(latest)
+    if broken is None and failure is not None:
+        failing = [rn for rn in run_nodes if rn.node.name == failure.node]
+        broken = hardware.fatal({name: r for name, r in poll(cluster, failing, hardware=True).items() if r.ok})
+    if broken is None:
+        return failure
+    name, event = broken
+    evidence = f"after it, {failure.describe()}: what the part did to it, not the cause" if failure else ""
+    return Failure(kind=FailureKind.HARDWARE, node=name, detail=hardware.describe(name, event), evidence=evidence,
+                   time=event.time or time.time())
 
 
 def _feed_pace(pace: PaceWatch, answer) -> None:

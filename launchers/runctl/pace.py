@@ -125,7 +125,9 @@ def _keyed(path: str) -> dict:
 
 
 def node_cpu() -> dict:
-    """The node's 1-minute load, its CPUs, and the seconds its CPUs were stolen by the hypervisor (a counter)."""
+    """The node's 1-minute load, its CPUs, and counters: the seconds its CPUs were stolen by the hypervisor, the
+    seconds some of its tasks stalled on memory and on I/O (pressure stall information, Linux 4.20+), the pages
+    swapped in and out."""
     answer: dict = {"cpus": os.cpu_count() or 1}
     try:
         with open("/proc/loadavg", encoding="ascii") as handle:
@@ -134,6 +136,19 @@ def node_cpu() -> dict:
             fields = handle.readline().split()
         answer["steal_s"] = int(fields[8]) / (os.sysconf("SC_CLK_TCK") or 100) if len(fields) > 8 else 0.0
     except (OSError, ValueError, IndexError):
+        pass
+    for kind in ("memory", "io"):
+        try:
+            with open(f"/proc/pressure/{kind}", encoding="ascii") as handle:
+                some = next(line for line in handle if line.startswith("some "))
+            answer[f"{'mem' if kind == 'memory' else kind}_some_s"] = int(some.rsplit("total=", 1)[1]) / 1e6
+        except (OSError, StopIteration, ValueError, IndexError):
+            pass   # a kernel without PSI (or with psi=0): that cause is not seen
+    try:
+        with open("/proc/vmstat", encoding="ascii") as handle:
+            counts = dict(line.split() for line in handle if line.startswith(("pswpin ", "pswpout ")))
+        answer["swap_pages"] = int(counts.get("pswpin", 0)) + int(counts.get("pswpout", 0))
+    except (OSError, ValueError):
         pass
     return answer
 

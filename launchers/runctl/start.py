@@ -39,4 +39,7 @@ def cmd_start(args: list, request: dict) -> dict:
     write_file(os.path.join(run_dir, layout.PGID), str(proc.pid))
     write_file(os.path.join(run_dir, layout.STARTED), str(time.time()))
     write_file(os.path.join(run_dir, layout.BOOT), boot_id() or "")
+    from runctl import hardware
+
+    hardware.baseline(run_dir)   # while the ranks still import: what the GPUs and ports counted before the run
     return {"pgid": proc.pid, "tracked_by": "cgroup" if tracked else "subreaper"}

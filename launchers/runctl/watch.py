@@ -137,8 +137,9 @@ def gpu_sample() -> dict:
     return {"gpus": gpus}
 
 
-def cmd_poll(args: list, request: dict) -> dict:
-    """The node's state for one run, plus new log text for the ranks asked for (from their offsets)."""
+def cmd_poll(args: list, request: dict, stream: bool = False) -> dict:
+    """The node's state for one run, plus new log text for the ranks asked for (from their offsets); with
+    `hardware`, what its GPUs and ports did since the run started (runctl/hardware.py)."""
     run_dir, now = os.path.expanduser(args[0]), time.time()
     node = read_json(os.path.join(run_dir, layout.NODE_JSON))
     if node is None:
@@ -163,6 +164,10 @@ def cmd_poll(args: list, request: dict) -> dict:
         answer["logs"][rank] = {"from": int(offset), "offset": new_offset, "text": text}
     if request.get("gpus"):
         answer["gpu_sample"] = gpu_sample()
+    if request.get("hardware") and answer["started"]:
+        from runctl import hardware
+
+        answer["hardware"] = hardware.look(run_dir, now, stream=stream)
     if isinstance(request.get("pace"), dict):
         from runctl.pace import busiest_others, first_look, gpu_detail, node_cpu, rank_pace
 
@@ -196,7 +201,7 @@ def cmd_watch(args: list, request: dict) -> dict:
     nothing; a request line (one JSON object) replaces `offsets`, raises `pace` marks and sets `gpus`,
     `gpu_detail` and `sent` when the controller's view changes."""
     run_dir = args[0]
-    ask = {"offsets": {}, "pace": None, "gpus": False, "gpu_detail": False, "sent": None}
+    ask = {"offsets": {}, "pace": None, "gpus": False, "gpu_detail": False, "hardware": False, "sent": None}
     _take(ask, request)
     interval = min(max(_seconds(request.get("interval"), 1.0), WATCH_INTERVAL[0]), WATCH_INTERVAL[1])
     # A controller cut off by the network neither closes the stream nor reads it: a write then blocks for good.
@@ -206,7 +211,7 @@ def cmd_watch(args: list, request: dict) -> dict:
         signal.alarm(orphan_after)
     pending, seq = bytearray(), 0
     while True:
-        answer = cmd_poll([run_dir], {k: v for k, v in ask.items() if k != "sent"})
+        answer = cmd_poll([run_dir], {k: v for k, v in ask.items() if k != "sent"}, stream=True)
         seq += 1
         answer.update(seq=seq, asked=ask["sent"])
         try:
@@ -254,7 +259,7 @@ def _take(ask: dict, update) -> None:
             if str(rank).isdigit() and isinstance(since, int) and not isinstance(since, bool):
                 marks[str(rank)] = max(marks.get(str(rank), 0), since)
         ask["pace"] = marks
-    for flag in ("gpus", "gpu_detail"):
+    for flag in ("gpus", "gpu_detail", "hardware"):
         if isinstance(update.get(flag), bool):
             ask[flag] = update[flag]
     if "sent" in update:

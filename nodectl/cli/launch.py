@@ -188,6 +188,10 @@ def _attended(app: AppContext, event: ev.Event) -> None:
                       f"{escape(event.failure.describe())} ({event.restarts_left} restart(s) left)")
     elif isinstance(event, ev.Continuing):
         app.err.print(continuing_line(event))
+    elif isinstance(event, ev.NotRestarting):
+        ahead = continuing_line(event.continuing)
+        app.err.print(f"[yellow]not restarting (--resume-only)[/]: {escape(ahead)}; "
+                      + ("the run goes on with its straggler" if event.straggler else "the run ends failed"))
     elif isinstance(event, ev.CheckingNodes):
         app.info(f"checking the {event.count} node(s) of run {event.run_id} before the restart (quick preflight)")
     elif isinstance(event, ev.LeavingOut):
@@ -222,6 +226,11 @@ def _attended(app: AppContext, event: ev.Event) -> None:
     elif isinstance(event, ev.UploadTrouble):
         app.err.print(f"[yellow]outputs: node {escape(event.node)} could not upload[/]: {escape(event.error)} (the run "
                       f"goes on; nodectl status shows the uploader's state)")
+    elif isinstance(event, ev.HardwareSeen):
+        colour = "red" if event.fatal else "yellow"
+        app.err.print(f"[{colour}]hardware:[/] {escape(event.line)}")
+    elif isinstance(event, ev.HardwareNote):
+        app.err.print(f"hardware: {escape(event.node)}: {escape(event.note)}")
     elif isinstance(event, ev.AttemptRecorded):
         app.info(f"run {event.run_id}: attempt {event.attempt} on {event.nnodes} node(s)")
 

@@ -96,7 +96,7 @@ def show_history(app, history, node: str | None) -> None:
                   escape(str(e.get("run"))), escape(_event_text(e))] for e in events]
         columns = [Column("when", whole=True), Column("node", whole=True), Column("run", whole=True),
                    Column("what the run saw")]
-        app.out.print(make_table(columns, cells, title=f"held back and failed in runs{f' on {node}' if node else ''}",
+        app.out.print(make_table(columns, cells, title=f"held back, failed and broken in runs{f' on {node}' if node else ''}",
                                  keep=("when", "node")))
     if not rows:
         app.info(f"no measured preflight recorded{f' for {node}' if node else ''} in {history.path} (the default and "
@@ -113,11 +113,16 @@ def show_history(app, history, node: str | None) -> None:
 
 
 def _event_text(event: dict) -> str:
-    """A straggler verdict or a failure of the history, as one line."""
+    """A straggler verdict, a failure or a part's event of the history, as one line."""
     if event["event"] == "straggler":
         slower = event.get("slower")
         causes = [c for c in event.get("causes") or [] if isinstance(c, str)]
         return (f"straggler: rank {event.get('rank')}"
                 + (f", {slower:.0%} slower" if isinstance(slower, (int, float)) else "")
                 + (f"; {'; '.join(causes)}" if causes else "; no cause seen"))
+    if event["event"] == "hardware":
+        counter, rise = str(event.get("counter")), event.get("rise")
+        what = "lost" if counter == "lost" else f"{rise} {counter}" if counter.startswith("Xid") else \
+            f"{counter} rose by {rise}"
+        return f"hardware: {event.get('part')}: {what}" + (" (stopped the run)" if event.get("fatal") else "")
     return f"failed ({event.get('kind')}): {event.get('description') or 'no description'}"

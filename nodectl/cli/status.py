@@ -10,7 +10,7 @@ from rich.markup import escape
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
 from nodectl.cli.run_option import opened, refresh_state, run_option
-from nodectl import pace
+from nodectl import hardware, pace
 from nodectl.errors import exit_code_for
 from nodectl.runs import RunState
 from nodectl.remote.answers import PollAnswer, RankState
@@ -141,7 +141,7 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
     run_nodes = run.nodes()
     with app.cluster_for(run_nodes) as cluster:
         watch = pace.for_run(run, run_nodes)
-        states = poll(cluster, run_nodes, pace=watch)
+        states = poll(cluster, run_nodes, pace=watch, hardware=True)
         rows = rank_rows(states, run_nodes, stall_after)
         uploads = upload_rows(states)
         run_state = refresh_state(run, states)
@@ -166,11 +166,14 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
         app.emit_json({"run_id": run.run_id, "state": run_state, "ranks": rows, "cause": cause,
                        "diagnosis": (manifest.failure or {}).get("diagnosis"),
                        "first_failure": first.__dict__ if first else None, "uploads": uploads,
-                       "pace": told, "pace_lines": pace_said})
+                       "pace": told, "pace_lines": pace_said, "hardware": hardware.to_json(states),
+                       "hardware_lines": hardware.lines(states)})
     else:
         app.out.print(render(run.run_id, run_state, rows))
         for line in pace_said:
             app.out.print(f"[yellow]{escape(line)}[/]" if "straggler:" in line or "slower" in line else escape(line))
+        for line in hardware.lines(states):
+            app.out.print(f"[red]{escape(line)}[/]" if "cannot go on" in line else escape(line))
         if uploads:
             app.out.print(f"outputs: {escape(manifest.outputs_url or next(iter(uploads.values()))['url'])}")
             for name, row in sorted(uploads.items()):

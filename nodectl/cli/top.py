@@ -13,7 +13,7 @@ from rich.markup import escape
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
 from nodectl.cli.run_option import opened, refresh_state, run_option
-from nodectl import pace
+from nodectl import hardware, pace
 from nodectl.cli.status import rank_rows, share
 from nodectl.runs import FINAL_STATES, Run, RunState
 from nodectl.cli.tables import Column, make_table
@@ -34,7 +34,7 @@ def _gpu_of_ranks(run: Run) -> dict[int, tuple[str, int]]:
 
 
 def snapshot(run: Run, cluster, run_nodes, stall_after: float, watch: pace.PaceWatch) -> dict:
-    states = poll(cluster, run_nodes, gpus=True, pace=watch)
+    states = poll(cluster, run_nodes, gpus=True, pace=watch, hardware=True)
     rows = rank_rows(states, run_nodes, stall_after)
     gpus = {}
     for name, result in states.items():
@@ -54,7 +54,8 @@ def snapshot(run: Run, cluster, run_nodes, stall_after: float, watch: pace.PaceW
         row["busy"], row["in_collectives"], row["data"] = split.get(row["rank"], (None, None, None))
     return {"run_id": run.run_id, "state": state.value, "attempt": manifest.attempt,
             "elapsed_s": round(time.time() - manifest.started, 1) if manifest.started else None,
-            "ranks": rows, "pace": told, "pace_lines": pace.pace_lines(told, live=live)}
+            "ranks": rows, "pace": told, "pace_lines": pace.pace_lines(told, live=live),
+            "hardware": hardware.to_json(states), "hardware_lines": hardware.lines(states)}
 
 
 def _cell(value, fmt: str) -> str:
@@ -84,8 +85,11 @@ def render(snap: dict):
                      _cell(gpu.get("index"), ""), _unit(gpu.get("util"), ".0f", "%"), memory,
                      _unit(gpu.get("temp_c"), ".0f", "C"), _unit(gpu.get("power_w"), ".0f", "W")])
     table = make_table(COLUMNS, rows, title=title, keep=("node", "rank", "state"))
-    said = snap.get("pace_lines") or ()
-    return Group(table, *(f"[yellow]{escape(line)}[/]" for line in said)) if said else table
+    said = [f"[yellow]{escape(line)}[/]" for line in snap.get("pace_lines") or ()]
+    said += [f"[{'red' if event['fatal'] else 'yellow'}]{escape(line)}[/]"
+             for event, line in zip(snap.get("hardware") or (), snap.get("hardware_lines") or ())]
+    said += [escape(line) for line in (snap.get("hardware_lines") or ())[len(snap.get("hardware") or ()):]]
+    return Group(table, *said) if said else table
 
 
 def _unit(value, fmt: str, unit: str) -> str:

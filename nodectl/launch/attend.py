@@ -11,9 +11,12 @@ import time
 from dataclasses import replace
 from typing import Callable
 
+from nodectl import hardware
+from nodectl.hardware import HardwareNotices
 from nodectl.launch.attending import Attending
 from nodectl.errors import RunFailed
-from nodectl.launch.events import (CheckingNodes, Continuing, Diagnosed, Event, LeavingOut, NodeLiveness, NotAnswering,
+from nodectl.launch.events import (CheckingNodes, Continuing, Diagnosed, Event, HardwareNote,
+                                   HardwareSeen, LeavingOut, NodeLiveness, NotAnswering, NotRestarting,
                                    Restarting, RunPace, Stopping, StragglerHeldBack, StragglerSeen,
                                    UploadTrouble)
 from nodectl.pace import PaceWatch, Straggler, for_run
@@ -78,8 +81,10 @@ class StragglerVerdicts:
     it); with `exclude_after`, a certain verdict held that long ends the run so that its node is left out, and an
     uncertain one is told once as not acted on: the run goes on."""
 
-    def __init__(self, run_id: str, gate: Gate, notify: Callable[[Event], None], exclude_after: float | None) -> None:
+    def __init__(self, run_id: str, gate: Gate, notify: Callable[[Event], None], exclude_after: float | None,
+                 continuing: Callable[[str], Continuing] | None = None) -> None:
         self.run_id, self.gate, self.notify, self.exclude_after = run_id, gate, notify, exclude_after
+        self.continuing = continuing   # --resume-only: where an attempt without the node would continue from
         self.remembered: set[tuple[int, float]] = set()   # (rank, since) of the verdicts written to the history
         self.held_back: set[tuple[int, float]] = set()    # those exclusion did not act on, told once
 
@@ -94,6 +99,14 @@ class StragglerVerdicts:
         now = time.time() if now is None else now
         if self.exclude_after is None or now - (straggler.told or straggler.since) < self.exclude_after:
             return None   # held for --straggler-hold seconds from when it was told (not from when first seen)
+        if straggler.corroborated and key in self.held_back:
+            return None
+        if straggler.corroborated and self.continuing is not None:
+            ahead = self.continuing(straggler.node)
+            if ahead.checkpoint is None:   # no restart that would not redo the work: the run goes on, told once
+                self.held_back.add(key)
+                self.notify(NotRestarting(ahead, straggler=True))
+                return None
         if straggler.corroborated:
             return straggler
         if key not in self.held_back:
@@ -113,12 +126,21 @@ def attend(job: Job, run: Run, session: Session, attending: Attending, *, restar
     lost_after = attending.lost_after
     while True:
         excluding = attending.on_straggler == "exclude" and restarts_left > 0
+        ahead = (lambda node, job=job, run=run: _continuing(job, run, session, None, without=node)) \
+            if attending.resume_only else None
         failure = follow(run, session.cluster(np.node for np in job.plan.nodes), grace=attending.grace,
                          lost_after=lost_after, stall_after=attending.stall_after, keep_stalled=attending.keep_stalled,
                          stream_for=stream_for, notify=notify, progress=session.progress, gate=gate,
-                         exclude_after=attending.straggler_hold if excluding else None)
+                         exclude_after=attending.straggler_hold if excluding else None, continuing=ahead)
         if failure is None or not restarts_left:
             return job, run, failure
+        if ahead is not None:
+            gone = failure.node if failure.kind in (FailureKind.LOST, FailureKind.STRAGGLER,
+                                                    FailureKind.HARDWARE) else None
+            before = ahead(gone)
+            if before.checkpoint is None:
+                notify(NotRestarting(before))
+                return job, run, failure
         restarts_left -= 1
         notify(Restarting(job.run_id, failure, job.plan.attempt + 1, restarts_left))
         left_out, inventory = [], None
@@ -128,11 +150,13 @@ def attend(job: Job, run: Run, session: Session, attending: Attending, *, restar
         job, run = restart(next_attempt(job, inventory=inventory), left_out)
 
 
-def _continuing(job: Job, run: Run, session: Session, inventory) -> Continuing:
+def _continuing(job: Job, run: Run, session: Session, inventory, without: str | None = None) -> Continuing:
     """Where the next attempt continues from: the newest checkpoint of the built-in trainer's that every node of
     it holds complete (the one the trainer resumes from), and the step the last attempt reached, from one poll of
-    those nodes. A node that does not answer leaves the checkpoint unknown."""
+    those nodes (the next attempt's `inventory`, else the run's nodes but `without`). A node that does not answer
+    leaves the checkpoint unknown."""
     names = {n.name for n in (inventory.nodes if inventory is not None else (np.node for np in job.plan.nodes))}
+    names.discard(without)
     run_nodes = [rn for rn in run.nodes() if rn.node.name in names]
     found = session.cluster(rn.node for rn in run_nodes).fan_out(
         lambda t: NodeClient(t).poll(next(rn.run_dir for rn in run_nodes if rn.node.name == t.node.name), {},
@@ -150,7 +174,8 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
            keep_stalled: bool = False,
            stream_for: Callable[[list[RunNode]], LogStream | None] = lambda run_nodes: None,
            notify: Callable[[Event], None] = lambda event: None, progress: Progress = no_progress,
-           gate: Gate = NO_GATE, exclude_after: float | None = None) -> Failure | None:
+           gate: Gate = NO_GATE, exclude_after: float | None = None,
+           continuing: Callable[[str], Continuing] | None = None) -> Failure | None:
     """Follow the run to its end: None when it succeeded, else its first failure (the run stopped everywhere,
     the failing rank's last lines kept). A stall is diagnosed first; with `keep_stalled` the run goes on. The
     ranks' pace is judged all along (nodectl/pace.py): its verdicts are told and kept in the run's record; with
@@ -163,7 +188,7 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
     if pace is not None and pace.gpus:
         pace.state.reference = gate.latest_allreduce([rn.node.name for rn in run_nodes])
     recorded = [0.0]
-    verdicts_acted = StragglerVerdicts(run.run_id, gate, notify, exclude_after)
+    verdicts_acted = StragglerVerdicts(run.run_id, gate, notify, exclude_after, continuing)
     attempt = run.read().attempt   # the record's pace says whose it is: status trusts only the running attempt's
 
     def paced(changes: list, watch: PaceWatch) -> Straggler | None:
@@ -193,9 +218,19 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
         verdicts.append(_diagnose_stall(run, cluster, failure, keep_stalled, notify))
         return not keep_stalled
 
+    parts = HardwareNotices(tell=lambda node, event: notify(HardwareSeen(node, hardware.describe(node, event),
+                                                                         event.fatal)),
+                            note=lambda node, note: notify(HardwareNote(node, note)),
+                            remember=(lambda node, event: gate.remember_hardware(run.run_id, node, event))
+                            if run.kind != "preflight" else (lambda node, event: None))
+
+    def answered(fresh: dict) -> None:
+        uploads(fresh)
+        parts(fresh)
+
     try:
         outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=lost_after, stall_after=stall_after,
-                                        on_stall=stalled, pace=pace, on_pace=paced, on_answers=uploads,
+                                        on_stall=stalled, pace=pace, on_pace=paced, on_answers=answered,
                                         on_health=LivenessNotices(notify))
     finally:
         if stream:
@@ -276,7 +311,7 @@ def _passing_nodes(job: Job, failure: Failure, session: Session, notify, gate: G
     # a node the watch found lost (or a certain straggler) is out already: asked again, a half-dead one (its
     # sshd gone, old sessions hanging on a stuck file system) held the check for minutes
     bad = {failure.node: failure.detail} \
-        if failure.kind in (FailureKind.LOST, FailureKind.STRAGGLER) and failure.node else {}
+        if failure.kind in (FailureKind.LOST, FailureKind.STRAGGLER, FailureKind.HARDWARE) and failure.node else {}
     checked = [node for node in current.nodes if node.name not in bad]
     if checked:
         notify(CheckingNodes(plan.run_id, len(checked)))

@@ -54,6 +54,11 @@ class Attending:
         "warn", "--on-straggler", "When one rank stays 15% slower than the others (the straggler verdict): say so, "
         "or, with --max-restarts, once the verdict has held for --straggler-hold seconds stop the run, leave its "
         "node out and resume on the rest from the latest checkpoint.", "choice", choices=("warn", "exclude"))
+    resume_only: bool = option(
+        False, "--resume-only", "With --max-restarts: restart only where the next attempt continues from a "
+        "checkpoint (the built-in trainer's, complete on every node of it). Where none is seen, say what would be "
+        "done again and do not restart: a failed run ends as it is, and --on-straggler exclude lets the run go on "
+        "with its straggler.", "flag")
     straggler_hold: float = option(
         60.0, "--straggler-hold", "With --on-straggler exclude: seconds a straggler verdict must hold before its "
         "node is left out.", "seconds")
@@ -71,6 +76,8 @@ class Attending:
         """A usage error (exit 2) for options that cannot go together."""
         if self.exclude_failed and not self.max_restarts:
             raise UsageError("--exclude-failed decides which nodes a restart uses: give --max-restarts N too")
+        if self.resume_only and not self.max_restarts:
+            raise UsageError("--resume-only decides whether a restart happens: give --max-restarts N too")
         if self.on_straggler == "exclude" and not self.max_restarts:
             raise UsageError("--on-straggler exclude resumes the run without the straggler's node: give "
                              "--max-restarts N too")

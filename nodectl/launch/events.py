@@ -101,6 +101,14 @@ class Continuing:
 
 
 @dataclass(frozen=True)
+class NotRestarting:
+    """--resume-only: the next attempt would not continue from a checkpoint, so there is none. `straggler`: the
+    exclusion of a straggler's node was held back (the run goes on), else the failed run ends as it is."""
+    continuing: Continuing
+    straggler: bool = False
+
+
+@dataclass(frozen=True)
 class CheckingNodes:
     """--exclude-failed: the quick preflight on the run's nodes before a restart."""
     run_id: str
@@ -152,6 +160,22 @@ class UploadTrouble:
 
 
 @dataclass(frozen=True)
+class HardwareSeen:
+    """A part of a node did something while the run ran (an Xid, a counter that rose, a GPU lost): told once, and
+    again when it rises further. A fatal one also ends the run as its failure."""
+    node: str
+    line: str
+    fatal: bool
+
+
+@dataclass(frozen=True)
+class HardwareNote:
+    """What a node could not read of its hardware (its kernel log), or a counter that was reset: told once."""
+    node: str
+    note: str
+
+
+@dataclass(frozen=True)
 class RunPace:
     """Every rank is slower than the run's own healthy pace, no single rank to blame."""
     line: str
@@ -181,8 +205,9 @@ class Interrupted:
 
 
 Event = (EnvironmentsReady | PreflightReused | PreflightProbing | PreflightFailed | Planned | SharedWorkdirs
-         | Recorded | CodeReady | Started | Stopping | NotAnswering | Restarting | Continuing | CheckingNodes | LeavingOut
-         | AttemptRecorded | Diagnosed | StragglerSeen | StragglerHeldBack | RunPace | UploadTrouble | NodeLiveness
+         | Recorded | CodeReady | Started | Stopping | NotAnswering | Restarting | Continuing | NotRestarting | CheckingNodes | LeavingOut
+         | AttemptRecorded | Diagnosed | StragglerSeen | StragglerHeldBack | RunPace | UploadTrouble | HardwareSeen | HardwareNote
+         | NodeLiveness
          | Interrupting | Interrupted)
 Listener = Callable[[Event], None]
 

@@ -38,6 +38,10 @@ class Gate(Protocol):
     def remember_failure(self, run_id: str, failure: dict) -> None:
         """An attempt's failure on a node kept in preflight's history (`preflight --history NODE` shows it)."""
 
+    def remember_hardware(self, run_id: str, node: str, event) -> None:
+        """A part's event during a run (nodectl.remote.answers.HardwareEvent) kept in preflight's history: the next
+        preflight names a part that failed during runs."""
+
     def latest_allreduce(self, nodes: list[str]) -> dict | None:
         """What preflight's all-reduce gave on exactly these nodes last, or None."""
 
@@ -61,6 +65,9 @@ class NoGate:
         return None
 
     def remember_failure(self, run_id: str, failure: dict) -> None:
+        return None
+
+    def remember_hardware(self, run_id: str, node: str, event) -> None:
         return None
 
     def latest_allreduce(self, nodes: list[str]) -> dict | None:

@@ -98,7 +98,8 @@ def _node_json(plan: LaunchPlan, node_plan: NodePlan) -> str:
     container = node_plan.node.container
     return json.dumps({"run_id": plan.run_id, "node_rank": node_plan.node_rank, "nproc": node_plan.nproc,
                        "ranks": node_plan.ranks, "nnodes": plan.nnodes, "node": node_plan.node.name,
-                       "attempt": plan.attempt,
+                       "attempt": plan.attempt, "device": node_plan.node.device,
+                       "cuda_visible": node_plan.env.get("CUDA_VISIBLE_DEVICES"),
                        "container": container and {"runtime": container.runtime, "image": container.image,
                                                    "name": container_name(plan.run_id, node_plan.node.name)}})
 

@@ -40,6 +40,12 @@ class PreflightGate:
         except OSError:
             pass   # as above: the record of the run is its manifest
 
+    def remember_hardware(self, run_id: str, node: str, event) -> None:
+        try:
+            History(state_dir()).add_hardware(run_id, node, event)
+        except OSError:
+            pass   # as above
+
     def latest_allreduce(self, nodes: list[str]) -> dict | None:
         try:
             return History(state_dir()).latest_allreduce(nodes)

@@ -242,6 +242,51 @@ def judge_stragglers(nodes: list[str], past: list[dict], now: float | None = Non
     return results
 
 
+HARDWARE_DAYS = 30        # a part's events during the runs of the last HARDWARE_DAYS are named before the next
+
+
+@check("hardware", "cluster", scope="job",
+       doc=(("hardware history",
+             "what the parts of the nodes did during the runs an attached launch watched (kept in the same "
+             f"registry): Xid events, ECC and row-remap counts that rose, GPUs lost, port error counters, in the last "
+             f"{HARDWARE_DAYS} days",
+             "warn, naming the part, the node, the event, how often, in how many runs and when last",
+             "a part that failed during runs fails again: a lemon GPU or a flapping link is named before it costs "
+             "the next run"),))
+def judge_hardware(nodes: list[str], past: list[dict], now: float | None = None) -> list[CheckResult]:
+    """One warning per part of `nodes` and event kind seen during runs lately: "GPU 3 of gpu07: 2 Xid 79 (...) in
+    2 runs of the last 30 days"."""
+    since = (now or time.time()) - HARDWARE_DAYS * 86400
+    seen: dict[tuple[str, str, str], dict] = {}
+    for entry in past:
+        event = entry.get("hardware")
+        if not (isinstance(event, dict) and event.get("node") in nodes and isinstance(event.get("part"), str)
+                and isinstance(event.get("counter"), str) and isinstance(entry.get("time"), (int, float))
+                and entry["time"] >= since):
+            continue
+        rise = event.get("rise") if isinstance(event.get("rise"), int) and not isinstance(event.get("rise"), bool) \
+            else 1
+        kept = seen.setdefault((event["node"], event["part"], event["counter"]),
+                               {"runs": {}, "last": 0.0, "fatal": False, "run": None})
+        run = str(event.get("run"))
+        kept["runs"][run] = max(kept["runs"].get(run, 0), rise)   # told again as it rose: the run's largest
+        kept["fatal"] = kept["fatal"] or bool(event.get("fatal"))
+        if entry["time"] >= kept["last"]:
+            kept["last"], kept["run"] = entry["time"], run
+    results = []
+    for (node, part, counter), kept in sorted(seen.items()):
+        total, runs = sum(kept["runs"].values()), len(kept["runs"])
+        what = f"lost {total} time(s)" if counter == "lost" else \
+            f"{total} {counter}" if counter.startswith("Xid") else f"{counter} rose by {total}"
+        results.append(CheckResult(
+            "hardware", node, WARN,
+            f"{part} of {node}: {what} in {runs} run(s) of the last {HARDWARE_DAYS} days (the last "
+            f"{_when(kept['last'])}, run {kept['run']})" + (": it stopped a run" if kept["fatal"] else ""),
+            f"have {part} of {node} checked (nvidia-smi -q, the kernel log; for a port, its cable and switch) before "
+            f"the next run, or leave {node} out (--exclude)"))
+    return results
+
+
 def _when(timestamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp))
 
@@ -300,6 +345,14 @@ class History:
         self._append({"time": when or time.time(), "nodes": [failure.get("node")], "versions": {}, "figures": [],
                       "failure": {"run": run_id, "node": failure.get("node"), **kept}})
 
+    def add_hardware(self, run_id: str, node: str, event, when: float | None = None) -> None:
+        """A part's event during a run (an Xid, a counter that rose, a GPU lost): the part, what and how much.
+        Told again as it rises further, the newest line of a run's part and counter is what counts."""
+        self._append({"time": when or time.time(), "nodes": [node], "versions": {}, "figures": [],
+                      "hardware": {"run": run_id, "node": node, "part": event.part, "counter": event.counter,
+                                   "rise": event.rise, "fatal": event.fatal,
+                                   "text": (event.text or "")[:FAILURE_KEPT]}})
+
     def latest_allreduce(self, nodes: Iterable[str]) -> dict | None:
         """The newest NCCL all-reduce measured on exactly these nodes, for a run's collectives to be set against
         (nodectl/pace.py): {busbw_gbs, mib, time} at its largest size, and `curve` ([[bytes, busbw]...]) where the
@@ -329,10 +382,10 @@ class History:
 
     def events(self, node: str | None = None) -> list[dict]:
         """What runs saw of the nodes (of `node`), oldest first: straggler verdicts and failures, each
-        {"time", "event": "straggler" | "failure", "node", "run", ...its record}."""
+        {"time", "event": "straggler" | "failure" | "hardware", "node", "run", ...its record}."""
         out = []
         for entry in self.entries():
-            for event in ("straggler", "failure"):
+            for event in ("straggler", "failure", "hardware"):
                 record = entry.get(event)
                 if isinstance(record, dict) and isinstance(record.get("node"), str) \
                         and (not node or record["node"] == node):

@@ -9,7 +9,7 @@ from pathlib import Path
 from nodectl.inventory import Inventory
 from nodectl.preflight.checks import Tier
 from nodectl.preflight.collective_job import DEFAULT_DEADLINE_S, add_collectives
-from nodectl.preflight.history import DRIFT_FAIL, DRIFT_WARN, Drift, History, judge_stragglers
+from nodectl.preflight.history import DRIFT_FAIL, DRIFT_WARN, Drift, History, judge_hardware, judge_stragglers
 from nodectl.preflight.run import PreflightReport, compare_with_history, run_preflight, save
 from nodectl.progress import NodeProgress
 from nodectl.transport import Session
@@ -36,4 +36,5 @@ def preflight(inventory: Inventory, session: Session, *, tier: Tier, gpus: int |
     if history is not None:
         judged = compare_with_history(report, history, *drift)
         report.results += judge_stragglers(report.nodes, history.entries())
+        report.results += judge_hardware(report.nodes, history.entries())
     return Checked(report, judged, save(report, inventory, gpus) if keep else None)

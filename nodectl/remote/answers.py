@@ -136,6 +136,27 @@ class PullAnswer:
     failed_count: int = 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class HardwareEvent:
+    """What a part of the node did since the run started (runctl/hardware.py): an Xid, a counter that rose, a
+    GPU lost. `fatal`: the part cannot go on (a GPU of the run), the run fails on it."""
+
+    part: str                     # "GPU 3", "GPU at PCI 0000:3b:00", "port mlx5_0/1"
+    counter: str                  # "Xid 79 (GPU has fallen off the bus)", "uncorrectable ECC errors", "lost"
+    rise: int = 1
+    now: int | None = None        # the counter's value now
+    fatal: bool = False
+    time: float | None = None     # when last seen (the node's clock)
+    first: float | None = None
+    text: str | None = None       # the kernel's line, NVML's error
+
+
+@dataclass(frozen=True)
+class HardwareLook:
+    events: tuple[HardwareEvent, ...] = ()
+    notes: tuple[str, ...] = ()   # what could not be read (the kernel log), counters that were reset
+
+
 @dataclass(frozen=True)
 class PollAnswer:
     now: float
@@ -153,6 +174,7 @@ class PollAnswer:
     pace: PaceSample | None = None
     seq: int | None = None            # a watch stream's line number (runctl watch), None for a poll
     asked: float | None = None        # the `sent` time of the latest request line the watcher had read
+    hardware: HardwareLook | None = None   # asked for: the node's GPUs and ports since the run started
 
 
 @dataclass(frozen=True)

@@ -97,13 +97,14 @@ class NodeClient:
         return agent.call(self.transport, "start", run_dir)
 
     def poll(self, run_dir: str, offsets: dict[str, int], gpus: bool = False, pace: dict[str, int] | None = None,
-             gpu_detail: bool = False, timeout: float = 30, checkpoint: bool = False) -> PollAnswer:
+             gpu_detail: bool = False, timeout: float = 30, checkpoint: bool = False,
+             hardware: bool = False) -> PollAnswer:
         """The run's state on this node; with `pace` ({rank: ns}), each rank's collectives reached since then
         and what can slow it (with `gpu_detail`, its GPUs' other processes, clock reasons and links too); with
         `checkpoint`, the step of the built-in trainer's newest complete checkpoint there."""
         request = {"offsets": offsets, **({"gpus": True} if gpus else {}),
                    **({"pace": pace, "gpu_detail": gpu_detail} if pace is not None else {}),
-                   **({"checkpoint": True} if checkpoint else {})}
+                   **({"checkpoint": True} if checkpoint else {}), **({"hardware": True} if hardware else {})}
         return agent.call(self.transport, "poll", run_dir, request=request, timeout=timeout)
 
     def watch(self, run_dir: str, request: dict) -> agent.Watching:

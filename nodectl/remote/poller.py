@@ -115,7 +115,8 @@ class Poller:
         """What a (re)started watcher reads from: the controller's offsets and pace marks, its interval, and how
         long it may go without a request line before it takes itself for orphaned and ends."""
         wanted = {str(r): o for r, o in self.offsets().items() if r in run_node.ranks}
-        request = {"offsets": wanted, "interval": self.interval, "sent": time.monotonic(), "orphan_after": ORPHAN}
+        request = {"offsets": wanted, "interval": self.interval, "sent": time.monotonic(), "orphan_after": ORPHAN,
+                   "hardware": True}
         pace = self.pace(run_node) if self.pace else None
         if pace:
             request.update(pace=pace[0], gpu_detail=bool(pace[1]))

@@ -70,7 +70,10 @@ def test_plain_script_two_nodes_two_ranks_args_intact(ssh_cluster, project, tmp_
 
 def test_failing_rank_stops_every_node(ssh_cluster, project):
     env = ssh_cluster.env()
+    # --resume-only (issue 68): a restart would run the script again from its start (nodectl sees no checkpoint
+    # of its own), so there is none: said, and the failed run ends as it is
     result = run_nodectl(nodectl_args(ssh_cluster, "launch", "--skip-preflight", "--gpus", "2", "--grace", "3",
+                                      "--max-restarts", "1", "--resume-only",
                                       "--", "train.py", node_overrides={1: {"env": {"FAIL_RANK": "3", "SLEEP": "60"}},
                                                                         0: {"env": {"SLEEP": "60"}}}),
                          env=env, cwd=project)
@@ -79,6 +82,8 @@ def test_failing_rank_stops_every_node(ssh_cluster, project):
         assert result.exit_code == 1, result.output
         assert "rank 3 on node node1 failed (exit code 7)" in result.stderr
         assert "rank is failing on purpose" in result.stderr  # its last lines
+        assert "not restarting (--resume-only): attempt 1 runs the script again from its start" in result.stderr
+        assert "the run ends failed" in result.stderr and "restarting run" not in result.stderr, result.stderr
         assert run_processes(run_id) == []
         status = run_nodectl(["--json", "status"], env=env, cwd=project)
         rows = {row["rank"]: row["state"] for row in status.json()["ranks"]}
@@ -92,7 +97,7 @@ def test_failing_rank_stops_every_node(ssh_cluster, project):
         node0 = run_nodectl(["--json", "preflight", "--history", "node0"], env=env, cwd=project).json()["events"]
         assert [e for e in node0 if e["run"] == run_id] == []
         shown = run_nodectl(["preflight", "--history", "node1"], env={**env, "COLUMNS": "200"}, cwd=project)
-        assert "held back and failed in runs on node1" in shown.stdout and "failed (" in shown.stdout, shown.output
+        assert "held back, failed and broken in runs on node1" in shown.stdout and "failed (" in shown.stdout, shown.output
     finally:
         kill_leftovers(run_id)
 
@@ -103,6 +108,10 @@ def test_max_restarts_needs_an_attached_launch(ssh_cluster, project):
     detach = run_nodectl(nodectl_args(ssh_cluster, "launch", "--detach", "--max-restarts", "1", "--", "train.py"),
                          env=ssh_cluster.env(), cwd=project)
     assert detach.exit_code == 2 and "--max-restarts needs an attached launch" in detach.stderr
+    alone = run_nodectl(nodectl_args(ssh_cluster, "launch", "--resume-only", "--", "train.py"), env=ssh_cluster.env(),
+                        cwd=project)
+    assert alone.exit_code == 2 and "--resume-only decides whether a restart happens: give --max-restarts N too" \
+        in alone.stderr
     assert not (project / "runs").exists() or not [p for p in (project / "runs").iterdir() if p.name[0].isdigit()]
 
 

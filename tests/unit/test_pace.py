@@ -19,7 +19,7 @@ NODES = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
 def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: float = 0.003, durations=False,
              steps_per_beat: int = 0, settings=PaceSettings(), seed: int = 0, data=None, moved=None,
              comm_of=None, nodes=NODES, forge=None, throttled=None, queued=None, others=None, gpus_of=None,
-             rank_gpus=None):
+             rank_gpus=None, pressure=None):
     """Run `seconds` of training where `compute(rank, t)` is a rank's compute time per step at time t; feed the
     watch a poll per node per second; return (watch, [(t, change)]). With `data(rank, t)`, that much of each step
     is the rank getting its batch, told in its heartbeat's data_s as the built-in trainer tells it. A node in
@@ -27,7 +27,8 @@ def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: flo
     is); with `throttled(rank, t)`, the share of wall time runctl read of the rank's CPU quota holding it back;
     with `queued(rank, t)`, the share it waited on its run queue for a CPU, and `others(node, t)`, the busiest
     processes not the run's that runctl tells of the node; with `gpus_of(node, t)`, the GPU detail runctl gives
-    where the watch asks for it (`rank_gpus`: each rank's GPU on its node)."""
+    where the watch asks for it (`rank_gpus`: each rank's GPU on its node); with `pressure(node, t)`, the node's
+    pressure counters as runctl reads them (mem_some_s, io_some_s, swap_pages)."""
     NODES = nodes  # noqa: N806 (the simulation's ranks and nodes)
     forge = forge or {}
     rng = random.Random(seed)
@@ -71,8 +72,11 @@ def simulate(compute, seconds: float, skew=None, comm: float = 0.01, jitter: flo
                 answer = PollAnswer(now=next_poll + skew.get(node, 0.0), node_rank=0, alive=2,
                                     ranks=tuple(RankState(r, heartbeat=_beat(step, fed[r] if data else None))
                                                 for r in NODES if NODES[r] == node),
-                                    pace=PaceSample(ranks=ranks, cpu={"cpus": 2, "load1": 1.0, "others": others(
-                                        node, next_poll)} if others else {},
+                                    pace=PaceSample(ranks=ranks, cpu={
+                                        "cpus": 2, "load1": 1.0,
+                                        **({"others": others(node, next_poll)} if others else {}),
+                                        **(pressure(node, next_poll) if pressure else {})}
+                                        if others or pressure else {},
                                         gpus=gpus_of(node, next_poll) if gpus_of and watch.request(
                                             node, [r for r, n in NODES.items() if n == node])[1] else {}))
                 watch.feed(node, answer, received=next_poll + 0.004, sent=next_poll - 0.004)
@@ -468,3 +472,28 @@ def test_what_a_status_look_sees_of_a_detached_run_is_kept_for_runs_and_never_ta
     ended = dict(again, time=time.time())
     said = pace_lines(ended, live=False)
     assert any(line.startswith("had a straggler") and "rank 3 on node node1" in line for line in said), said
+
+
+def test_memory_and_io_pressure_are_named_for_a_straggler_and_for_every_rank_slower():
+    """Host memory pressure (swapping) and I/O wait were never named: "no cause seen on its node". runctl reads the
+    node's pressure stall counters (/proc/pressure) and swapped pages; a node whose tasks stall on I/O 40% of the
+    time is the straggler's cause, and memory pressure on every node is in the run-wide line."""
+    slow = lambda r, t: 0.2 if r == 3 and t >= 60 else 0.1  # noqa: E731
+    io = lambda node, t: {"io_some_s": 0.4 * max(0.0, t - 60) if node == "node1" else 0.0,  # noqa: E731
+                          "mem_some_s": 0.01 * t, "swap_pages": 0}
+    _, changes = simulate(slow, 200, pressure=io)
+    (at, straggler), = found(changes)
+    said = "; ".join(straggler.causes)
+    assert straggler.rank == 3 and "its node's tasks waited for I/O 40% of the time" in said, said
+    assert "memory" not in said, "1% of the time on memory is no cause"
+
+    everyone = lambda r, t: 0.2 if t >= 100 else 0.1  # noqa: E731
+    swapping = lambda node, t: {"mem_some_s": 0.3 * max(0.0, t - 100), "io_some_s": 0.0,  # noqa: E731
+                                "swap_pages": int(2000 * max(0.0, t - 100))}
+    _, changes = simulate(everyone, 200, pressure=swapping)
+    lines = [c for _, c in changes if isinstance(c, str)]
+    assert lines and "every rank is slower" in lines[0], changes
+    assert "on node0 tasks stalled on memory 30% of the time (memory pressure; 2,000 pages swapped per second)" \
+        in lines[0], lines[0]
+    _, changes = simulate(everyone, 200, pressure=lambda node, t: {"mem_some_s": 0.0, "io_some_s": 0.0})
+    assert "stalled" not in "".join(c for _, c in changes if isinstance(c, str))

@@ -26,7 +26,7 @@ def test_every_check_is_declared_once_documented_and_runnable():
     assert len(names) == len(set(names))
     assert {c.subject for c in REGISTRY} == {"host", "gpu", "network", "cluster"}
     assert all(c.doc for c in REGISTRY), [c.name for c in REGISTRY if not c.doc]
-    assert {"collective, nccl transport", "node pairs", "outputs", "history", "stragglers"} == \
+    assert {"collective, nccl transport", "node pairs", "outputs", "history", "stragglers", "hardware"} == \
         {c.name for c in REGISTRY if c.scope == "job"}
 
 
