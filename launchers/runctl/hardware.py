@@ -184,7 +184,10 @@ def _nvml():
     venv = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))   # without site, no venv is set up
     if os.path.isfile(os.path.join(venv, "pyvenv.cfg")):
         prefixes.insert(0, venv)
-    spec = importlib.machinery.PathFinder.find_spec("pynvml", site.getsitepackages(prefixes))
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    folders = [os.path.join(prefix, lib, version, "site-packages") for prefix in prefixes for lib in ("lib", "lib64")]
+    folders += site.getsitepackages(prefixes)   # Debian's python names its own dist-packages here, venvs not
+    spec = importlib.machinery.PathFinder.find_spec("pynvml", [f for f in folders if os.path.isdir(f)])
     if spec is None or spec.loader is None:
         return None
     module = importlib.util.module_from_spec(spec)
