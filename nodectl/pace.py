@@ -175,6 +175,7 @@ class PaceWatch:
         self._data: dict[int, list[tuple]] = defaultdict(list)       # rank -> [(time, seconds getting data)]
         self._node_cpu: dict[str, list[tuple]] = defaultdict(list)   # node -> [(time, steal, load, cpus)]
         self._pressure: dict[str, list[tuple]] = defaultdict(list)   # node -> [(time, memory s, I/O s, swap pages)]
+        self._hidden: dict[str, str | None] = {}   # node -> how its /proc hides other users' processes (hidepid=2)
         self._gpu_detail: dict[str, dict] = {}
         self._others: dict[str, list[dict]] = {}                # node -> its busiest processes not the run's
         self._steps: list[tuple[float, float]] = []            # (time, step) of the slowest rank's heartbeat
@@ -240,6 +241,7 @@ class PaceWatch:
                 del self._pressure[node][:-120]
                 if "others" in cpu:
                     self._others[node] = _others_of(cpu.get("others"))
+                self._hidden[node] = _printable(cpu["hidden"]) if isinstance(cpu.get("hidden"), str) else None
             if pace.gpus:
                 self._gpu_detail[node] = {k: v for k, v in pace.gpus.items()}
             for rank_state in answer.ranks:
@@ -561,9 +563,12 @@ class PaceWatch:
                 others = self._others.get(found.node) or []
                 named = "; ".join(f"pid {o['pid']} ({o['user']}, {o['name']}) {o['share'] * 100:.0f}% of a CPU"
                                   for o in others)
+                hidden = self._hidden.get(found.node)
                 causes.append(f"its main thread waited for a CPU {min(queue, 1) * 100:.0f}% of the time: "
                               + (f"other processes on node {found.node} take its cores: {named}{said}" if named
-                                 else f"another process shares its cores{said}"))
+                                 else f"another process shares its cores{said}")
+                              + (f" (other users' processes are hidden from nodectl's login on node {found.node}: "
+                                 f"/proc {hidden})" if hidden and not named else ""))
         shares = {t.rank: t.data for t in self.state.ranks if t.data is not None}
         if found.rank in shares and len(shares) > 1:
             usual = statistics.median(v for r, v in shares.items() if r != found.rank)

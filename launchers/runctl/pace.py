@@ -144,6 +144,9 @@ def node_cpu() -> dict:
             answer[f"{'mem' if kind == 'memory' else kind}_some_s"] = int(some.rsplit("total=", 1)[1]) / 1e6
         except (OSError, StopIteration, ValueError, IndexError):
             pass   # a kernel without PSI (or with psi=0): that cause is not seen
+    hidden = _hidden_processes()
+    if hidden:
+        answer["hidden"] = hidden
     try:
         with open("/proc/vmstat", encoding="ascii") as handle:
             counts = dict(line.split() for line in handle if line.startswith(("pswpin ", "pswpout ")))
@@ -156,6 +159,25 @@ def node_cpu() -> dict:
 _CPU_SEEN: dict = {}   # pid -> (monotonic time, CPU seconds) at this process's last look (a watch stream's)
 OTHERS_SHOWN, OTHERS_SHARE = 3, 0.2   # the busiest others told, each using at least this share of a CPU
 FIRST_LOOK_S = 0.3    # a one-shot poll has no earlier look: it takes two this far apart
+
+
+def _hidden_processes() -> str | None:
+    """"hidepid=2" where /proc hides other users' processes from this login (not root): the CPU takers
+    busiest_others looks for cannot be seen then. None where every process is visible."""
+    if os.getuid() == 0:
+        return None
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                fields = line.split()
+                if len(fields) > 4 and fields[4] == "/proc":
+                    options = ",".join(fields[5:])
+                    found = [o for o in options.replace(" ", ",").split(",") if o.startswith("hidepid=")]
+                    if found and found[-1] not in ("hidepid=0", "hidepid=off"):
+                        return found[-1]
+    except OSError:
+        return None
+    return None
 
 
 def first_look(pids: dict) -> dict:

@@ -497,3 +497,40 @@ def test_memory_and_io_pressure_are_named_for_a_straggler_and_for_every_rank_slo
         in lines[0], lines[0]
     _, changes = simulate(everyone, 200, pressure=lambda node, t: {"mem_some_s": 0.0, "io_some_s": 0.0})
     assert "stalled" not in "".join(c for _, c in changes if isinstance(c, str))
+
+
+def test_a_node_that_hides_other_users_processes_says_so_where_it_names_none():
+    """A node whose /proc is mounted hidepid=2 shows nodectl's login none of another user's processes: the hog
+    that takes rank 3's cores cannot be named, and the verdict says why instead of an unexplained "another
+    process"."""
+    slow = lambda r, t: 0.2 if r == 3 and t >= 60 else 0.1  # noqa: E731
+    _, changes = simulate(slow, 200, queued=lambda r, t: 0.45 if r == 3 and t >= 60 else 0.0,
+                          pressure=lambda node, t: {"hidden": "hidepid=2"} if node == "node1" else {})
+    (at, straggler), = found(changes)
+    said = "; ".join(straggler.causes)
+    assert "another process shares its cores" in said and \
+        "other users' processes are hidden from nodectl's login on node node1: /proc hidepid=2" in said, said
+
+
+def test_runctl_reads_that_proc_hides_other_users_processes_from_a_non_root_login():
+    """The node side of the above, on this machine's kernel: /proc remounted hidepid=2 in a namespace of its own,
+    runctl's CPU sample run as nobody says so; root, who sees every process, is told nothing."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from nodectl.resources import resource_dir
+
+    if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("setpriv"):
+        pytest.skip("needs root, unshare and setpriv")
+    code = (f"import sys; sys.path.insert(0, {str(resource_dir('launchers'))!r}); from runctl.pace import node_cpu; "
+            f"print(node_cpu().get('hidden'))")
+    script = ("mount -o remount,hidepid=2 /proc && "
+              f"setpriv --reuid=65534 --regid=65534 --clear-groups {sys.executable} -S -c \"$0\" && "
+              f"{sys.executable} -S -c \"$0\"")
+    done = subprocess.run(["unshare", "--mount", "--pid", "--fork", "--mount-proc", "sh", "-c", script, code],
+                          capture_output=True, text=True, timeout=60)
+    if done.returncode != 0 and ("Operation not permitted" in done.stderr or "Permission denied" in done.stderr):
+        pytest.skip(f"nobody cannot run this interpreter here, or no namespace: {done.stderr.strip()[-200:]}")
+    assert done.stdout.split() in (["hidepid=2", "None"], ["hidepid=invisible", "None"]), done.stdout + done.stderr
