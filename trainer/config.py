@@ -105,6 +105,8 @@ class TrainConfig:
     checkpoint_minutes: float = 30.0   # and one at least this often by the wall clock, and one at the end, so that
                                        # --resume and --max-restarts continue; 0: only checkpoint_every's
     keep_checkpoints: int = 2
+    make_room: bool = False            # a checkpoint that would not fit drops the oldest kept ones first (never the
+                                       # newest complete one); without it the trainer says so before it writes
     resume: str = "auto"               # auto: the latest complete checkpoint in the output folder; none; or a path
     early_stop_patience: int = 0       # stop after this many evaluations without improvement; 0: never
     early_stop_min_delta: float = 0.0

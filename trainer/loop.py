@@ -470,7 +470,8 @@ def _checkpoint(recipe: Recipe, ctx: Context, model, parallel: Parallel, optimiz
                 reporter) -> None:
     started = time.perf_counter()
     saved_to = resume.save(model, optimizer, step, out_dir / "checkpoints", ctx.device, recipe.train.keep_checkpoints,
-                           extra={"schedule_steps": recipe.train.steps}, layout=parallel.layout)
+                           extra={"schedule_steps": recipe.train.steps}, layout=parallel.layout,
+                           make_room=recipe.train.make_room)
     size = sum(f.stat().st_size for f in saved_to.glob("rank*.pt"))
     seconds = round(time.perf_counter() - started, 3)
     if reporter is not None:   # checkpoint_every's: an event in metrics.jsonl, as always

@@ -8,10 +8,12 @@ and need no shared file system (torch.distributed.checkpoint's single metadata f
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import shutil
+import socket
 from pathlib import Path
 
 import torch
@@ -74,13 +76,52 @@ def _replica(model: nn.Module, optimizer) -> dict:
                       for index, per_param in state["state"].items()}}
 
 
+def _bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if path.is_dir() else 0
+
+
+def _gb(count: float) -> str:
+    return f"{count / 1e9:.2f} GB" if count >= 1e8 else f"{count / 1e6:.1f} MB"
+
+
+def room(folder: Path, make_room: bool) -> tuple[int | None, int]:
+    """(the bytes this node's next checkpoint needs: its newest complete one's size, None before the first; the
+    bytes free under `folder`). With `make_room`, the oldest complete checkpoints are removed first while it
+    would not fit, never the newest."""
+    kept = sorted(p for p in folder.glob("ckpt-*") if (p / COMPLETE).exists()) if folder.is_dir() else []
+    need = _bytes(kept[-1]) if kept else None
+    free = shutil.disk_usage(folder if folder.is_dir() else folder.parent).free
+    while make_room and need and free < need and len(kept) > 1:
+        shutil.rmtree(kept.pop(0), ignore_errors=True)
+        free = shutil.disk_usage(folder).free
+    return need, free
+
+
+def no_room(step: int | None, need: int, free: int, folder: Path) -> str:
+    """The words for a checkpoint that does not fit on this node."""
+    what = f"the checkpoint at step {step}" if step is not None else "the next checkpoint"
+    return (f"no space left on node {socket.gethostname()} for {what}: it needs {_gb(need)} (the last one's "
+            f"size), {_gb(free)} free under {folder}")
+
+
 def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.device, keep_last: int,
-         extra: dict | None = None, layout=None) -> Path:
-    """Every rank calls this at the same step. `layout`: the one the model was wrapped for (Parallel.layout)."""
+         extra: dict | None = None, layout=None, make_room: bool = False) -> Path:
+    """Every rank calls this at the same step. `layout`: the one the model was wrapped for (Parallel.layout).
+    Each node's first rank sets the newest checkpoint's size against the free space first (with `make_room`,
+    dropping old ones): a checkpoint that cannot fit on some node is refused on every rank before any is written."""
     rank, world = dist.get_rank(), dist.get_world_size()
     if hasattr(model, "reshard"):
         model.reshard()  # store shards, never a parameter left unsharded by an eval forward
     final, tmp = folder / f"ckpt-{step:07d}", folder / f".ckpt-{step:07d}.tmp"
+    first_here = int(os.environ.get("LOCAL_RANK", rank)) == 0
+    need, free = room(folder, make_room) if first_here else (None, 0)
+    fits = torch.tensor([0.0 if need and free < need else 1.0], device=device)
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN)
+    if fits.item() < 1:
+        raise CheckpointError((f"rank {rank}: " + no_room(step, need, free, folder) if need and free < need
+                               else f"checkpoint at step {step}: another node has no room for it")
+                              + "; the previous complete checkpoint is intact: free space (or set "
+                                "train.make_room), then resume")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
     # Ranks of other nodes see their own file system: each node's first rank prepares its own folder.
@@ -98,6 +139,13 @@ def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.dev
             torch.save(replica, tmp / REPLICA)
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError or OSError
         error = f"rank {rank}: {exc}".splitlines()[0]
+        left = shutil.disk_usage(folder).free
+        if getattr(exc, "errno", None) == errno.ENOSPC or left < (need or 0) or left < 1 << 20:
+            # a full disk, whatever torch's zip writer called it ("unexpected pos ...")
+            error = f"rank {rank}: " + (no_room(step, need, left, folder) if need else
+                                        f"no space left on node {socket.gethostname()} for the checkpoint at step "
+                                        f"{step}: {_gb(left)} free under {folder} once {_gb(_bytes(tmp))} of it "
+                                        f"were written")
     crash = os.environ.get("NODECTL_TEST_CRASH_IN_CHECKPOINT")
     if crash and int(crash) == step and rank == 0:
         os._exit(9)  # tests: die with shards written and no COMPLETE marker
@@ -114,8 +162,27 @@ def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.dev
         os.replace(tmp, final)
         for old in sorted(folder.glob("ckpt-*"))[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
+        ahead = foresee(folder, make_room)
+        if ahead:
+            print(f"warning: {ahead}", flush=True)
     dist.barrier()
     return final
+
+
+def foresee(folder: Path, make_room: bool) -> str | None:
+    """Said after each checkpoint on each node: whether the next one, as large as this one, will fit (with
+    `make_room`, counting the old ones it may drop)."""
+    kept = sorted(p for p in folder.glob("ckpt-*") if (p / COMPLETE).exists())
+    if not kept:
+        return None
+    need, free = _bytes(kept[-1]), shutil.disk_usage(folder).free
+    if make_room:
+        free += sum(_bytes(p) for p in kept[:-1])
+    if free >= need:
+        return None
+    return (no_room(None, need, free, folder) + "; free space"
+            + (", lower train.keep_checkpoints or set train.make_room: true" if not make_room else "")
+            + " before then")
 
 
 def layout_key(layout) -> str | None:

@@ -7,6 +7,7 @@ import errno
 import hashlib
 import io
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -51,13 +52,35 @@ def test_disk_full_in_a_checkpoint_keeps_the_previous_one(demo_cache, small_disk
     full = torchrun(2, out, demo_cache, *common, timeout=180)
     assert full.returncode != 0
     output = full.stdout + full.stderr
-    assert "checkpoint error: checkpoint at step" in output and "the previous complete checkpoint is intact" in output
+    # foreseen after the checkpoint that left too little room, then refused before a byte of the next is written,
+    # with the figures (it was a zip writer's "unexpected pos 8857505664 vs 8857505564")
+    assert re.search(r"warning: no space left on node \S+ for the next checkpoint: it needs [0-9.]+ MB \(the last "
+                     r"one's size\), [0-9.]+ MB free under \S+; free space, lower train.keep_checkpoints or set "
+                     r"train.make_room: true before then", output), output[-3000:]
+    assert re.search(r"checkpoint error: rank 0: no space left on node \S+ for the checkpoint at step \d+: it needs "
+                     r"[0-9.]+ MB \(the last one's size\), [0-9.]+ MB free", output), output[-3000:]
+    assert "the previous complete checkpoint is intact" in output and "unexpected pos" not in output
     complete = sorted(p.name for p in (out / "checkpoints").glob("ckpt-*"))
     assert complete and not list((out / "checkpoints").glob(".ckpt-*.tmp"))
     subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
     resumed = torchrun(2, out, demo_cache, *common)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming at step {int(complete[-1].split('-')[1])}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_make_room_drops_the_oldest_checkpoints_never_the_newest_and_the_run_ends(demo_cache, small_disk):
+    """train.make_room: the same small disk, and the run completes: each checkpoint that would not fit removes
+    the oldest kept ones first; the newest complete one always stays. (This disk holds two of the five kept.)"""
+    disk = small_disk("2300k")
+    out = disk / "out"
+    done = torchrun(2, out, demo_cache, "train.steps=20", "train.log_every=5", "train.checkpoint_every=5",
+                    "train.keep_checkpoints=5", "train.make_room=true", "train.collective_timeout_s=60",
+                    timeout=180)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    kept = sorted(p.name for p in (out / "checkpoints").glob("ckpt-*"))
+    assert kept and kept[-1] == "ckpt-0000020" and len(kept) < 5, kept
+    assert "no space left" not in done.stdout + done.stderr
 
 
 def test_a_full_disk_while_uv_is_unpacked_names_the_folder_and_leaves_nothing(tmp_path, small_disk):
