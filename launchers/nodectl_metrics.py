@@ -15,27 +15,65 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 import runlayout as layout   # beside this file in lib/: the run folder's names, written once
 from nodeio import write_file
 
 _last_time = None
+_last_record: dict | None = None
+_first_at: float | None = None
+_first_step: int | None = None
+_phases: dict = {}   # "checkpoint_s", "eval_s", "data_s": seconds aside from training so far (phase())
+PHASES = ("checkpoint", "eval", "data")
+
+
+def phase(name: str, seconds: float) -> None:
+    """Mark time this rank spent aside from training, for nodectl's goodput ledger: `name` is "checkpoint",
+    "eval" or "data" (waiting for batches), `seconds` how long it took. One call per phase:
+
+        began = time.time(); save(...); phase("checkpoint", time.time() - began)
+
+    Summed into every later heartbeat (as checkpoint_s, eval_s, data_s). A name or duration that is not one is
+    said on stderr and ignored: the training goes on."""
+    if name not in PHASES or isinstance(seconds, bool) or not isinstance(seconds, (int, float)) \
+            or seconds != seconds or seconds in (float("inf"), float("-inf")) or seconds < 0:
+        print(f"nodectl_metrics.phase({name!r}, {seconds!r}): expected one of {', '.join(PHASES)} and a number of "
+              f"seconds >= 0; ignored", file=sys.stderr, flush=True)
+        return
+    key = f"{name}_s"
+    _phases[key] = _phases.get(key, 0.0) + float(seconds)
+    if _last_record is not None:
+        _write(dict(_last_record, **_phases), heartbeat_only=True)
 
 
 def report(step: int, **values: float) -> None:
-    global _last_time
+    global _last_time, _last_record
     run_dir, rank = os.environ.get("NODECTL_RUN_DIR"), os.environ.get("RANK")
     if not run_dir or rank is None:
         return
     now = time.time()
-    record = {"step": int(step), "time": now, **{k: v for k, v in values.items() if isinstance(v, (int, float))}}
+    global _first_at, _first_step
+    if _first_at is None:   # the first step's report: where start-up ends, and the step it began at (the ledger)
+        _first_at, _first_step = now, int(step)
+    record = {"step": int(step), "time": now, **{k: v for k, v in values.items() if isinstance(v, (int, float))},
+              **_phases, "first_step_at": _first_at, "first_step": _first_step}
     if "tokens" in record and _last_time is not None and now > _last_time:
         record["tokens_per_s"] = record["tokens"] / (now - _last_time)
-    _last_time = now
+    _last_time, _last_record = now, record
+    _write(record)
+
+
+def _write(record: dict, heartbeat_only: bool = False) -> None:
+    run_dir, rank = os.environ.get("NODECTL_RUN_DIR"), os.environ.get("RANK")
+    if not run_dir or rank is None:
+        return
     heartbeat = os.path.join(run_dir, layout.heartbeat(rank))
     try:
         write_file(heartbeat, json.dumps(record))
+        if heartbeat_only:
+            return
         path = os.environ.get("NODECTL_METRICS") or os.path.join(run_dir, layout.rank_metrics(rank))
         with open(path, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(record) + "\n")

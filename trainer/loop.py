@@ -287,6 +287,7 @@ def _loop(recipe: Recipe, ctx: Context, model, parallel: Parallel, examples, tok
     else:
         step = recipe.train.steps
     checkpointer.at_end(step)
+    reporter.heartbeat(step, data_s=round(batches.waited, 4))   # the phases' last totals, for the goodput ledger
     telemetry.stop()
     if recipe.train.save_probe_logits:
         _save_probe(model, batches.micro_batches(0)[0], ctx, out_dir)
@@ -355,7 +356,10 @@ class Evaluator:
 
     def run(self, done: int) -> str | None:
         """Evaluate; why training stops here (a plateau), or None."""
-        return self.stopper.update(done, self._evaluate(done))
+        began = time.perf_counter()
+        loss = self._evaluate(done)
+        self.reporter.phase("eval_s", time.perf_counter() - began)
+        return self.stopper.update(done, loss)
 
     @property
     def best(self) -> float | None:
@@ -400,8 +404,15 @@ class Checkpointer:
             self._save(step, None)
 
     def _save(self, step: int, reporter) -> None:
+        began = time.perf_counter()
         _checkpoint(self.recipe, self.ctx, self.model, self.parallel, self.optimizer, step, self.out_dir, reporter)
+        self.reporter.phase("checkpoint_s", time.perf_counter() - began)   # training waited this long
         self.saved_at, self.timed = step, Deadline(self.recipe.train.checkpoint_minutes, self.ctx)
+        if int(os.environ.get("LOCAL_RANK", self.ctx.rank)) == 0:   # each node of its own disk: will the next fit?
+            ahead = resume.foresee(self.out_dir / "checkpoints", self.recipe.train.make_room)
+            if ahead:
+                print(f"warning: {ahead}", flush=True)
+            self.reporter.note(f"warning: {ahead}" if ahead else None)   # status shows it from the heartbeat
 
 
 class Profiler:

@@ -86,6 +86,7 @@ class Reporter:
         (self.heartbeat_dir.parent / "timing").mkdir(parents=True, exist_ok=True)
         self.metrics = open(out_dir / "metrics.jsonl", "a", encoding="utf-8") if rank == 0 else None
         self.last: dict = {}
+        self.phases: dict[str, float] = {}   # checkpoint_s, eval_s: cumulative seconds aside from training
         self._register_stacks()
 
     def _register_stacks(self) -> None:
@@ -96,10 +97,27 @@ class Reporter:
         faulthandler.register(signal.SIGUSR1, file=self._stack_file, all_threads=True)
         Path(path).with_suffix(".ready").write_text(str(os.getpid()))
 
+    def phase(self, key: str, seconds: float) -> None:
+        """Seconds training waited on something (`checkpoint_s`, `eval_s`), summed into every later heartbeat:
+        the goodput ledger's (nodectl/goodput.py)."""
+        self.phases[key] = round(self.phases.get(key, 0.0) + seconds, 4)
+
+    def note(self, text: str | None) -> None:
+        """A line every later heartbeat of this rank carries (`warning`, which `status` shows) until replaced."""
+        if text:
+            self.last = {**self.last, "warning": text}
+        else:
+            self.last = {k: v for k, v in self.last.items() if k != "warning"}
+
     def heartbeat(self, step: int, **extra) -> None:
         path = self.heartbeat_dir / f"rank{self.rank}.json"
         tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"step": step, "time": time.time(), **self.last, **extra}))
+        now = time.time()
+        if getattr(self, "first_at", None) is None:   # the goodput ledger's end of start-up, and where it began
+            self.first_at, self.first_step = now, step
+        tmp.write_text(json.dumps({"step": step, "time": now, "first_step_at": self.first_at,
+                                   "first_step": self.first_step, **self.last,
+                                   **self.phases, **extra}))
         os.replace(tmp, path)
 
     def timing(self, step: int, step_time: float) -> None:
@@ -117,7 +135,8 @@ class Reporter:
                   flush=True)
 
     def log(self, record: dict) -> None:
-        self.last = {"loss": record.get("loss"), "tokens_per_s": record.get("tokens_per_s_per_gpu")}
+        self.last = {"loss": record.get("loss"), "tokens_per_s": record.get("tokens_per_s_per_gpu"),
+                     **({"warning": self.last["warning"]} if "warning" in self.last else {})}
         if self.sinks:
             self.sinks.write(record, "train")
         if self.metrics:

@@ -162,9 +162,6 @@ def save(model: nn.Module, optimizer, step: int, folder: Path, device: torch.dev
         os.replace(tmp, final)
         for old in sorted(folder.glob("ckpt-*"))[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)
-        ahead = foresee(folder, make_room)
-        if ahead:
-            print(f"warning: {ahead}", flush=True)
     dist.barrier()
     return final
 

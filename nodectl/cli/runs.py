@@ -10,6 +10,7 @@ import time
 import click
 from rich.markup import escape
 
+from nodectl import goodput
 from nodectl.pace import pace_lines
 from nodectl.cli.context import AppContext
 from nodectl.cli.run_option import refresh_state, warn_untrusted
@@ -66,7 +67,8 @@ def command(app: AppContext, show_all: bool) -> None:
                      "cause": manifest.cause if manifest.state != RunState.SUCCEEDED else None,
                      "outputs": manifest.outputs_url,
                      "pace": [line for line in pace_lines(manifest.pace, live=manifest.state == RunState.RUNNING)
-                              if not line.startswith("pace ")]})
+                              if not line.startswith("pace ")],
+                     "goodput": _goodput(run)})
     if app.json:
         app.emit_json({"runs": rows})
         return
@@ -79,7 +81,16 @@ def command(app: AppContext, show_all: bool) -> None:
 
 
 COLUMNS = (Column("run", key=True), Column("state", whole=True), Column("started", whole=True),
-           Column("nodes, ranks: command"))
+           Column("goodput", "right", whole=True), Column("nodes, ranks: command"))
+
+
+def _goodput(run: Run) -> dict | None:
+    """The run's goodput ledger (nodectl/goodput.py) as JSON; None for a run recorded before the ledger."""
+    try:
+        spent = goodput.of_run(run)
+    except (OSError, ValueError):
+        return None
+    return spent.to_json() if spent else None
 
 
 def render(rows: list[dict]):
@@ -90,7 +101,9 @@ def render(rows: list[dict]):
         label = escape(row["run_id"])
         what = escape(f"{_placement(row)}: " + ("(preflight) " if row["kind"] == "preflight" else "")
                       + row["command"])
-        cells.append([label, escape(row["state"] or "-"), started, what])
+        share = (row.get("goodput") or {}).get("goodput")
+        cells.append([label, escape(row["state"] or "-"), started, f"{share * 100:.0f}%" if share is not None else "-",
+                      what])
     return make_table(COLUMNS, cells, keep=("run", "state"))
 
 
@@ -115,4 +128,8 @@ def notes(rows: list[dict]) -> list[str]:
             out.append(f"{escape(row['run_id'])} [red]{escape(row['cause'])}[/]")
         for line in row.get("pace") or ():
             out.append(f"{escape(row['run_id'])} [yellow]{escape(line)}[/]")
+        spent = row.get("goodput") or {}
+        lost = sorted(((k, v) for k, v in (spent.get("lost_s") or {}).items() if v >= 0.5), key=lambda kv: -kv[1])
+        if lost and spent.get("goodput") is not None:
+            out.append(f"{escape(row['run_id'])} lost " + ", ".join(f"{escape(k)} {goodput.span(v)}" for k, v in lost))
     return out

@@ -10,7 +10,7 @@ from rich.markup import escape
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
 from nodectl.cli.run_option import opened, refresh_state, run_option
-from nodectl import hardware, pace
+from nodectl import goodput, hardware, pace
 from nodectl.errors import exit_code_for
 from nodectl.runs import RunState
 from nodectl.remote.answers import PollAnswer, RankState
@@ -34,6 +34,23 @@ def rank_rows(states: dict, run_nodes, stall_after: float) -> list[dict]:
     return rows
 
 
+def rank0_beat(states: dict) -> dict | None:
+    """Rank 0's heartbeat as the poll just read it (the current attempt's figures for the goodput ledger)."""
+    for result in states.values():
+        for rank in (result.value.ranks if result.ok and result.value else ()):
+            if rank.rank == 0 and isinstance(rank.heartbeat, dict):
+                return rank.heartbeat
+    return None
+
+
+def _said(value) -> str | None:
+    """A heartbeat's `warning` (the built-in trainer's: a checkpoint that will not fit): 300 printable characters
+    at most, nothing a terminal would act on; None for anything but text."""
+    if not isinstance(value, str) or not value:
+        return None
+    return "".join(c if c.isprintable() else "?" for c in value[:300])
+
+
 def _number(value):
     """A heartbeat is written by the user's program: only real numbers are shown as numbers."""
     return value if isinstance(value, (int, float)) and not isinstance(value, bool) and value == value else None
@@ -46,6 +63,7 @@ def _rank_state(rank: RankState, answer: PollAnswer, stall_after: float) -> dict
     step = heartbeat.get("step")
     row = {"heartbeat_age": age, "step": step if isinstance(step, (int, float, str)) else None,
            "loss": _number(heartbeat.get("loss")), "tokens_per_s": _number(heartbeat.get("tokens_per_s")),
+           "warning": _said(heartbeat.get("warning")),
            "pid": rank.pid}
     if rank.exit:
         row["state"], row["exit_code"] = f"exited({rank.exit.code})", rank.exit.code
@@ -161,17 +179,21 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
     for row in rows:
         row["busy"], row["in_collectives"], row["data"] = split.get(row["rank"], (None, None, None))
     pace_said = pace.pace_lines(told, live=live)
+    spent = goodput.of_run(run, live_beat=rank0_beat(states) if live else None)
     cause = manifest.cause or (first.describe() if first else None)
     if app.json:
         app.emit_json({"run_id": run.run_id, "state": run_state, "ranks": rows, "cause": cause,
                        "diagnosis": (manifest.failure or {}).get("diagnosis"),
                        "first_failure": first.__dict__ if first else None, "uploads": uploads,
                        "pace": told, "pace_lines": pace_said, "hardware": hardware.to_json(states),
-                       "hardware_lines": hardware.lines(states)})
+                       "hardware_lines": hardware.lines(states),
+                       "goodput": spent.to_json() if spent else None})
     else:
         app.out.print(render(run.run_id, run_state, rows))
         for line in pace_said:
             app.out.print(f"[yellow]{escape(line)}[/]" if "straggler:" in line or "slower" in line else escape(line))
+        if spent and spent.line(live):
+            app.out.print(escape(spent.line(live)))
         for line in hardware.lines(states):
             app.out.print(f"[red]{escape(line)}[/]" if "cannot go on" in line else escape(line))
         if uploads:
@@ -190,6 +212,8 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
         for row in rows:
             if row["state"] == "killed":
                 app.out.print(f"rank {row['rank']} on {escape(row['node'])}: {escape(row['detail'])}")
+            if row.get("warning"):
+                app.out.print(f"[yellow]rank {row['rank']} on {escape(row['node'])}:[/] {escape(row['warning'])}")
         if first and first.last_lines:
             app.out.print(f"last lines of rank {first.rank}:" if first.rank is not None else "last lines of torchrun:")
             app.out.print(visible(first.last_lines.rstrip()), markup=False, highlight=False)

@@ -13,8 +13,8 @@ from rich.markup import escape
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
 from nodectl.cli.run_option import opened, refresh_state, run_option
-from nodectl import hardware, pace
-from nodectl.cli.status import rank_rows, share
+from nodectl import goodput, hardware, pace
+from nodectl.cli.status import rank0_beat, rank_rows, share
 from nodectl.runs import FINAL_STATES, Run, RunState
 from nodectl.cli.tables import Column, make_table
 from nodectl.watch import poll
@@ -52,10 +52,12 @@ def snapshot(run: Run, cluster, run_nodes, stall_after: float, watch: pace.PaceW
     told, split = pace.current(manifest.pace, look, manifest.attempt) if live else (manifest.pace, {})
     for row in rows:
         row["busy"], row["in_collectives"], row["data"] = split.get(row["rank"], (None, None, None))
+    spent = goodput.of_run(run, live_beat=rank0_beat(states) if live else None)
     return {"run_id": run.run_id, "state": state.value, "attempt": manifest.attempt,
             "elapsed_s": round(time.time() - manifest.started, 1) if manifest.started else None,
             "ranks": rows, "pace": told, "pace_lines": pace.pace_lines(told, live=live),
-            "hardware": hardware.to_json(states), "hardware_lines": hardware.lines(states)}
+            "hardware": hardware.to_json(states), "hardware_lines": hardware.lines(states),
+            "goodput": spent.to_json() if spent else None, "goodput_line": spent.line(live) if spent else ""}
 
 
 def _cell(value, fmt: str) -> str:
@@ -86,6 +88,7 @@ def render(snap: dict):
                      _unit(gpu.get("temp_c"), ".0f", "C"), _unit(gpu.get("power_w"), ".0f", "W")])
     table = make_table(COLUMNS, rows, title=title, keep=("node", "rank", "state"))
     said = [f"[yellow]{escape(line)}[/]" for line in snap.get("pace_lines") or ()]
+    said += [escape(snap["goodput_line"])] if snap.get("goodput_line") else []
     said += [f"[{'red' if event['fatal'] else 'yellow'}]{escape(line)}[/]"
              for event, line in zip(snap.get("hardware") or (), snap.get("hardware_lines") or ())]
     said += [escape(line) for line in (snap.get("hardware_lines") or ())[len(snap.get("hardware") or ()):]]

@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Callable
 
 from nodectl import hardware
+from nodectl.goodput import Beats, Timeline
 from nodectl.hardware import HardwareNotices
 from nodectl.launch.attending import Attending
 from nodectl.errors import RunFailed
@@ -224,9 +225,12 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
                             remember=(lambda node, event: gate.remember_hardware(run.run_id, node, event))
                             if run.kind != "preflight" else (lambda node, event: None))
 
+    progress_seen = Beats(Timeline(run.folder), attempt) if run.kind != "preflight" else (lambda fresh: None)
+
     def answered(fresh: dict) -> None:
         uploads(fresh)
         parts(fresh)
+        progress_seen(fresh)
 
     try:
         outcome, failure = wait_for_end(cluster, run_nodes, stream, lost_after=lost_after, stall_after=stall_after,
@@ -235,6 +239,8 @@ def follow(run: Run, cluster: Cluster, *, grace: float, lost_after: float, stall
     finally:
         if stream:
             stream.flush()
+        if isinstance(progress_seen, Beats):
+            progress_seen.flush()   # the attempt's last totals: the ledger's figures for it
     if outcome == RunState.SUCCEEDED:
         run.update(state=RunState.SUCCEEDED, ended=time.time())
         return None

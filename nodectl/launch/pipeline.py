@@ -21,6 +21,7 @@ from typing import Callable
 
 from nodectl.errors import RunFailed, UnreachableError, UsageError, ignore_signals_while_cleaning
 import nodectl.launch.events as ev
+from nodectl.goodput import Timeline
 from nodectl.launch.attend import attend
 from nodectl.launch.job import Job, plan_job, record_job, save_preflight, settle_job, start_job, stop_run
 from nodectl.launch.request import LaunchRequest
@@ -72,11 +73,35 @@ def launch(request: LaunchRequest, session: Session, stages: tuple[Stage, ...], 
 
 class _Launch:
     def __init__(self, request: LaunchRequest, session: Session, events: ev.Listener, logs: LogsFor) -> None:
-        self.request, self.session, self.events, self.logs = request, session, events, logs
+        self.request, self.session, self.logs = request, session, logs
+        self.began = time.time()   # the goodput ledger's set-up counts from here
+        self.told = events
         self.spec = request.spec
         self.preflight: dict | None = None
         self.job: Job | None = None
         self.run_: Run | None = None
+
+    def events(self, event) -> None:
+        """Every event to the caller, and what the goodput ledger needs of it to the run's timeline."""
+        self._keep(event)
+        self.told(event)
+
+    def _keep(self, event) -> None:
+        run = self.run_
+        if run is None:
+            return
+        line = Timeline(run.folder)
+        attempt = self.job.plan.attempt if self.job is not None else 0
+        if isinstance(event, ev.Recorded):
+            line.add("launch", attempt, when=self.began, resumed=event.resumed)
+        elif isinstance(event, ev.Started):
+            line.add("started", attempt)
+        elif isinstance(event, ev.Stopping):
+            failed = event.failure.time if event.failure.time else None
+            line.add("failed", attempt, when=min(failed, time.time()) if failed else None, kind=str(event.failure.kind))
+            line.add("noticed", attempt)
+        elif isinstance(event, ev.Continuing):
+            line.add("continuing", event.attempt, checkpoint=event.checkpoint, reached=event.reached)
 
     def run(self, stages: tuple[Stage, ...]) -> Outcome:
         unknown = [stage for stage in stages if not isinstance(stage, Stage)]
@@ -105,6 +130,7 @@ class _Launch:
             job, run, failure = attend(self.job, self.run_, self.session, self.request.attending,
                                        restart=self.restart, stream_for=self.logs, notify=self.events,
                                        gate=self.request.gate)
+            Timeline(run.folder).add("ended", job.plan.attempt, failed=failure is not None)
             return Outcome(job, run, failure, attended=True)
         except KeyboardInterrupt:
             self.interrupted()

@@ -60,6 +60,17 @@ def test_disk_full_in_a_checkpoint_keeps_the_previous_one(demo_cache, small_disk
     assert re.search(r"checkpoint error: rank 0: no space left on node \S+ for the checkpoint at step \d+: it needs "
                      r"[0-9.]+ MB \(the last one's size\), [0-9.]+ MB free", output), output[-3000:]
     assert "the previous complete checkpoint is intact" in output and "unexpected pos" not in output
+    # the warning rides on rank 0's heartbeat, which `status` shows under its table (rank 0 on NODE: warning: ...)
+    import json
+
+    from nodectl.cli.status import _rank_state
+    from nodectl.remote.answers import PollAnswer, RankState
+
+    beat = json.loads((out / "heartbeat" / "rank0.json").read_text())
+    assert beat["warning"].startswith("warning: no space left on node"), beat
+    row = _rank_state(RankState(rank=0, alive=True, heartbeat=beat, heartbeat_age=1.0),
+                      PollAnswer(now=0, node_rank=0, alive=1, ranks=()), 60)
+    assert row["warning"] == beat["warning"]
     complete = sorted(p.name for p in (out / "checkpoints").glob("ckpt-*"))
     assert complete and not list((out / "checkpoints").glob(".ckpt-*.tmp"))
     subprocess.run(["mount", "-o", "remount,size=64m", str(disk)], check=True)
