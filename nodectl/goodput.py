@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 TIMELINE = "timeline.jsonl"
@@ -293,3 +293,29 @@ def of_run(run, live_beat: dict | None = None, now: float | None = None) -> Good
         pass
     ended = manifest.ended if manifest.state.value not in ("running", "starting") else None
     return ledger(entries, now=now or time.time(), ended=ended, pace_windows=windows, beats=beats)
+
+
+def story(manifest, spent: Goodput | None) -> list[str]:
+    """A restarted run's attempts, a line each: how each ended, the nodes left out, where the next went on from
+    and what it did again. Nothing for a run of one attempt."""
+    earlier = [a for a in manifest.attempts if isinstance(a, dict)]
+    if not earlier:
+        return []
+    seen = {a.get("attempt"): a for a in (spent.attempts if spent else ())}
+    lines = []
+    for record in earlier + [{"attempt": manifest.attempt, "state": manifest.state.value, "failure": manifest.failure}]:
+        number = record.get("attempt")
+        failure = record.get("failure") if isinstance(record.get("failure"), dict) else None
+        said = f"attempt {number}: {record.get('state')}"
+        if failure and failure.get("description"):
+            said += f" ({failure['description']})"
+        ledger_row = seen.get(number) or {}
+        if ledger_row.get("continued_from") is not None:
+            said += f"; went on from step {ledger_row['continued_from']}"
+            if ledger_row.get("redone_s"):
+                said += f", {span(ledger_row['redone_s'])} of work done again"
+        lines.append(said)
+    left = [entry.get("node", {}).get("name") for entry in manifest.left_out if isinstance(entry, dict)]
+    if left:
+        lines.append(f"left out: {', '.join(str(n) for n in left if n)}")
+    return lines

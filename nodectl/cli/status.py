@@ -187,13 +187,15 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
                        "first_failure": first.__dict__ if first else None, "uploads": uploads,
                        "pace": told, "pace_lines": pace_said, "hardware": hardware.to_json(states),
                        "hardware_lines": hardware.lines(states),
-                       "goodput": spent.to_json() if spent else None})
+                       "goodput": spent.to_json() if spent else None, "attempts": goodput.story(manifest, spent)})
     else:
         app.out.print(render(run.run_id, run_state, rows))
         for line in pace_said:
             app.out.print(f"[yellow]{escape(line)}[/]" if "straggler:" in line or "slower" in line else escape(line))
         if spent and spent.line(live):
             app.out.print(escape(spent.line(live)))
+        for line in goodput.story(manifest, spent):
+            app.out.print(escape(line))
         for line in hardware.lines(states):
             app.out.print(f"[red]{escape(line)}[/]" if "cannot go on" in line else escape(line))
         if uploads:

@@ -57,6 +57,10 @@ def test_a_restarted_runs_seconds_add_up_and_each_injected_delay_is_found_in_its
     assert 0.2 < spent["goodput"] < 0.9, spent
     shown = run_nodectl(["status"], env=env, cwd=project).stdout
     assert f"goodput {spent['goodput'] * 100:.0f}%; lost " in shown and "restarts" in shown, shown
+    # the restarted run tells its story: how attempt 0 ended, where attempt 1 went on from, what it did again
+    assert status["attempts"][0].startswith("attempt 0: failed (rank 0 on node local0 failed (exit code 3))"), status
+    assert status["attempts"][1].startswith("attempt 1: succeeded; went on from step 30, ") and \
+        status["attempts"][1].endswith(" of work done again"), status["attempts"]
     listed = run_nodectl(["--json", "runs"], env=env, cwd=project).json()["runs"]
     assert listed[-1]["goodput"]["goodput"] == spent["goodput"]
     table = run_nodectl(["runs"], env={**env, "COLUMNS": "200"}, cwd=project).stdout
