@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nodectl.report import jsonl_objects
+
 TIMELINE = "timeline.jsonl"
 KINDS = ("set-up", "start-up", "checkpoints", "evaluation", "data waits", "failures", "restarts", "work redone",
          "slow-downs")
@@ -89,20 +91,9 @@ class Timeline:
             pass   # the ledger is a help: a full disk must not end the launch
 
     def entries(self) -> list[dict]:
-        try:
-            lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                entry = json.loads(line)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(entry, dict) and _real(entry.get("time")) and isinstance(entry.get("what"), str) \
-                    and isinstance(entry.get("attempt"), int) and not isinstance(entry.get("attempt"), bool):
-                out.append(entry)
-        return out
+        return [entry for entry in jsonl_objects(self.path)
+                if _real(entry.get("time")) and isinstance(entry.get("what"), str)
+                and isinstance(entry.get("attempt"), int) and not isinstance(entry.get("attempt"), bool)]
 
 
 def _real(value) -> bool:
@@ -280,17 +271,7 @@ def of_run(run, live_beat: dict | None = None, now: float | None = None) -> Good
                 and _real(live_beat.get("first_step_at")):   # no watcher saw it (detached): the rank's own word
             entries.append({"time": live_beat["first_step_at"], "what": "first step", "attempt": manifest.attempt,
                             **({"step": live_beat["first_step"]} if _real(live_beat.get("first_step")) else {})})
-    windows = []
-    try:
-        for line in (run.folder / "pace.jsonl").read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                window = json.loads(line)
-            except (ValueError, RecursionError):
-                continue
-            if isinstance(window, dict):
-                windows.append(window)
-    except OSError:
-        pass
+    windows = jsonl_objects(run.folder / "pace.jsonl")
     ended = manifest.ended if manifest.state.value not in ("running", "starting") else None
     return ledger(entries, now=now or time.time(), ended=ended, pace_windows=windows, beats=beats)
 

@@ -14,7 +14,7 @@ TIMING_NAME = re.compile(r"^rank(\d{1,7})\.jsonl$")
 STEP_LIMIT = 1 << 53
 
 
-def _jsonl(path: Path) -> list[dict]:
+def jsonl_objects(path: Path) -> list[dict]:
     """The JSON object lines of a file ranks or nodes wrote: anything else on a line (a bare number, a list, a line
     cut by a crash, JSON nested too deep) costs that line alone."""
     if not path.is_file():
@@ -51,7 +51,7 @@ def load_collected(run_folder: Path) -> dict:
         raise UsageError(f"run {run_folder.name} has not been collected: run `nodectl collect --run {run_folder.name}`")
     data = {"metrics": [], "summary": None, "telemetry": {}, "timing": {}, "adapter": None}
     for node in sorted(p for p in nodes.iterdir() if p.is_dir()):
-        metrics = _jsonl(node / "output" / "metrics.jsonl")
+        metrics = jsonl_objects(node / "output" / "metrics.jsonl")
         if metrics:
             data["metrics"], data["metrics_node"] = metrics, node.name
             if (node / "output" / "summary.json").is_file():
@@ -60,14 +60,14 @@ def load_collected(run_folder: Path) -> dict:
                 data["adapter"] = str((node / "output" / "adapter").resolve())
         for telemetry in (node / "metrics" / "telemetry.jsonl", node / "telemetry.jsonl"):   # the latter: older runs
             if telemetry.is_file():
-                data["telemetry"][node.name] = _jsonl(telemetry)
+                data["telemetry"][node.name] = jsonl_objects(telemetry)
                 break
         for timing in sorted((node / "timing").glob("rank*.jsonl")) if (node / "timing").is_dir() else []:
             if match := TIMING_NAME.match(timing.name):   # a rank may name a file anything: rankX.jsonl is no rank
-                data["timing"][int(match[1])] = _jsonl(timing)
+                data["timing"][int(match[1])] = jsonl_objects(timing)
     if not data["metrics"]:
         data["metrics"], data["custom"] = _reported(nodes), True
-    data["pace"] = _jsonl(run_folder / "pace.jsonl")   # the attached launch's judged windows (nodectl/pace.py)
+    data["pace"] = jsonl_objects(run_folder / "pace.jsonl")   # the attached launch's judged windows (nodectl/pace.py)
     if not data["metrics"] and not data["pace"]:
         raise RunFailed(f"run {run_folder.name}: no metrics were collected: the built-in trainer writes them, and "
                          f"your own script can with nodectl_metrics.report(step=..., loss=...) (see the README)")
@@ -78,7 +78,7 @@ def _reported(nodes: Path) -> list[dict]:
     """What a user's script reported through nodectl_metrics (metrics/rank<R>.jsonl), rank 0's view: the same
     keys as the built-in trainer's where they mean the same (tokens_per_s is per rank, so per GPU)."""
     for node in sorted(p for p in nodes.iterdir() if p.is_dir()):
-        rows = _jsonl(node / "metrics" / "rank0.jsonl")
+        rows = jsonl_objects(node / "metrics" / "rank0.jsonl")
         if rows:
             for row in rows:
                 if "tokens_per_s" in row:
