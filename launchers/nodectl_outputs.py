@@ -228,7 +228,13 @@ class Uploader:
                 if future is None:
                     results.append((rel, None))
                     continue
-                future.result()
+                try:
+                    future.result()
+                except OSError:
+                    if _still(path) is not None:
+                        raise
+                    results.append((rel, None))   # the run removed it while its parts were read: not an error
+                    continue
                 results.append((rel, before[:2] if _still(path) == before else None))
         return results
 
@@ -252,7 +258,12 @@ class Uploader:
             for rel in group:   # the index no longer vouches for what is being replaced
                 self.index.pop(rel, None)
             for rel, facts in self._send_all(group):
-                if facts is None:   # gone, or changed while it was sent: the next round tries again
+                if facts is None and _still(os.path.join(self.run_dir, rel)) is None:
+                    # removed by the run while it was sent (a checkpoint pruned meanwhile): what reached the
+                    # store is vouched for by no index and no later round would remove it
+                    self.store.client.delete_object(Bucket=self.store.bucket, Key=self.store.key(rel))
+                    continue
+                if facts is None:   # changed while it was sent: the next round tries again
                     pending.add(rel)
                     continue
                 self.index[rel] = {"size": facts[0], "mtime_ns": facts[1]}

@@ -123,6 +123,33 @@ def test_a_file_changed_while_sent_is_not_vouched_for(module, store, tmp_path):
     assert index_of(store, "changing")["output/metrics.bin"]["size"] == (200 << 20) + 10
 
 
+def test_a_file_the_run_removes_while_it_is_sent_leaves_nothing_in_the_store(module, store, tmp_path):
+    """A checkpoint pruned by the run while a round sends it (the trainer keeps two; under load the round was
+    still sending ckpt-10 when ckpt-30 replaced it): the object reached the store, no index vouched for it, and no
+    later round removed it. It is removed as soon as the round sees its file gone."""
+    run_dir, config = run_folder(tmp_path, store, "pruned")
+    target = run_dir / "output" / "checkpoints" / "ckpt-0000010" / "rank0.pt"
+    target.parent.mkdir(parents=True)
+    target.write_bytes(os.urandom(1 << 20) * 100)
+    os.utime(target, (time.time() - 60, time.time() - 60))
+    client = store.client()
+
+    def prune_mid_upload():
+        wait_for(lambda: client.list_multipart_uploads(Bucket=BUCKET, Prefix="p/pruned/").get("Uploads"),
+                 timeout=60, interval=0.02)
+        target.unlink()
+        target.parent.rmdir()
+    pruner = threading.Thread(target=prune_mid_upload)
+    pruner.start()
+    uploader = module.Uploader(str(run_dir), config)
+    uploader.round()
+    pruner.join()
+    assert "output/checkpoints/ckpt-0000010/rank0.pt" not in index_of(store, "pruned")
+    assert not [key for key in store.objects(BUCKET, "p/pruned") if "ckpt-0000010" in key]
+    uploader.round(final=True)
+    assert not [key for key in store.objects(BUCKET, "p/pruned") if "ckpt-0000010" in key]
+
+
 def test_a_complete_marker_waits_for_the_rest_of_its_folder(module, store, tmp_path):
     run_dir, config = run_folder(tmp_path, store, "marker")
     folder = run_dir / "output" / "checkpoints" / "ckpt-0000010"
