@@ -259,10 +259,11 @@ def beats_of(entries: list[dict]) -> dict:
     return out
 
 
-def of_run(run, live_beat: dict | None = None, now: float | None = None) -> Goodput | None:
+def of_run(run, live_beat: dict | None = None, now: float | None = None, manifest=None) -> Goodput | None:
     """The goodput of a recorded run (nodectl.runs.Run): its timeline, its pace windows, and, while it runs, rank 0's
-    heartbeat as a poll just read it (`live_beat`) for the current attempt."""
-    manifest = run.read()
+    heartbeat as a poll just read it (`live_beat`) for the current attempt. `manifest`: the record as the caller
+    read it already."""
+    manifest = manifest or run.read()
     entries = Timeline(run.folder).entries()
     beats = beats_of(entries)
     if live_beat and _real(live_beat.get("time")):

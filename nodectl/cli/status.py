@@ -179,7 +179,7 @@ def command(app: AppContext, run_id: str | None, stall_after: float) -> None:
     for row in rows:
         row["busy"], row["in_collectives"], row["data"] = split.get(row["rank"], (None, None, None))
     pace_said = pace.pace_lines(told, live=live)
-    spent = goodput.of_run(run, live_beat=rank0_beat(states) if live else None)
+    spent = goodput.of_run(run, live_beat=rank0_beat(states) if live else None, manifest=manifest)
     cause = manifest.cause or (first.describe() if first else None)
     if app.json:
         app.emit_json({"run_id": run.run_id, "state": run_state, "ranks": rows, "cause": cause,

@@ -52,7 +52,7 @@ def snapshot(run: Run, cluster, run_nodes, stall_after: float, watch: pace.PaceW
     told, split = pace.current(manifest.pace, look, manifest.attempt) if live else (manifest.pace, {})
     for row in rows:
         row["busy"], row["in_collectives"], row["data"] = split.get(row["rank"], (None, None, None))
-    spent = goodput.of_run(run, live_beat=rank0_beat(states) if live else None)
+    spent = goodput.of_run(run, live_beat=rank0_beat(states) if live else None, manifest=manifest)
     return {"run_id": run.run_id, "state": state.value, "attempt": manifest.attempt,
             "elapsed_s": round(time.time() - manifest.started, 1) if manifest.started else None,
             "ranks": rows, "pace": told, "pace_lines": pace.pace_lines(told, live=live),

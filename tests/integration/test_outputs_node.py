@@ -99,23 +99,31 @@ def test_an_upload_killed_mid_file_is_never_taken_and_its_parts_are_aborted(stor
     assert (fresh / "output" / "ckpt-1" / "model.bin").stat().st_size == 400 << 20
 
 
+def round_while_sending(store, node: str, uploader, action) -> None:
+    """One round of `uploader`, with `action` (what the run does) done while the round sends a file's parts."""
+    client = store.client()
+
+    def mid_upload():
+        wait_for(lambda: client.list_multipart_uploads(Bucket=BUCKET, Prefix=f"p/{node}/").get("Uploads"),
+                 timeout=60, interval=0.02)
+        action()
+    runner = threading.Thread(target=mid_upload)
+    runner.start()
+    uploader.round()
+    runner.join()
+
+
 def test_a_file_changed_while_sent_is_not_vouched_for(module, store, tmp_path):
     run_dir, config = run_folder(tmp_path, store, "changing")
     target = run_dir / "output" / "metrics.bin"
     target.write_bytes(os.urandom(1 << 20) * 200)
     os.utime(target, (time.time() - 60, time.time() - 60))
-    client = store.client()
 
-    def append_mid_upload():   # the run appends while the client is sending the file's parts
-        wait_for(lambda: client.list_multipart_uploads(Bucket=BUCKET, Prefix="p/changing/").get("Uploads"),
-                 timeout=60, interval=0.02)
+    def append():   # the run appends while the client is sending the file's parts
         with open(target, "ab") as handle:
             handle.write(b"b" * 10)
-    writer = threading.Thread(target=append_mid_upload)
-    writer.start()
     uploader = module.Uploader(str(run_dir), config)
-    uploader.round()
-    writer.join()
+    round_while_sending(store, "changing", uploader, append)
     assert "output/metrics.bin" not in index_of(store, "changing")
     assert uploader.state.get("waiting") == 1
     time.sleep(0.4)
@@ -132,18 +140,12 @@ def test_a_file_the_run_removes_while_it_is_sent_leaves_nothing_in_the_store(mod
     target.parent.mkdir(parents=True)
     target.write_bytes(os.urandom(1 << 20) * 100)
     os.utime(target, (time.time() - 60, time.time() - 60))
-    client = store.client()
 
-    def prune_mid_upload():
-        wait_for(lambda: client.list_multipart_uploads(Bucket=BUCKET, Prefix="p/pruned/").get("Uploads"),
-                 timeout=60, interval=0.02)
+    def prune():
         target.unlink()
         target.parent.rmdir()
-    pruner = threading.Thread(target=prune_mid_upload)
-    pruner.start()
     uploader = module.Uploader(str(run_dir), config)
-    uploader.round()
-    pruner.join()
+    round_while_sending(store, "pruned", uploader, prune)
     assert "output/checkpoints/ckpt-0000010/rank0.pt" not in index_of(store, "pruned")
     assert not [key for key in store.objects(BUCKET, "p/pruned") if "ckpt-0000010" in key]
     uploader.round(final=True)
