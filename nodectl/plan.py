@@ -6,7 +6,6 @@ import json
 import os
 import random
 import secrets
-import socket
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -17,6 +16,7 @@ from nodectl.inventory import ENV_NAME_RE, MAX_RANKS_PER_NODE, Inventory, Node, 
 from nodectl.outputs import Outputs, from_record as outputs_from_record
 from nodectl.probe_report import ProbeReport
 from nodectl.resources import NODE_TRAINER
+from nodectl.resources.launchers.ports import LOWEST, ephemeral_range, quiet_port
 
 # Good distributed defaults (docs/REFERENCE.md §4); the inventory's env: overrides any of them.
 DEFAULT_ENV = {
@@ -178,10 +178,9 @@ def _pick_port(inventory: Inventory) -> tuple[int, bool]:
     if inventory.master_port:
         return inventory.master_port, False
     if inventory.nodes[0].is_local:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            return probe.getsockname()[1], True
-    return random.randint(20000, 59999), True
+        return quiet_port(), True
+    low, _ = ephemeral_range()       # the controller's range: a guess for node 0's, which settle_master_port checks
+    return random.randint(LOWEST, max(LOWEST + 1000, low - 1)), True
 
 
 def _run_dir(node: Node, run_id: str, shared: bool) -> str:

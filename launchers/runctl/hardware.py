@@ -103,11 +103,18 @@ def _save(path: str, base: dict) -> None:
 def _rises(base: dict, counters: dict, now: float, notes: list, used: set | None) -> tuple[list, bool]:
     """Each counter above its base, as an event of its rise since the run started. A counter below the value last
     seen was reset: what it had risen is carried, and it counts on from its value now. GPUs the base knew that no
-    longer answer are lost."""
+    longer answer are lost; what they had risen by at the last look that read them (this watch's, or a `status`
+    that ran between two of its reads) is still told with the loss."""
     events, moved, known = [], False, base["counters"]
     last, carried = base.setdefault("last", {}), base.setdefault("carry", {})
     listed = counters.pop("_gpus", None) is not None   # NVML answered: a GPU of the base not listed now is lost
+    for part, values in known.items():
+        if part.startswith("GPU") and part not in counters and listed:
+            counters[part] = {"lost": "no longer listed by NVML (fallen off the bus?)",
+                              "run": _of_run(part, values.get("uuid"), used)}
     for part, values in counters.items():
+        if values.get("lost") and part in known:
+            values = {**known[part], **last.get(part, {}), **values}   # its counters as last read
         if part not in known:
             known[part] = dict(values)   # a part seen for the first time (a port that came up): its base is now
             moved = True
@@ -136,11 +143,6 @@ def _rises(base: dict, counters: dict, now: float, notes: list, used: set | None
         if values.get("lost") and not known[part].get("lost"):
             events.append({"part": part, "counter": "lost", "rise": 1, "now": None, "time": now,
                            "fatal": bool(values.get("run", True)), "text": values["lost"]})
-    for part, values in known.items():
-        if part.startswith("GPU") and part not in counters and listed:
-            events.append({"part": part, "counter": "lost", "rise": 1, "now": None, "time": now,
-                           "fatal": _of_run(part, values.get("uuid"), used),
-                           "text": "no longer listed by NVML (fallen off the bus?)"})
     return events, moved
 
 

@@ -9,27 +9,18 @@ import sys
 import time
 
 from hostsfile import hosts_line
+from ports import is_free, quiet_port
 
 
 def cmd_port(args: list, request: dict) -> dict:
-    """Whether a TCP port is free here, and a free one if not."""
+    """Whether a TCP port is free here, and a free one if not (launchers/ports.py: outside the ephemeral range,
+    where no outgoing connection takes it before torchrun listens)."""
     port = int(args[0])
     if port == 0:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            return {"port": probe.getsockname()[1], "free": True, "asked": 0}
-    with socket.socket() as probe:
-        # torch's TCPStore binds with SO_REUSEADDR, so sockets in TIME_WAIT from a run or a reachability test that
-        # just ended do not stop it; judge the port the same way.
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-            return {"port": port, "free": True, "asked": port}
-        except OSError:
-            pass
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return {"port": probe.getsockname()[1], "free": False, "asked": port}
+        return {"port": quiet_port(), "free": True, "asked": 0}
+    if is_free(port):
+        return {"port": port, "free": True, "asked": port}
+    return {"port": quiet_port(), "free": False, "asked": port}
 
 
 # The listener `listen` starts: a process of its own that accepts and closes connections on the sockets it was

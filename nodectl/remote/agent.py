@@ -39,12 +39,13 @@ def _runctl() -> tuple[bytes, str, str]:
     """runctl's artifact: the package launchers/runctl/, the run folder's layout (launchers/runlayout.py), the
     answers' reader and whole-file writer (launchers/nodeio.py), the pace's reading of the flight recorder
     (launchers/flightpace.py), the table of verbs (launchers/verbs.py), the secret rules (launchers/redaction.py:
-    collect masks what ranks wrote) and the /etc/hosts reader (launchers/hostsfile.py), all but the package imported by the controller too, as one zip with a __main__ (`python -S FILE` runs it); the short hash that names it on the
-    nodes, and its full sha256. Every controller of one version builds the same bytes: entries in order, fixed
-    times and modes, stored uncompressed."""
+    collect masks what ranks wrote), the /etc/hosts reader (launchers/hostsfile.py) and the port picker
+    (launchers/ports.py), all but the package imported by the controller too, as one zip with a __main__
+    (`python -S FILE` runs it); the short hash that names it on the nodes, and its full sha256. Every controller of
+    one version builds the same bytes: entries in order, fixed times and modes, stored uncompressed."""
     launchers = resource_dir("launchers")
     buffer = io.BytesIO()
-    beside = ("runlayout.py", "nodeio.py", "flightpace.py", "verbs.py", "redaction.py", "hostsfile.py")
+    beside = ("runlayout.py", "nodeio.py", "flightpace.py", "verbs.py", "redaction.py", "hostsfile.py", "ports.py")
     entries = [("__main__.py", MAIN), *((name, (launchers / name).read_bytes()) for name in beside),
                *((f"runctl/{path.name}", path.read_bytes()) for path in sorted((launchers / "runctl").glob("*.py")))]
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:

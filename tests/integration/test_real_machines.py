@@ -22,6 +22,7 @@ from support.sshcluster import make_cluster
 from support.cli import run_nodectl
 from support.launch import kill_leftovers, latest_run_id, make_project, run_processes, via_proxycommand, wait_for
 from support.sshcluster import NODE_PYTHON, NodeSpec
+from support.trainer import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +31,6 @@ import json, os, sys
 print("SEEN " + json.dumps({p: os.path.exists(p) for p in sys.argv[1:]}), flush=True)
 print(f"UID {os.getuid()}", flush=True)
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
 
 
 def launch(cluster, project, *args, indices=(0, 1), timeout=180, **inventory):

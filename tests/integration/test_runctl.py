@@ -118,6 +118,26 @@ def test_port_in_time_wait_counts_as_free_like_for_the_tcp_store():
     assert runctl.net.cmd_port([str(port)], {})["free"]
 
 
+def test_a_taken_port_is_replaced_by_one_no_outgoing_connection_can_take_first():
+    """The port offered for a taken one (and for 0) lies outside the kernel's ephemeral range, from which every
+    outgoing connection (the ranks' own) draws: a port from bind(0) was taken before torchrun's store listened."""
+    import ports
+
+    low, high = ports.ephemeral_range()
+    with socket.socket() as holder:
+        holder.bind(("", 0))
+        holder.listen()
+        taken = holder.getsockname()[1]
+        answer = runctl.net.cmd_port([str(taken)], {})
+        chosen = runctl.net.cmd_port(["0"], {})
+    assert answer["free"] is False and answer["asked"] == taken
+    for port in (answer["port"], chosen["port"]):
+        assert not low <= port <= high and port >= ports.LOWEST
+        with socket.socket() as store:     # the store can listen there, on every address
+            store.bind(("", port))
+            store.listen()
+
+
 @pytest.mark.parametrize("unpacker", ["tar", "tarfile"])  # the node's tar, or Python's where it has none
 def test_store_and_run_files_are_private_whatever_the_source_mode(tmp_path, monkeypatch, unpacker):
     import hashlib

@@ -3,18 +3,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from nodectl.resources.launchers.ports import quiet_port
 from support import REPO
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port torchrun's store can take: outside the ephemeral range, from which the ranks' own connections (and
+    every other test's) draw theirs (a port from bind(0) was taken before torchrun listened, in CI)."""
+    return quiet_port()
 
 
 def torchrun(nproc: int, out: Path, demo_cache: Path, *sets: str, timeout: float = 240,

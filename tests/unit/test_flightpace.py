@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from support.trainer import free_port
+
 LAUNCHERS = Path(__file__).resolve().parents[2] / "launchers"
 
 PROGRAM = """\
@@ -36,12 +38,6 @@ dist.destroy_process_group()
 @pytest.fixture
 def runctl_path(monkeypatch):
     monkeypatch.syspath_prepend(str(LAUNCHERS))   # runctl, runlayout, nodeio, flightpace: as in runctl's artifact
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def wait_for(predicate, what: str, seconds: float = 60):

@@ -130,6 +130,27 @@ def test_a_gpu_lost_or_gone_from_the_list_is_fatal_on_a_gpu_run_and_only_named_o
     assert [(e.part, e.fatal) for _, e in events] == [("GPU 1", False)], "a CPU run's node: its GPUs are not the run's"
 
 
+def test_a_gpu_lost_before_the_watch_reads_again_still_tells_what_a_look_between_saw_rise(node):
+    """The watch reads every 5 s; a `status` between two of its reads saw GPU 1's corrected ECC errors rise, then
+    the GPU fell off the bus. The watch's next read cannot read the counters of a lost GPU: it tells the rise as
+    last read with the loss. A GPU gone from NVML's list the same."""
+    stream = hardware.look(node["run"], time.time(), stream=True)
+    assert stream["events"] == []
+    _set(node, 1, ecc_corrected=5)
+    _set(node, 0, ecc_corrected=6)
+    events, _ = _answer(node)      # status, between two reads of the watch
+    assert {(e.part, e.counter, e.rise) for _, e in events} == {("GPU 1", "corrected ECC errors", 5),
+                                                                 ("GPU 0", "corrected ECC errors", 2)}
+    _set(node, 1, lost=True)
+    node["gpus"].pop(0)            # and GPU 0 is gone from the list
+    node["nvml"].write_text(json.dumps({"gpus": node["gpus"]}))
+    later = hardware.look(node["run"], time.time() + hardware.EVERY, stream=True)
+    told = {(e["part"], e["counter"], e["rise"], e["fatal"]) for e in later["events"]}
+    assert told == {("GPU 1", "corrected ECC errors", 5, False), ("GPU 1", "lost", 1, True),
+                    ("GPU 0", "corrected ECC errors", 2, False), ("GPU 0", "lost", 1, True)}, told
+    hardware.close(node["run"])
+
+
 def test_a_counter_that_goes_back_is_a_reset_said_once_and_counted_from_there(node):
     (node["counters"] / "link_downed").write_text("4\n")
     events, look = _answer(node)
