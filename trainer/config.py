@@ -107,6 +107,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     make_room: bool = False            # a checkpoint that would not fit drops the oldest kept ones first (never the
                                        # newest complete one); without it the trainer says so before it writes
+    async_checkpoint: bool | str = "auto"  # write checkpoints in the background: training waits only while the state
+                                       # is copied to (pinned) host memory; auto: on GPUs, where that copy is fast;
+                                       # falls back to writing while training waits where host memory is short
     resume: str = "auto"               # auto: the latest complete checkpoint in the output folder; none; or a path
     early_stop_patience: int = 0       # stop after this many evaluations without improvement; 0: never
     early_stop_min_delta: float = 0.0
@@ -163,6 +166,14 @@ def _coerce(section: str, spec: dataclasses.Field, value: Any) -> Any:
         if 0.0 <= share <= 1.0:
             return share
         raise ConfigError(f"{key}: expected true, false, a share of the layers from 0 to 1 or auto, got {value!r}")
+    if kind == "bool | str":    # a switch or auto
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
+            return value.lower() in ("true", "yes")
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key}: expected true, false or auto, got {value!r}")
     if kind == "bool":
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")

@@ -263,6 +263,7 @@ def _loop(recipe: Recipe, ctx: Context, model, parallel: Parallel, examples, tok
         logged = logger.after(done, last)
         # after the record: a logging step's heartbeat carries its own loss; data_s: the pace's data-wait share
         reporter.heartbeat(done, data_s=round(batches.waited, 4))
+        checkpointer.poll()
         evaluates, saves = evaluator.due(done), checkpointer.every(done) or adapters.due(done)
         if (evaluates or saves) and logger.steps and ctx.on_gpu:
             torch.cuda.synchronize(ctx.device)  # queued training work belongs to the window, not to the aside
@@ -384,30 +385,109 @@ class Checkpointer:
         self.recipe, self.ctx, self.model, self.parallel, self.optimizer = recipe, ctx, model, parallel, optimizer
         self.out_dir, self.saved_at, self.reporter = out_dir, start_step, reporter
         self.timed, self.term = Deadline(recipe.train.checkpoint_minutes, ctx), TermRequest()
+        self.background: resume.Background | None = None   # train.async_checkpoint's writer, from the first save
+        self.decided = False
+        self.told: dict[int, object] = {}   # step -> the reporter its record goes to (checkpoint_every's), or None
 
     def every(self, done: int) -> bool:
         return bool(self.recipe.train.checkpoint_every) and done % self.recipe.train.checkpoint_every == 0
 
     def asked(self, logging_step: bool) -> tuple[bool, bool]:
-        """(a timed checkpoint is due, a rank was asked to stop): one small collective, at logging steps only."""
-        return self.timed.check(self.term.asked) if logging_step else (False, False)
+        """(a timed checkpoint is due, a rank was asked to stop): one small collective, at logging steps only; it
+        also carries whether a background write failed on some rank, which every rank then raises at once."""
+        if not logging_step:
+            return False, False
+        due, stop, failed = self.timed.check(self.term.asked, bool(self.background and self.background.failed))
+        if failed:
+            self.finish()
+            raise resume.CheckpointError("a checkpoint written in the background failed on another rank; the "
+                                         "previous complete checkpoint is intact: free space, then resume")
+        return due, stop
 
     def after(self, done: int, due: bool, stopping: bool) -> None:
         every = self.every(done)
         if every or due or (stopping and done > self.saved_at):
             self._save(done, self.reporter if every else None)   # checkpoint_every's: an event in metrics.jsonl
+        if stopping:
+            self.finish()   # the stop's checkpoint is complete before the rank exits
 
     def at_end(self, step: int) -> None:
         """The end too: a finished run can be trained further (launch --resume RUN --set train.steps=MORE), and a
-        restart after a failure past the last timed checkpoint loses nothing."""
+        restart after a failure past the last timed checkpoint loses nothing. A write still going is waited for."""
         if step > self.saved_at and (self.recipe.train.checkpoint_minutes or self.recipe.train.checkpoint_every):
             self._save(step, None)
+        self.finish()
+
+    def poll(self) -> None:
+        """After each step: a background write that ended is told (no collective). One that failed is left for the
+        next logging step, where every rank learns it together."""
+        if not self.decided:
+            self._in_background()
+        if self.background is not None and not self.background.failed:
+            self._told(self.background.finished())
+
+    def finish(self) -> None:
+        if self.background is not None:
+            began = time.perf_counter()
+            self.background.wait()
+            self.reporter.phase("checkpoint_s", time.perf_counter() - began)
+            self._told(self.background.finished())
 
     def _save(self, step: int, reporter) -> None:
         began = time.perf_counter()
-        _checkpoint(self.recipe, self.ctx, self.model, self.parallel, self.optimizer, step, self.out_dir, reporter)
+        if self._in_background():
+            self.background.wait()                    # at most one in flight: its pinned buffers are reused
+            self._told(self.background.finished())
+            staged = resume.stage(self.model, self.optimizer, step, self.out_dir / "checkpoints", self.ctx.device,
+                                  self.recipe.train.keep_checkpoints, extra={"schedule_steps": self.recipe.train.steps},
+                                  layout=self.parallel.layout, make_room=self.recipe.train.make_room,
+                                  host=self.background.host)
+            self.told[step] = reporter
+            self.background.start(staged)
+        else:
+            _checkpoint(self.recipe, self.ctx, self.model, self.parallel, self.optimizer, step, self.out_dir,
+                        reporter)
+            self._foresee()
         self.reporter.phase("checkpoint_s", time.perf_counter() - began)   # training waited this long
         self.saved_at, self.timed = step, Deadline(self.recipe.train.checkpoint_minutes, self.ctx)
+
+    def _in_background(self) -> bool:
+        """train.async_checkpoint, decided after the first step (the optimizer's state exists then) by every rank
+        alike: on (or auto on GPUs) where each node's host memory holds its ranks' staged state twice over, the
+        pinned buffers then allocated in a thread while training goes on; else said once, and written while
+        training waits."""
+        if not self.decided:
+            self.decided = True
+            wanted = self.recipe.train.async_checkpoint
+            if wanted is True or (wanted == "auto" and self.ctx.on_gpu):
+                need = resume.staging_bytes(self.model, self.optimizer)
+                fits, said = resume.fits_in_host_memory(need, self.ctx.device)
+                if fits:
+                    self.background = resume.Background()
+                    self.background.host.reserve(self.model, self.optimizer)
+                elif self.ctx.rank == 0:
+                    print(f"train.async_checkpoint: the staged checkpoint ({said}) does not fit host memory twice "
+                          f"over; checkpoints are written while training waits", flush=True)
+        return self.background is not None
+
+    def _told(self, ended) -> None:
+        """A background write that ended: its record or line, and the disk foresight; its failure is raised."""
+        if ended is None:
+            return
+        staged, path, error, seconds = ended
+        reporter = self.told.pop(staged.step, None)
+        if error:
+            raise resume.CheckpointError(error)
+        size = sum(f.stat().st_size for f in path.glob("rank*.pt"))
+        if reporter is not None:
+            reporter.event({"step": staged.step, "checkpoint_s": round(staged.staged_s, 3),
+                            "checkpoint_write_s": round(seconds, 3), "checkpoint_bytes_node": size})
+        elif self.ctx.rank == 0:
+            print(f"checkpoint at step {staged.step} written in {seconds:.2f}s beside training (training waited "
+                  f"{staged.staged_s:.2f}s): {path}", flush=True)
+        self._foresee()
+
+    def _foresee(self) -> None:
         if int(os.environ.get("LOCAL_RANK", self.ctx.rank)) == 0:   # each node of its own disk: will the next fit?
             ahead = resume.foresee(self.out_dir / "checkpoints", self.recipe.train.make_room)
             if ahead:
@@ -468,13 +548,15 @@ class Deadline:
     def __init__(self, minutes: float, ctx: Context) -> None:
         self.minutes, self.ctx, self.started = minutes, ctx, time.monotonic()
 
-    def check(self, stop_asked: bool) -> tuple[bool, bool]:
-        """(a timed checkpoint is due, a rank was asked to stop)."""
+    def check(self, stop_asked: bool, failed: bool = False) -> tuple[bool, bool, bool]:
+        """(a timed checkpoint is due, a rank was asked to stop, a background checkpoint write failed)."""
         due = bool(self.minutes) and self.ctx.rank == 0 and time.monotonic() - self.started >= self.minutes * 60
-        flags = torch.tensor([1.0 if due else 0.0, 1.0 if stop_asked else 0.0], device=self.ctx.device)
+        flags = torch.tensor([1.0 if due else 0.0, 1.0 if stop_asked else 0.0, 1.0 if failed else 0.0],
+                             device=self.ctx.device)
         if self.ctx.world > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        return bool(flags[0].item()), bool(flags[1].item())
+        due, stop, failed = flags.tolist()
+        return bool(due), bool(stop), bool(failed)
 
 
 def _checkpoint(recipe: Recipe, ctx: Context, model, parallel: Parallel, optimizer, step: int, out_dir: Path,

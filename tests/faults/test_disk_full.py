@@ -18,7 +18,7 @@ import pytest
 from nodectl.remote.collect import unpack
 from nodectl.resources import resource_dir
 from support.cli import run_nodectl
-from support.trainer import torchrun
+from support.trainer import metrics, torchrun
 
 sys.path.insert(0, str(resource_dir("launchers")))
 import runctl  # noqa: E402
@@ -77,6 +77,25 @@ def test_disk_full_in_a_checkpoint_keeps_the_previous_one(demo_cache, small_disk
     resumed = torchrun(2, out, demo_cache, *common)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert f"resuming at step {int(complete[-1].split('-')[1])}" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_a_disk_that_fills_during_a_background_write_is_named_and_every_rank_stops(demo_cache, small_disk):
+    """train.async_checkpoint: the first checkpoint (nothing foreseen yet) fills the disk in the writing thread;
+    every rank learns it at the next logging step and the run ends with the figures, no half checkpoint left."""
+    disk = small_disk("300k")
+    out = disk / "out"
+    full = torchrun(2, out, demo_cache, "train.steps=12", "train.log_every=1", "train.checkpoint_every=4",
+                    "train.async_checkpoint=true", "train.collective_timeout_s=60", timeout=180)
+    output = full.stdout + full.stderr
+    assert full.returncode != 0, output[-3000:]
+    assert re.search(r"checkpoint error: (rank \d+: )?(checkpoint at step 4 could not be written to \S+ \()?rank \d+: "
+                     r"no space left on node \S+ for the checkpoint at step 4: [0-9.]+ MB free under \S+ once "
+                     r"[0-9.]+ MB of it were written", output), output[-3000:]
+    assert "the previous complete checkpoint is intact" in output and " failed:\n" not in output, output[-3000:]
+    assert not list((out / "checkpoints").glob("*ckpt-*")), "nothing of the failed checkpoint is left"
+    steps = [m["step"] for m in metrics(out) if "loss" in m]
+    assert max(steps) < 12, "the run stopped on it"
 
 
 @pytest.mark.slow

@@ -60,6 +60,32 @@ def test_recipe_errors_name_the_key(tmp_path):
     assert recipe.train.steps == 3 and recipe.lora.target_modules == ("q_proj", "v_proj")
 
 
+def test_async_checkpoint_takes_a_switch_or_auto_and_refuses_what_host_memory_cannot_hold(monkeypatch):
+    """train.async_checkpoint: true, false or auto, anything else a recipe error; the staged state of a node's ranks
+    must fit its available memory twice over, agreed by every rank, and says its figures either way."""
+    import torch
+    import torch.distributed as dist
+
+    load = trainer_module("config").load_recipe
+    assert load(None, []).train.async_checkpoint == "auto"
+    assert load(None, ["train.async_checkpoint=false"]).train.async_checkpoint is False
+    assert load(None, ["train.async_checkpoint=true"]).train.async_checkpoint is True
+    with pytest.raises(config.ConfigError, match="train.async_checkpoint: expected true, false or auto, got 'later'"):
+        load(None, ["train.async_checkpoint=later"])
+
+    resume = trainer_module("resume")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setattr(resume, "_available_memory", lambda: 100 * 10**9)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert resume.fits_in_host_memory(6 * 10**9, torch.device("cpu")) == (
+            True, "48.00 GB per node against 100.00 GB available")
+        assert resume.fits_in_host_memory(7 * 10**9, torch.device("cpu")) == (
+            False, "56.00 GB per node against 100.00 GB available")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_activation_checkpointing_takes_a_switch_or_a_share_of_layers():
     model_cfg = trainer_module("config").load_recipe
     assert model_cfg(None, ["model.activation_checkpointing=false"]).model.activation_checkpointing is False
