@@ -162,7 +162,75 @@ def render(data: dict, out: Path) -> list[Path]:
     figure("gpu_utilisation", "GPU utilisation", "%", util, from_zero=True)
     if _pace_figure(plt, data.get("pace") or [], out / "pace.png"):
         written.append(out / "pace.png")
+    if _timeline_figure(plt, data.get("goodput"), metrics, out / "timeline.png"):
+        written.append(out / "timeline.png")
     return written
+
+
+# the timeline's spans: (what, colour), in the order a legend lists them
+SPANS = (("set-up", "tab:blue"), ("start-up", "tab:grey"), ("training", "tab:green"), ("work redone", "tab:olive"),
+         ("failed, not yet noticed", "tab:red"), ("restarting", "tab:orange"))
+
+
+def _timeline_figure(plt, spent: dict | None, metrics: list[dict], path: Path) -> bool:
+    """The run at a glance (nodectl/goodput.py's ledger): a row per attempt, its set-up, start-up, training (the
+    work done again after a restart over it), the failure and the time until nodectl noticed it, the restart; a
+    tick at each checkpoint; the goodput and its lost time by kind in the title."""
+    attempts = [a for a in (spent or {}).get("attempts") or [] if isinstance(a, dict) and _number(a.get("started"))
+                and _number(a.get("ended"))]
+    if not attempts:
+        return False
+    launched = attempts[0]["started"] - float((spent.get("lost_s") or {}).get("set-up") or 0.0)
+    fig, axis = plt.subplots(figsize=(9, 1.4 + 0.6 * len(attempts)), dpi=100)
+    used = set()
+
+    def bar(row: int, begin, end, what: str) -> None:
+        if not (_number(begin) and _number(end)) or end <= begin:
+            return
+        colour = dict(SPANS)[what]
+        axis.barh(row, end - begin, left=begin - launched, height=0.5, color=colour,
+                  label=what if what not in used else None)
+        used.add(what)
+
+    for row, attempt in enumerate(attempts):
+        began, first, ended = attempt["started"], attempt.get("first_step"), attempt["ended"]
+        failed, noticed = attempt.get("failed"), attempt.get("noticed")
+        if row == 0:
+            bar(row, launched, began, "set-up")
+        stop = min(x for x in (failed, noticed, ended) if _number(x))
+        bar(row, began, first if _number(first) else stop, "start-up")
+        if _number(first):
+            bar(row, first, stop, "training")
+            redone = attempt.get("redone_s")
+            if _number(redone) and redone > 0:   # the steps done again, from the checkpoint it went on from
+                bar(row, first, min(stop, first + redone), "work redone")
+        if _number(failed) and _number(noticed):
+            bar(row, failed, noticed, "failed, not yet noticed")
+        if _number(noticed) and row + 1 < len(attempts):
+            bar(row, noticed, attempts[row + 1]["started"], "restarting")
+    times = {r["step"]: r["time"] for r in metrics if isinstance(r.get("step"), int) and _number(r.get("time"))}
+    saved = [times[r["step"]] for r in metrics if _number(r.get("checkpoint_s")) and r.get("step") in times]
+    for when in saved:
+        row = next((i for i, a in enumerate(attempts) if a["started"] <= when <= a["ended"]), None)
+        if row is not None:
+            axis.plot([when - launched] * 2, [row - 0.3, row + 0.3], color="black", linewidth=1.2,
+                      label="checkpoint" if "checkpoint" not in used else None)
+            used.add("checkpoint")
+    axis.set_yticks(range(len(attempts)), [f"attempt {a.get('attempt', i)}" for i, a in enumerate(attempts)])
+    axis.invert_yaxis()
+    axis.set_xlabel("seconds since the launch")
+    share, lost = spent.get("goodput"), spent.get("lost_s") or {}
+    named = sorted(((k, v) for k, v in lost.items() if _number(v) and v >= 0.5), key=lambda kv: -kv[1])
+    title = f"goodput {share * 100:.0f}%" if _number(share) else "goodput unknown"
+    if named:
+        title += "; lost " + ", ".join(f"{k} {v:.0f}s" for k, v in named[:5])
+    axis.set_title(title, fontsize=9)
+    axis.grid(alpha=0.3, axis="x")
+    axis.legend(fontsize=7, ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(attempts) < 3 else -0.15))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
 
 
 def _pace_figure(plt, windows: list[dict], path: Path) -> bool:

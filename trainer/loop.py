@@ -442,6 +442,7 @@ class Checkpointer:
                                   self.recipe.train.keep_checkpoints, extra={"schedule_steps": self.recipe.train.steps},
                                   layout=self.parallel.layout, make_room=self.recipe.train.make_room,
                                   host=self.background.host)
+            staged.staged_s = time.perf_counter() - began   # what training waited: the write before, the staging
             self.told[step] = reporter
             self.background.start(staged)
         else:

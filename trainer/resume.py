@@ -211,7 +211,7 @@ class Staged:
     replica: dict | None      # the whole copy, on each node's first rank
     complete: dict            # what COMPLETE says
     keep_last: int
-    staged_s: float           # how long training waited to stage it
+    staged_s: float           # how long training waited for it (Checkpointer adds the wait for the write before)
 
     @property
     def tmp(self) -> Path:

@@ -65,3 +65,14 @@ def test_a_restarted_runs_seconds_add_up_and_each_injected_delay_is_found_in_its
     assert listed[-1]["goodput"]["goodput"] == spent["goodput"]
     table = run_nodectl(["runs"], env={**env, "COLUMNS": "200"}, cwd=project).stdout
     assert f"{spent['goodput'] * 100:.0f}%" in table and f"{run_id} lost " in table, table
+    # report draws it: the attempts, the failure, the restart, the work redone (after collect, like every report);
+    # a plain script's end is the run's, not "unknown"
+    assert run_nodectl(["collect", "--run", run_id], env=env, cwd=project).exit_code == 0
+    drawn = run_nodectl(["--json", "report", "--run", run_id], env=env, cwd=project)
+    assert drawn.exit_code == 0, drawn.output[-2000:]
+    assert any(p.endswith("timeline.png") for p in drawn.json()["plots"]), drawn.json()
+    assert drawn.json()["summary"]["goodput"]["goodput"] == spent["goodput"]
+    assert drawn.json()["summary"]["end_reason"] == "succeeded", drawn.json()["summary"]
+    said = run_nodectl(["report", "--run", run_id], env=env, cwd=project).stdout
+    assert f"goodput {spent['goodput'] * 100:.0f}%; lost " in said and "attempt 1: succeeded; went on from step 30" \
+        in said, said

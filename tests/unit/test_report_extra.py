@@ -115,3 +115,52 @@ def test_rank_written_files_that_lie_cost_their_rows_never_the_report(tmp_path):
     summary = report.summarise(data)
     assert summary["steps"] == 2 and summary["first_loss"] == 2.5 and summary["last_loss"] == 2.0
     assert summary["end_reason"] == "unknown"
+
+
+def test_the_timeline_shows_each_attempt_its_failure_the_restart_and_the_checkpoints(tmp_path, monkeypatch):
+    """timeline.png, from the goodput ledger (nodectl/goodput.py): a row per attempt with its set-up, start-up,
+    training, the failure until nodectl noticed it and the restart; a tick per checkpoint on the attempt it fell in;
+    the goodput and the lost time by kind in the title."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.figure
+
+    from nodectl import goodput, report
+
+    entries = [{"time": 1000.0, "what": "launch", "attempt": 0}, {"time": 1010.0, "what": "started", "attempt": 0},
+               {"time": 1030.0, "what": "first step", "attempt": 0, "step": 1},
+               {"time": 1032.0, "what": "beat", "attempt": 0, "step": 1},
+               {"time": 1098.0, "what": "beat", "attempt": 0, "step": 34},    # 2 s a step
+               {"time": 1100.0, "what": "failed", "attempt": 0, "kind": "rank"},
+               {"time": 1103.0, "what": "noticed", "attempt": 0},
+               {"time": 1110.0, "what": "started", "attempt": 1},
+               {"time": 1110.0, "what": "continuing", "attempt": 1, "checkpoint": 30, "reached": 35},
+               {"time": 1125.0, "what": "first step", "attempt": 1, "step": 31}]
+    spent = goodput.ledger(entries, now=1200.0, ended=1200.0)
+    metrics = [{"step": s, "loss": 1.0, "time": 1030.0 + 2 * s} for s in range(1, 36)]
+    metrics += [{"step": s, "checkpoint_s": 0.5} for s in (10, 20, 30)]
+    seen = {}
+    real_savefig = matplotlib.figure.Figure.savefig
+
+    def remember(fig, path, *args, **kwargs):
+        axis = fig.axes[0]
+        seen[path.stem] = {"title": axis.get_title(), "rows": [t.get_text() for t in axis.get_yticklabels()],
+                           "legend": [t.get_text() for t in axis.get_legend().get_texts()],
+                           "bars": [(round(p.get_x(), 1), round(p.get_width(), 1)) for p in axis.patches],
+                           "ticks": [line.get_xdata()[0] for line in axis.get_lines()]}
+        return real_savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", remember)
+    written = report.render({"metrics": metrics, "timing": {}, "telemetry": {}, "goodput": spent.to_json()},
+                            tmp_path / "report")
+    assert tmp_path / "report" / "timeline.png" in written
+    shown = seen["timeline"]
+    assert shown["rows"] == ["attempt 0", "attempt 1"]
+    assert sorted(shown["legend"]) == sorted(["set-up", "start-up", "training", "work redone",
+                                              "failed, not yet noticed", "restarting", "checkpoint"])
+    # seconds since the launch: set-up 0-10, start-up 10-30, training 30-100, noticed at 103, restarted at 110
+    # and attempt 1 did steps 31-35 again (5 steps of attempt 0's 2 s each) from 125
+    assert {(0.0, 10.0), (10.0, 20.0), (30.0, 70.0), (100.0, 3.0), (103.0, 7.0), (110.0, 15.0),
+            (125.0, 10.0)} <= set(shown["bars"]), shown["bars"]
+    assert sorted(shown["ticks"]) == [50.0, 70.0, 90.0]   # steps 10, 20, 30 of attempt 0
+    assert shown["title"].startswith(f"goodput {spent.share * 100:.0f}%; lost ") and "start-up" in shown["title"]
