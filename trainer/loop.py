@@ -461,8 +461,8 @@ class Checkpointer:
             self.decided = True
             wanted = self.recipe.train.async_checkpoint
             if wanted is True or (wanted == "auto" and self.ctx.on_gpu):
-                need = resume.staging_bytes(self.model, self.optimizer)
-                fits, said = resume.fits_in_host_memory(need, self.ctx.device)
+                fits, said = resume.fits_in_host_memory(*resume.staging_bytes(self.model, self.optimizer),
+                                                        self.ctx.device)
                 if fits:
                     self.background = resume.Background()
                     self.background.host.reserve(self.model, self.optimizer)

@@ -162,15 +162,15 @@ def _tensor_bytes(value) -> int:
     return 0
 
 
-def staging_bytes(model: nn.Module, optimizer) -> int:
-    """The host memory one save of this rank stages: its shards and optimizer state, and the whole copy where it is
-    its node's first rank."""
+def staging_bytes(model: nn.Module, optimizer) -> tuple[int, int]:
+    """The host memory one save stages: (this rank's shards and optimizer state, the whole copy that each node's
+    first rank keeps besides)."""
     trainable = [p for p in model.named_parameters() if p[1].requires_grad]
     local = sum(_tensor_bytes(p.to_local() if hasattr(p, "to_local") else p) for _, p in trainable)
     states = optimizer.state_dict()["state"].values()
     local += sum(_tensor_bytes(v.to_local() if hasattr(v, "to_local") else v) for s in states for v in s.values())
     whole = sum(p.numel() * p.element_size() for _, p in trainable) * 3   # params, Adam's two moments, whole
-    return local + (whole if int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0 else 0)
+    return local, whole
 
 
 def _bytes(path: Path) -> int:
@@ -364,10 +364,11 @@ class Background:
             self._thread.join()
 
 
-def fits_in_host_memory(need: int, device: torch.device) -> tuple[bool, str]:
+def fits_in_host_memory(local: int, whole: int, device: torch.device) -> tuple[bool, str]:
     """Whether every node holds its ranks' staged checkpoints in memory (pinned, kept between saves) with room to
-    spare: (the answer, agreed by every rank; the figures of this node)."""
-    per_node = need * int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    spare: each rank's `local` part and one `whole` copy per node. (The answer, agreed by every rank; the figures
+    of this node.)"""
+    per_node = local * int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) + whole
     available = _available_memory()
     ok = available is None or per_node <= 0.5 * available
     agreed = torch.tensor([1.0 if ok else 0.0], device=device)

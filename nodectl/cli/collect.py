@@ -41,7 +41,11 @@ def command(app: AppContext, run_id: str | None, paths: tuple[str, ...], from_st
         if not path or path.startswith(("/", "~")) or ".." in parts:
             raise UsageError(f"--path {path!r}: name a path inside the run folder, relative to it (code/out)")
     run = opened(app, run_id)
-    run_nodes = {rn.node.name: rn for rn in run.nodes()}
+    current = {rn.node.name for rn in run.nodes()}
+    run_nodes: dict = {}
+    for rn in run.nodes(left_out=True):   # a node a restart left out holds the attempts it ran: its logs too
+        run_nodes.setdefault(rn.node.name, rn)
+    left = set(run_nodes) - current
     with app.cluster_for(run_nodes.values()) as cluster, \
             app.node_progress("collecting", len(run_nodes)) as advance:
         results = cluster.fan_out(
@@ -64,13 +68,29 @@ def command(app: AppContext, run_id: str | None, paths: tuple[str, ...], from_st
                     app.err.print(f"[yellow]{escape(result.node.name)}[/]: {len(names)} entr"
                                   f"{'y' if len(names) == 1 else 'ies'} {what}: "
                                   + ", ".join(escape(visible(n, colour=False)) for n in names[:5]))
+        elif result.node.name in left:
+            app.err.print(f"[yellow]{escape(result.node.name)}[/] (left out of the run by a restart): its files "
+                          f"could not be brought ({escape(result.said.partition(': ')[2])}); "
+                          f"{escape(_later(run, result.node.name))}")
         else:
             app.err.print(f"[red]{escape(result.node.name)}[/]: {escape(result.said.partition(': ')[2])}")
     if app.json:
         app.emit_json({"run_id": run.run_id, "folder": str(run.folder / "nodes"),
-                       "nodes": {r.node.name: asdict(r.value) if r.ok else {"error": r.error} for r in results}})
-    if exit_code_for(results):
-        raise SystemExit(exit_code_for(results))
+                       "nodes": {r.node.name: asdict(r.value) if r.ok else {"error": r.error} for r in results},
+                       "left_out": {r.node.name: None if r.ok else {"error": r.error, "later": _later(run, r.node.name)}
+                                    for r in results if r.node.name in left}})
+    # a left-out node out of reach is said, not failed: it was left out because it failed
+    code = exit_code_for([r for r in results if r.node.name not in left])
+    if code:
+        raise SystemExit(code)
+
+
+def _later(run, node: str) -> str:
+    """How to get a left-out node's files once it answers again (or from the bucket its uploader sent to)."""
+    said = f"when {node} answers again: nodectl collect --run {run.run_id}"
+    if run.read().plan.outputs is not None:
+        said += f"; what its uploader sent is in the bucket: nodectl collect --run {run.run_id} --from-store"
+    return said
 
 
 def _from_store(app: AppContext, run) -> None:

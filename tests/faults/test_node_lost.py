@@ -66,6 +66,13 @@ def test_a_killed_node_is_left_out_and_the_run_goes_on_from_its_checkpoint(names
         # a cut link answers nothing (no refusal): lost after --lost-after 10 s of silence with its SSH port silent
         # too (knocked every 5 s, 3 s each), and node0's ranks stopped, before attempt 1 began
         assert manifest["attempts"][0]["ended"] - cut < 10 + 5 + 3 + 10
+        # collect brings node0's files, says node1's could not come and how to get them later, and succeeds
+        got = run_nodectl(["-i", inventory, "--connect-timeout", "3", "collect", "--run", run_id], env=env,
+                          cwd=project, timeout=120)
+        assert got.exit_code == 0, got.output
+        assert "node1 (left out of the run by a restart): its files could not be brought (" in got.stderr and \
+            f"when node1 answers again: nodectl collect --run {run_id}" in got.stderr, got.output
+        assert (project / "runs" / run_id / "nodes" / "node0" / "output" / "metrics.jsonl").is_file()
         # node1 comes back with attempt 0's ranks still running there (they never saw the stop): `stop` reaches
         # them through the manifest's left-out nodes, and nothing of the run is left anywhere
         sh("ip", "link", "set", "ncnsh1", "up")
@@ -74,6 +81,9 @@ def test_a_killed_node_is_left_out_and_the_run_goes_on_from_its_checkpoint(names
                               timeout=120)
         assert stopped.exit_code == 0, stopped.output
         assert run_processes(run_id) == []
+        again = run_nodectl(["-i", inventory, "--json", "collect", "--run", run_id], env=env, cwd=project, timeout=120)
+        assert again.exit_code == 0 and again.json()["left_out"] == {"node1": None}, again.output
+        assert (project / "runs" / run_id / "nodes" / "node1" / "logs" / "rank1.log").is_file()   # attempt 0's
     finally:
         controller.kill()
         subprocess.run(["ip", "link", "set", "ncnsh1", "up"], capture_output=True)
