@@ -306,14 +306,17 @@ def test_a_scripts_relative_output_dir_comes_home_with_collect(project):
 
 def test_stop_lets_the_trainer_checkpoint_and_resume_continues_from_there(project, demo_cache):
     """`nodectl stop` sends SIGTERM: the built-in trainer checkpoints at its next logging step (every rank agrees
-    there) and exits; `launch --resume` then continues from that step, with no checkpoint setting in the recipe."""
+    there) and exits; `launch --resume` then continues from that step, with no checkpoint setting in the recipe.
+    The checkpoint is written in the background (train.async_checkpoint), each write slowed to 2 s: the ranks exit
+    only once it is complete."""
     import re
 
     (project / "demo.yaml").write_text(f"nodes:\n  - {{host: localhost, transport: local, device: cpu, gpus: 2, "
-                                       f"env: {{NODECTL_DEMO_CACHE: '{demo_cache}'}}}}\n")
+                                       f"env: {{NODECTL_DEMO_CACHE: '{demo_cache}', "
+                                       f"NODECTL_TEST_SLOW_CHECKPOINT_WRITE: '2'}}}}\n")
     env = env_for(project)
     started = run_nodectl(["launch", "-i", "demo.yaml", "--skip-preflight", "--detach", "--set", "train.steps=100000",
-                           "--set", "train.log_every=2"], env=env, cwd=project)
+                           "--set", "train.log_every=2", "--set", "train.async_checkpoint=true"], env=env, cwd=project)
     assert started.exit_code == 0, started.stderr
     run_id = run_nodectl(["runs", "--json"], env=env, cwd=project).json()["runs"][-1]["run_id"]
 

@@ -4,6 +4,7 @@ SSH nodes)."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 import pytest
@@ -25,29 +26,47 @@ def qwen3_moe(tmp_path_factory, demo_cache):
 
 def test_every_layout_trains_to_fsdps_losses_and_sends_what_it_says(tmp_path, demo_cache, qwen3_moe):
     """2 "nodes" x 2 gloo ranks (two torchrun agents, one rendezvous, each node its own output folder): the base
-    replicated, sharded inside each node (HSDP), and the experts split inside each node log FSDP's losses step
-    for step (the experts over all four ranks: the isolated-nodes test above). Each run counts what step 3's collectives send; the figure
-    matches the layout's own (ring accounting), and what crosses the node boundary under the layouts that keep
-    the all-gathers inside a node is under a quarter of FSDP's."""
+    sharded inside each node (HSDP) and the experts split inside each node log FSDP's losses step for step (the
+    experts over all four ranks: the isolated-nodes test above); the base replicated goes on from FSDP's step-4
+    checkpoint (read through its whole-state copy: another layout) and logs FSDP's steps 5 and 6. Each run counts
+    what one step's collectives send; the figure matches the layout's own (ring accounting), and what crosses the
+    node boundary under the layouts that keep the all-gathers inside a node is under a quarter of FSDP's."""
     common = [f"model.path={qwen3_moe}", f"data.path={qwen3_moe / 'train.jsonl'}",
-              "data.max_length=48", "train.steps=4", "train.log_every=1", "train.lr=0.01", "train.traffic_at=3",
+              "data.max_length=48", "train.steps=6", "train.log_every=1", "train.lr=0.01", "train.traffic_at=3",
+              "train.checkpoint_every=4",
               # 5 held-out rows over 4 ranks: ranks short of rows fill their eval batches (the gathered expert
               # exchange needs every rank's batch of one shape)
               "data.eval_holdout=5", "train.eval_every=2"]
     losses, traffic, evals = {}, {}, {}
-    for name in ("fsdp", "replicate", "hsdp", "expert"):
+
+    def trained(name: str, *extra: str) -> list:
         out = tmp_path / name
-        procs = torchrun_nodes(2, 2, out, demo_cache, *common, f"model.parallelism={name}")
+        procs = torchrun_nodes(2, 2, out, demo_cache, *common, *extra, f"model.parallelism={name}")
         assert all(p.returncode == 0 for p in procs), "\n".join(p.stderr[-2000:] for p in procs)
         assert f"layout: {name} over 2 node(s) x 2 (forced by model.parallelism)" in procs[0].stdout
         records = metrics(out / "node0")
-        losses[name] = [m["loss"] for m in records if "loss" in m]
-        evals[name] = [m["eval_loss"] for m in records if "eval_loss" in m]
+        losses[name] = {m["step"]: m["loss"] for m in records if "loss" in m}
+        evals[name] = {m["step"]: m["eval_loss"] for m in records if "eval_loss" in m}
         traffic[name] = next(m for m in records if m.get("event") == "traffic")
-    assert len(losses["fsdp"]) == 4 and losses["fsdp"][-1] < 0.9 * losses["fsdp"][0]
-    for name, curve in losses.items():
-        assert max(abs(a - b) for a, b in zip(curve, losses["fsdp"])) < 1e-4, (name, curve, losses["fsdp"])
-        assert len(evals[name]) == 2 and max(abs(a - b) for a, b in zip(evals[name], evals["fsdp"])) < 1e-4, evals
+        return procs
+
+    for name in ("fsdp", "hsdp", "expert"):
+        trained(name)
+    # FSDP's step-4 checkpoint, on each node, continued with the base replicated
+    for node in ("node0", "node1"):
+        shutil.copytree(tmp_path / "fsdp" / node / "checkpoints" / "ckpt-0000004",
+                        tmp_path / "replicate" / node / "checkpoints" / "ckpt-0000004")
+    procs = trained("replicate", "train.traffic_at=5")
+    assert "resuming at step 4" in procs[0].stdout
+    assert "(layout fsdp 2x2 -> replicate 2x2)" in procs[0].stdout
+
+    fsdp = losses["fsdp"]
+    assert sorted(fsdp) == [1, 2, 3, 4, 5, 6] and fsdp[6] < 0.9 * fsdp[1]
+    assert sorted(losses["replicate"]) == [5, 6] and sorted(evals["replicate"]) == [6]
+    for name in ("hsdp", "expert", "replicate"):
+        assert max(abs(loss - fsdp[step]) for step, loss in losses[name].items()) < 1e-4, (name, losses[name], fsdp)
+        assert max(abs(loss - evals["fsdp"][step]) for step, loss in evals[name].items()) < 1e-4, evals
+    assert sorted(evals["fsdp"]) == sorted(evals["hsdp"]) == sorted(evals["expert"]) == [2, 4, 6], evals
     for name in ("fsdp", "replicate", "hsdp"):  # full rows aside (the exchange's share follows real tokens)
         for kind in ("intra", "inter"):
             counted, said = traffic[name][f"counted_{kind}_node_bytes"], traffic[name][f"layout_{kind}_node_bytes"]
@@ -56,15 +75,6 @@ def test_every_layout_trains_to_fsdps_losses_and_sends_what_it_says(tmp_path, de
     assert traffic["fsdp"]["layout_fsdp_inter_node_bytes"] == traffic["fsdp"]["layout_inter_node_bytes"]
     for name in ("replicate", "hsdp", "expert"):
         assert 0 < traffic[name]["counted_inter_node_bytes"] < fsdp_across / 4, (name, traffic[name], fsdp_across)
-
-    # FSDP's final checkpoint continues with the base replicated: read through its whole-state copy
-    again = [c for c in common if not c.startswith(("train.steps", "train.traffic_at", "train.eval"))]
-    procs = torchrun_nodes(2, 2, tmp_path / "fsdp", demo_cache, *again, "train.steps=6", "model.parallelism=replicate")
-    assert all(p.returncode == 0 for p in procs), "\n".join(p.stderr[-2000:] for p in procs)
-    assert "resuming at step 4" in procs[0].stdout
-    assert "(layout fsdp 2x2 -> replicate 2x2)" in procs[0].stdout
-    continued = {m["step"]: m["loss"] for m in metrics(tmp_path / "fsdp" / "node0") if "loss" in m}
-    assert sorted(continued)[-2:] == [5, 6] and continued[6] < continued[4]
 
 
 def test_auto_micro_batch_and_checkpointing_say_what_they_chose_and_train_as_that_recipe(tmp_path, demo_cache,
