@@ -142,6 +142,17 @@ class Recipe:
 SECTIONS = {"model": ModelConfig, "lora": LoraConfig, "data": DataConfig, "train": TrainConfig}
 
 
+def _switch_or_auto(value: Any) -> bool | str | None:
+    """true/false (yes/no), or auto; None for anything else."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
+        return value.lower() in ("true", "yes")
+    return None
+
+
 def _coerce(section: str, spec: dataclasses.Field, value: Any) -> Any:
     key, kind = f"{section}.{spec.name}", spec.type
     if kind == "int | str":     # a count or auto
@@ -152,13 +163,10 @@ def _coerce(section: str, spec: dataclasses.Field, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
         raise ConfigError(f"{key}: expected a positive integer or auto, got {value!r}")
+    switch = _switch_or_auto(value) if kind in ("bool | float | str", "bool | str") else None
+    if switch is not None:
+        return switch
     if kind == "bool | float | str":  # a switch, a share, or auto
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
-            return value.lower() in ("true", "yes")
-        if isinstance(value, bool):
-            return value
         try:
             share = float(value)
         except (TypeError, ValueError):
@@ -167,12 +175,6 @@ def _coerce(section: str, spec: dataclasses.Field, value: Any) -> Any:
             return share
         raise ConfigError(f"{key}: expected true, false, a share of the layers from 0 to 1 or auto, got {value!r}")
     if kind == "bool | str":    # a switch or auto
-        if isinstance(value, str) and value.strip().lower() == "auto":
-            return "auto"
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
-            return value.lower() in ("true", "yes")
-        if isinstance(value, bool):
-            return value
         raise ConfigError(f"{key}: expected true, false or auto, got {value!r}")
     if kind == "bool":
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
