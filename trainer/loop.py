@@ -464,12 +464,29 @@ class Checkpointer:
                 fits, said = resume.fits_in_host_memory(*resume.staging_bytes(self.model, self.optimizer),
                                                         self.ctx.device)
                 if fits:
-                    self.background = resume.Background()
-                    self.background.host.reserve(self.model, self.optimizer)
+                    self.background = self._gloo_writer()
+                    if self.background is not None:
+                        self.background.host.reserve(self.model, self.optimizer)
                 elif self.ctx.rank == 0:
                     print(f"train.async_checkpoint: the staged checkpoint ({said}) does not fit host memory twice "
                           f"over; checkpoints are written while training waits", flush=True)
         return self.background is not None
+
+    def _gloo_writer(self) -> resume.Background | None:
+        """The background writer and its gloo group, where every rank could make one (gloo connects the ranks
+        over their nodes' network: GLOO_SOCKET_IFNAME where a node has several); else none on any rank, said."""
+        try:
+            writer, failed = resume.Background(), None
+        except RuntimeError as exc:
+            writer, failed = None, str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+        everyone = torch.tensor([0.0 if failed else 1.0], device=self.ctx.device)
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+        if everyone.item() >= 1:
+            return writer
+        if failed:
+            print(f"rank {self.ctx.rank}: train.async_checkpoint: no gloo group for background writes ({failed}); "
+                  f"checkpoints are written while training waits", flush=True)
+        return None
 
     def _told(self, ended) -> None:
         """A background write that ended: its record or line, and the disk foresight; its failure is raised."""
