@@ -54,7 +54,8 @@ def test_a_restarted_runs_seconds_add_up_and_each_injected_delay_is_found_in_its
     assert lost["work redone"] == pytest.approx(5 * WORK, rel=0.35), spent
     assert lost["failures"] < 10 and lost["set-up"] < 30, spent
     assert [a["continued_from"] for a in spent["attempts"]] == [None, 30], spent["attempts"]
-    assert 0.2 < spent["goodput"] < 0.9, spent
+    # what is left is the training itself: 50 steps of 0.1 s at least (a loaded machine adds to each step)
+    assert STEPS * WORK * 0.9 <= spent["productive_s"] <= STEPS * WORK * 2 and spent["goodput"] < 0.9, spent
     shown = run_nodectl(["status"], env=env, cwd=project).stdout
     assert f"goodput {spent['goodput'] * 100:.0f}%; lost " in shown and "restarts" in shown, shown
     # the restarted run tells its story: how attempt 0 ended, where attempt 1 went on from, what it did again

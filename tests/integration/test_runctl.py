@@ -21,7 +21,12 @@ import runctl  # noqa: E402
 import runlayout  # noqa: E402
 
 
-def make_run(tmp_path, run_id="20260101-000000-abcd", node_rank=0):
+# this file's own run id: its processes carry it, and a stop run by another file's test at the same moment (in
+# another worker) looks for its own id; with one id for both, test_shared_node_trust's stop signalled a wrapper here
+RUN_ID = "20260101-000000-7e57"
+
+
+def make_run(tmp_path, run_id=RUN_ID, node_rank=0):
     run_dir = tmp_path / "run"
     for name in runlayout.FOLDERS:
         (run_dir / name).mkdir(parents=True, exist_ok=True)
@@ -36,8 +41,8 @@ def sleeper(env_extra: dict) -> subprocess.Popen:
 
 def test_only_processes_carrying_the_run_id_belong_and_a_reused_group_is_left_alone(tmp_path):
     run_dir = make_run(tmp_path)
-    ours = sleeper({"NODECTL_RUN_ID": "20260101-000000-abcd", "NODECTL_NODE_RANK": "0"})
-    other_rank = sleeper({"NODECTL_RUN_ID": "20260101-000000-abcd", "NODECTL_NODE_RANK": "1"})
+    ours = sleeper({"NODECTL_RUN_ID": RUN_ID, "NODECTL_NODE_RANK": "0"})
+    other_rank = sleeper({"NODECTL_RUN_ID": RUN_ID, "NODECTL_NODE_RANK": "1"})
     stranger = sleeper({})
     try:
         # As after a reboot: the recorded group number now names a stranger's group, launch.sh never exited.
@@ -282,7 +287,7 @@ def test_a_rank_that_ended_while_its_wrapper_writes_the_exit_is_never_called_kil
     run_dir = make_run(tmp_path)
     go = tmp_path / "go"
     env = {k: v for k, v in os.environ.items() if not k.startswith("NODECTL_")}
-    env.update(NODECTL_RUN_ID="20260101-000000-abcd", NODECTL_NODE_RANK="0", NODECTL_RUN_DIR=str(run_dir), RANK="0")
+    env.update(NODECTL_RUN_ID=RUN_ID, NODECTL_NODE_RANK="0", NODECTL_RUN_DIR=str(run_dir), RANK="0")
     program = f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
     wrapper = subprocess.Popen([sys.executable, str(resource_dir("launchers") / "rankexec.py"), "-c", program],
                                env=env, start_new_session=True)
@@ -373,7 +378,7 @@ def test_the_busiest_processes_not_the_runs_are_told_with_their_share_of_a_cpu(t
     env = {k: v for k, v in os.environ.items() if not k.startswith("NODECTL_")}
     hog = subprocess.Popen([sys.executable, "-c", spin], env=env)
     ours = subprocess.Popen([sys.executable, "-c", spin],
-                            env={**env, "NODECTL_RUN_ID": "20260101-000000-abcd", "NODECTL_NODE_RANK": "0"})
+                            env={**env, "NODECTL_RUN_ID": RUN_ID, "NODECTL_NODE_RANK": "0"})
     time.sleep(0.5)   # both started (between fork and exec a child still has this process's environment)
     try:
         runctl.pace._CPU_SEEN.clear()
