@@ -3,11 +3,13 @@
 
 torchrun runs `python -u rankexec.py SCRIPT ARGS...` (or `-m MODULE ARGS...`). This wrapper starts the program
 as its child with the same environment, forwards signals to it, and records the child's pid and, when it ends,
-its exit code with the time (state/rank<R>.exit), which is how nodectl tells the first failing rank. It imports
-nothing beyond the standard library and nothing from nodectl.
+its exit code with the time (state/rank<R>.exit), which is how nodectl tells the first failing rank. The child dies
+with it (Linux's parent-death signal): a wrapper killed by SIGKILL or the OOM killer leaves no rank training on
+into the next attempt's folder. It imports nothing beyond the standard library and nothing from nodectl.
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -33,6 +35,22 @@ def _request_fifo(path: str) -> str:
         return ""
 
 
+def _dies_with(parent: int):
+    """What the child runs before its program: SIGKILL once `parent` is gone (prctl PR_SET_PDEATHSIG), and an exit
+    where it is gone already. Nothing where the C library has no prctl (not Linux)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def arm() -> None:
+        prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(128 + signal.SIGKILL)
+
+    return arm
+
+
 def main() -> int:
     run_dir, rank = os.environ["NODECTL_RUN_DIR"], os.environ["RANK"]
     at = lambda relative: os.path.join(run_dir, relative)  # noqa: E731
@@ -46,7 +64,7 @@ def main() -> int:
         os.replace(exit_file, f"{exit_file}.{os.environ.get('TORCHELASTIC_RESTART_COUNT', 'prev')}")
     with open(at(layout.rank_log(rank)), "ab", buffering=0) as log:
         child = subprocess.Popen([sys.executable, "-u", *sys.argv[1:]], stdout=log, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, env=env)
+                                 stdin=subprocess.DEVNULL, env=env, preexec_fn=_dies_with(os.getpid()))
     for signum in FORWARDED:
         signal.signal(signum, lambda sig, _frame: child.send_signal(sig))
     write_file(at(layout.rank_pid(rank)), str(child.pid))

@@ -275,6 +275,47 @@ def test_a_venv_from_wheels_with_pip_then_from_a_node_index_and_drift_is_caught(
     assert online["key"] != built["key"]
 
 
+def test_a_wrapper_killed_with_sigkill_takes_its_rank_with_it(tmp_path):
+    """A rank whose wrapper (lib/rankexec.py) is SIGKILLed, by hand or by the OOM killer, used to train on as an
+    orphan: torchrun, seeing its worker gone, ended the attempt, and the orphan went on writing steps and a
+    checkpoint into the output folder the next attempt continues from. It now dies with its wrapper."""
+    import signal
+
+    run_dir = make_run(tmp_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NODECTL_")}
+    env.update(NODECTL_RUN_ID=RUN_ID, NODECTL_NODE_RANK="0", NODECTL_RUN_DIR=str(run_dir), RANK="0")
+    wrapper = subprocess.Popen([sys.executable, str(resource_dir("launchers") / "rankexec.py"), "-c",
+                                "import time\nwhile True:\n    time.sleep(0.05)\n"], env=env, start_new_session=True)
+    pid_file = run_dir / runlayout.rank_pid(0)
+    child = None
+    try:
+        deadline = time.time() + 30
+        while not (pid_file.exists() and pid_file.read_text().strip()):
+            assert time.time() < deadline and wrapper.poll() is None
+            time.sleep(0.02)
+        child = int(pid_file.read_text())
+        assert _lives(child)
+        os.kill(wrapper.pid, signal.SIGKILL)
+        wrapper.wait(10)
+        deadline = time.time() + 10
+        while _lives(child):
+            assert time.time() < deadline, "the rank outlived its killed wrapper"
+            time.sleep(0.02)
+    finally:
+        wrapper.kill()
+        wrapper.wait()
+        if child and _lives(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _lives(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not runctl.processes.is_zombie(pid)
+
+
 def test_a_rank_that_ended_while_its_wrapper_writes_the_exit_is_never_called_killed(tmp_path):
     """`status` polled as a run ended said `killed` of a rank that exited 0: the rank was gone (reaped) and its
     exit record not yet written. The window is held open here: the real wrapper (lib/rankexec.py) is stopped
