@@ -110,6 +110,8 @@ class TrainConfig:
     async_checkpoint: bool | str = "auto"  # write checkpoints in the background: training waits only while the state
                                        # is copied to (pinned) host memory; auto: on GPUs, where that copy is fast;
                                        # falls back to writing while training waits where host memory is short
+    compile_cache: bool = True         # with model.compile: the compiled graphs and kernels kept in the output folder
+                                       # and in each checkpoint, loaded by later attempts, resumes and joining nodes
     resume: str = "auto"               # auto: the latest complete checkpoint in the output folder; none; or a path
     early_stop_patience: int = 0       # stop after this many evaluations without improvement; 0: never
     early_stop_min_delta: float = 0.0

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import checkpoint, demo, evaluate, resume
+from . import checkpoint, compile_cache, demo, evaluate, resume
 from . import layout as layouts
 from .config import ConfigError, Recipe
 from .data import IGNORE, StepBatches, load_examples
@@ -222,7 +222,8 @@ def _loop(recipe: Recipe, ctx: Context, model, parallel: Parallel, examples, tok
     batches = StepBatches(examples, micro_batch_size=recipe.train.micro_batch_size,
                           grad_accum=recipe.train.grad_accum, world_size=ctx.world, rank=ctx.rank,
                           seed=recipe.data.seed, pad_id=tokenizer.pad_token_id or 0)
-    start_step = _resume(recipe, ctx, model, parallel, optimizer, out_dir)
+    start_step, resumed = _resume(recipe, ctx, model, parallel, optimizer, out_dir)
+    cached = _CompileCache(recipe, ctx, out_dir, resumed)   # before the first step compiles
     reporter = Reporter(out_dir, ctx.rank, recipe, per="gpu" if ctx.on_gpu else "rank")
     telemetry = Telemetry(Path(os.environ["NODECTL_RUN_DIR"]) / "metrics" if os.environ.get("NODECTL_RUN_DIR")
                           else Path(out_dir)).start()   # metrics/: a folder the ranks may write in a container
@@ -261,6 +262,9 @@ def _loop(recipe: Recipe, ctx: Context, model, parallel: Parallel, examples, tok
             _train_step(recipe, ctx, model, optimizer, params, batches, step, logger.window)
         profiler.after(done, last)
         logged = logger.after(done, last)
+        if done == start_step + 1:
+            with logger.aside():
+                cached.after_first_step()
         # after the record: a logging step's heartbeat carries its own loss; data_s: the pace's data-wait share
         reporter.heartbeat(done, data_s=round(batches.waited, 4))
         checkpointer.poll()
@@ -513,6 +517,27 @@ class Checkpointer:
             self.reporter.note(f"warning: {ahead}" if ahead else None)   # status shows it from the heartbeat
 
 
+class _CompileCache:
+    """model.compile's work kept for later attempts, resumes and nodes that join (trainer/compile_cache.py): loaded
+    before the first step from the checkpoint resumed from, else from this node's output folder; saved by each
+    node's first rank once the first step has compiled. Each node's first rank says what it found."""
+
+    def __init__(self, recipe: Recipe, ctx: Context, out_dir: Path, resumed: Path | None):
+        self.on = recipe.model.compile and recipe.train.compile_cache and compile_cache.available()
+        self.out_dir, self.ctx = out_dir, ctx
+        self.first_here = int(os.environ.get("LOCAL_RANK", ctx.rank)) == 0
+        if self.on:
+            said = compile_cache.load([p for p in (resumed, out_dir) if p is not None], ctx.device)
+            if said and self.first_here:
+                print(f"rank {ctx.rank}: {said}", flush=True)
+
+    def after_first_step(self) -> None:
+        if self.on and self.first_here:
+            said = compile_cache.save(self.out_dir, self.ctx.device)
+            if said:
+                print(f"rank {self.ctx.rank}: {said}", flush=True)
+
+
 class Profiler:
     """torch.profiler over the one step train.profile_at names; rank 0 writes profile.txt after it."""
 
@@ -591,11 +616,13 @@ def _checkpoint(recipe: Recipe, ctx: Context, model, parallel: Parallel, optimiz
         print(f"checkpoint at step {step} in {seconds:.2f}s: {saved_to}", flush=True)
 
 
-def _resume(recipe: Recipe, ctx: Context, model, parallel: Parallel, optimizer, out_dir: Path) -> int:
+def _resume(recipe: Recipe, ctx: Context, model, parallel: Parallel, optimizer,
+            out_dir: Path) -> tuple[int, Path | None]:
+    """The step training continues from (0: the start), and the checkpoint it was read from."""
     choice = recipe.train.resume
     attempt = int(os.environ.get("NODECTL_ATTEMPT", "0") or 0)
     if choice == "none":
-        return 0
+        return 0, None
     found = resume.agreed_latest(out_dir / "checkpoints", ctx.device) if choice == "auto" \
         else Path(os.path.expanduser(choice))
     if found is None:
@@ -603,7 +630,7 @@ def _resume(recipe: Recipe, ctx: Context, model, parallel: Parallel, optimizer, 
             kept = _keep_previous_adapter(out_dir, attempt)
             print(f"attempt {attempt}: no checkpoint in {out_dir / 'checkpoints'}, so training starts again from "
                   f"step 0" + (f"; the previous attempt's adapter is kept as {kept}" if kept else ""), flush=True)
-        return 0
+        return 0, None
     if not (found / resume.COMPLETE).exists():
         raise ConfigError(f"train.resume: {found} is not a complete checkpoint")
     try:
@@ -617,7 +644,7 @@ def _resume(recipe: Recipe, ctx: Context, model, parallel: Parallel, optimizer, 
         print(f"train.steps is {recipe.train.steps} (was {before}): the learning rate follows the schedule of "
               f"{recipe.train.steps} steps from step {step}, {lr_at(step, recipe):.1e} now (the old one ended at "
               f"{lr_at(before - 1, replace(recipe, train=replace(recipe.train, steps=before))):.1e})", flush=True)
-    return step
+    return step, found
 
 
 def _counted_step(recipe, ctx, model, parallel: Parallel, optimizer, params, batches, step: int, window,

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import compile_cache
+
 COMPLETE = "COMPLETE"
 REPLICA = "replica.pt"
 
@@ -279,6 +281,7 @@ def write(staged: Staged, device: torch.device, group=None) -> Path:
         torch.save(staged.state, tmp / f"rank{rank}.pt")
         if staged.replica is not None:
             torch.save(staged.replica, tmp / REPLICA)
+            compile_cache.copy_into(tmp, folder.parent)   # the node's compiled work travels with its checkpoint
     except (OSError, RuntimeError) as exc:  # torch.save reports a full disk as RuntimeError or OSError
         error = f"rank {rank}: {exc}".splitlines()[0]
         left, need = shutil.disk_usage(folder).free, staged.need
