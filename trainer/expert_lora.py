@@ -15,6 +15,7 @@ The row tiles never straddle two experts: tile_ends[e] is the end of expert e's 
 """
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -49,12 +50,17 @@ def _configs(configs: list) -> list:
     return configs[:1] if os.environ.get("TRITON_INTERPRET") == "1" else configs
 
 
+# Triton >= 3.2 keeps each kernel's autotuning result in its cache folder (TRITON_CACHE_DIR, ~/.triton/cache), so a
+# later attempt or resume on the node skips timing every config again (tens of seconds before the first step).
+_KEEP_TUNING = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+
+
 def _tile_configs():
     return _configs([triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                      for n in (64, 128) for k in (64, 128) for w in (4, 8) for s in (2, 3)])
 
 
-@triton.autotune(configs=_tile_configs(), key=["K", "N", "rank", "BLOCK_M"])
+@triton.autotune(configs=_tile_configs(), key=["K", "N", "rank", "BLOCK_M"], **_KEEP_TUNING)
 @triton.jit
 def _forward_kernel(x_ptr, a_ptr, b_ptr, base_ptr, out_ptr, h_ptr, offsets_ptr, tile_ends_ptr, scale, experts,
                     K, N, rank, RANK: tl.constexpr, PRECISION: tl.constexpr, EXPERTS_POW2: tl.constexpr,
@@ -88,7 +94,7 @@ def _forward_kernel(x_ptr, a_ptr, b_ptr, base_ptr, out_ptr, h_ptr, offsets_ptr, 
         tl.store(out_ptr + where, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-@triton.autotune(configs=_tile_configs(), key=["K", "N", "rank", "BLOCK_M"])
+@triton.autotune(configs=_tile_configs(), key=["K", "N", "rank", "BLOCK_M"], **_KEEP_TUNING)
 @triton.jit
 def _input_grad_kernel(g_ptr, a_ptr, b_ptr, du_ptr, dx_ptr, offsets_ptr, tile_ends_ptr, scale, experts,
                        K, N, rank, RANK: tl.constexpr, PRECISION: tl.constexpr, EXPERTS_POW2: tl.constexpr,
@@ -123,7 +129,7 @@ def _input_grad_kernel(g_ptr, a_ptr, b_ptr, du_ptr, dx_ptr, offsets_ptr, tile_en
 
 @triton.autotune(configs=_configs([triton.Config({"BLOCK_M": m, "BLOCK_C": c}, num_warps=w, num_stages=s)
                                    for m in (64, 128) for c in (64, 128, 256) for w in (4, 8) for s in (2, 3)]),
-                 key=["C", "rank"])
+                 key=["C", "rank"], **_KEEP_TUNING)
 @triton.jit
 def _expert_sums_kernel(lhs_ptr, rhs_ptr, out_ptr, offsets_ptr, C, rank, RANK: tl.constexpr, PRECISION: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr):

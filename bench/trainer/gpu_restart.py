@@ -7,8 +7,8 @@ measurement): before (checkpoints written while training waits, no compile cache
 
 One GPU, one local "node": `nodectl launch --nodes 1 --gpus 1 --max-restarts 1 --skip-preflight` of the built-in
 trainer on a random-weight model of the shape (FP8 experts, compile, rows of --seq tokens), a checkpoint every
---every steps; once rank 0 has logged step --kill-at, the bench SIGKILLs it, and nodectl restarts the run from its
-last checkpoint. Each mode gets compiler caches of its own (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), empty at
+--every steps; once rank 0 has logged step --kill-at and the checkpoint before it is complete, the bench SIGKILLs it,
+and nodectl restarts the run from that checkpoint. Each mode gets compiler caches of its own (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR), empty at
 its launch and kept across its attempts, as a node's /tmp keeps them. Every output line is timestamped. Figures per
 mode: launch to the first step's record; each checkpoint's stall (`checkpoint_s`: what training waited, and by the
 clock: the gap around the checkpoint step less the median gap); the kill to the first record of the new attempt;
@@ -93,7 +93,11 @@ def one(mode: str, args, model: Path, work: Path, env: dict) -> dict:
                 node = Path.home() / ".nodectl" / "local" / "runs" / run_id
                 metrics = next(iter(node.glob("**/output/metrics.jsonl")), None)
             continue
-        if killed is None and any(r.get("step", 0) >= args.kill_at and "loss" in r for r in records(metrics)):
+        # the kill comes once step --kill-at is logged and the checkpoint before it is complete (a background
+        # write still going would be lost with the rank, and the new attempt would start further back)
+        complete = [int(c.parent.name.split("-")[-1]) for c in (metrics.parent / "checkpoints").glob("ckpt-*/COMPLETE")]
+        if killed is None and max(complete, default=-1) >= args.kill_at // args.every * args.every \
+                and any(r.get("step", 0) >= args.kill_at and "loss" in r for r in records(metrics)):
             pid = rank0_pid(metrics.parent.parent)
             if pid:
                 os.kill(pid, signal.SIGKILL)
