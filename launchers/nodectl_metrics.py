@@ -27,6 +27,21 @@ _first_at: float | None = None
 _first_step: int | None = None
 _phases: dict = {}   # "checkpoint_s", "eval_s", "data_s": seconds aside from training so far (phase())
 PHASES = ("checkpoint", "eval", "data")
+_script_reports = False   # the program called report() itself
+_phases_by: str | None = None   # who marks the phases where the script does not (lib/framework_phases.py)
+
+
+def watching(names, by: str) -> None:
+    """The phases `names` are marked for this rank by `by` (a trainer nodectl wrapped): they start at 0 s, so the
+    ledger knows they are seen, and the records say who marks them."""
+    global _phases_by
+    for name in names:
+        _phases.setdefault(f"{name}_s", 0.0)
+    _phases_by = by
+
+
+def reported_by_script() -> bool:
+    return _script_reports
 
 
 def phase(name: str, seconds: float) -> None:
@@ -48,17 +63,20 @@ def phase(name: str, seconds: float) -> None:
         _write(dict(_last_record, **_phases), heartbeat_only=True)
 
 
-def report(step: int, **values: float) -> None:
-    global _last_time, _last_record
+def report(step: int, _by: str | None = None, **values: float) -> None:
+    global _last_time, _last_record, _script_reports
     run_dir, rank = os.environ.get("NODECTL_RUN_DIR"), os.environ.get("RANK")
     if not run_dir or rank is None:
         return
+    if _by is None:
+        _script_reports = True
     now = time.time()
     global _first_at, _first_step
     if _first_at is None:   # the first step's report: where start-up ends, and the step it began at (the ledger)
         _first_at, _first_step = now, int(step)
     record = {"step": int(step), "time": now, **{k: v for k, v in values.items() if isinstance(v, (int, float))},
-              **_phases, "first_step_at": _first_at, "first_step": _first_step}
+              **_phases, "first_step_at": _first_at, "first_step": _first_step,
+              **({"phases_by": _phases_by} if _phases_by else {})}
     if "tokens" in record and _last_time is not None and now > _last_time:
         record["tokens_per_s"] = record["tokens"] / (now - _last_time)
     _last_time, _last_record = now, record

@@ -38,7 +38,8 @@ import time
 import traceback
 import warnings
 
-import flightpace            # beside this file in lib/, as the two below
+import flightpace            # beside this file in lib/, as the three below
+import framework_phases
 import runlayout as layout   # the run folder's names, written once
 from nodeio import write_file
 
@@ -51,7 +52,10 @@ FRAMES_PER_ENTRY = 12
 def _start() -> None:
     fifo = os.environ.pop("NODECTL_RANK_HELPER", None)
     run_dir, rank = os.environ.get("NODECTL_RUN_DIR"), os.environ.get("RANK")
-    if not fifo or not run_dir or rank is None:
+    if not run_dir or rank is None:
+        return
+    framework_phases.install()   # HF Trainer's and Lightning's checkpoints, evaluations and steps, for the ledger
+    if not fifo:
         return
     listener = threading.Thread(target=_serve, args=(fifo, run_dir, rank),
                                 name="nodectl-diagnose", daemon=True)

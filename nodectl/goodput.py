@@ -160,18 +160,20 @@ def ledger(entries: list[dict], *, now: float, ended: float | None = None, pace_
         step_s = _step_time([e for e in entries if e["what"] == "beat" and e["attempt"] == starts[index - 1][0]]) \
             if index > 0 else None
         redone, resumed = 0.0, None
-        if redo and step_s and _real(redo.get("reached")):
-            # where the attempt went on from: its first step says it (a script keeps its own checkpoints,
-            # which nodectl cannot see), else the checkpoint nodectl saw, else the start
-            seen = facts.get("first step", {}).get("step")
-            resumed = seen - 1 if _real(seen) else redo.get("checkpoint") if _real(redo.get("checkpoint")) else 0
+        # where a later attempt went on from: its first step says it (a script keeps its own checkpoints, which
+        # nodectl cannot see; a --resume too), else the checkpoint nodectl saw, else the start
+        seen = facts.get("first step", {}).get("step") if index > 0 else None
+        if _real(seen):
+            resumed = seen - 1
+        elif redo:
+            resumed = redo.get("checkpoint") if _real(redo.get("checkpoint")) else 0
+        if redo and step_s and _real(redo.get("reached")) and resumed is not None:
             redone = max(0.0, (redo["reached"] - resumed) * step_s)
             lost["work redone"] += redone
         attempts.append({"attempt": attempt, "started": began, "first_step": first, "ended": closes,
                          "failed": failed, "noticed": noticed,
                          "continued_from": resumed, "redone_s": round(redone, 2)})
-    if not any("checkpoint_s" in (beats.get(a) or {}) for a, _ in starts):
-        unseen.append("checkpoints, evaluation and data waits (the script marks none: nodectl_metrics.phase)")
+    unseen += _unmarked([beats.get(a) or {} for a, _ in starts])
     lost["slow-downs"] = _slow(pace_windows, launched, end)
     total = sum(lost.values())
     if total > wall:   # overlapping views of one second (a slow window inside a checkpoint): scaled to the clock
@@ -180,6 +182,22 @@ def ledger(entries: list[dict], *, now: float, ended: float | None = None, pace_
         total = wall
     return Goodput(wall=wall, productive=max(0.0, wall - total), lost=lost, unseen=tuple(unseen),
                    attempts=tuple(attempts))
+
+
+PHASE_KEYS = (("checkpoints", "checkpoint_s"), ("evaluation", "eval_s"), ("data waits", "data_s"))
+
+
+def _unmarked(beats: list[dict]) -> list[str]:
+    """The phase kinds no heartbeat of the run carries, and why: the script marks none, or the trainer nodectl
+    wrapped (its `phases_by`) does not say when they happen."""
+    missing = [kind for kind, key in PHASE_KEYS if not any(key in beat for beat in beats)]
+    if len(missing) == len(PHASE_KEYS):
+        return ["checkpoints, evaluation and data waits (the script marks none: nodectl_metrics.phase)"]
+    by = next((beat["phases_by"] for beat in beats if isinstance(beat.get("phases_by"), str)), None)
+    if not missing:
+        return []
+    return [" and ".join(missing) + (f" ({by} does not say when they happen; nodectl_metrics.phase marks them)"
+                                     if by else " (the script marks none: nodectl_metrics.phase)")]
 
 
 def _step_time(beats: list[dict]) -> float | None:
@@ -238,7 +256,9 @@ class Beats:
             own = beat.get("first_step") if _real(beat.get("first_step")) else step   # where the attempt began
             self.timeline.add("first step", self.attempt, when=min(first, time.time()), step=own)
         phases = {k: beat[k] for k in ("checkpoint_s", "eval_s", "data_s") if _real(beat.get(k))}
-        self.last = {"step": step, "beat_time": at, **phases}
+        by = beat.get("phases_by")
+        self.last = {"step": step, "beat_time": at, **phases,
+                     **({"phases_by": by[:80]} if isinstance(by, str) else {})}
         if self.kept is None or phases != {k: self.kept.get(k) for k in phases if k in self.kept} \
                 or at - self.kept["beat_time"] >= BEAT_EVERY:
             self.flush()

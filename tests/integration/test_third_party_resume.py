@@ -2,7 +2,7 @@
 global rank 0 only, so node1's copy of `checkpoint-10` holds just its ranks' rng states. $NODECTL_OUTPUT_DIR is
 seen by every rank all the same: before a resumed attempt starts, what node 0's output/ holds and another node
 lacks is added there, and each node keeps what it wrote itself. `collect` brings back what a script wrote in its
-own folder and says so."""
+own folder and says so. The goodput ledger sees its checkpoints and steps without a change to it."""
 from __future__ import annotations
 
 import shutil
@@ -58,6 +58,17 @@ def test_hf_trainer_stopped_then_resumed_on_two_isolated_nodes(cluster, tmp_path
     assert (home / "node0" / "output" / "checkpoint-15" / "model.safetensors").is_file()
     assert (home / "node1" / "output" / "checkpoint-10" / "rng_state_1.pth").is_file()
     assert not (home / "node0" / "code" / "train.py").exists(), "the synced project stays on the node"
+
+    # the goodput ledger sees the unchanged script's checkpoints and steps (lib/framework_phases.py wraps
+    # transformers' Trainer) and names the one kind it cannot see
+    listed = run_nodectl(["--json", "runs"], env=env, cwd=project).json()["runs"]
+    ledger = next(r for r in listed if r["run_id"] == run_id)["goodput"]
+    assert ledger["lost_s"]["checkpoints"] > 0, ledger
+    # (attempt 0 ran detached, with no watch to see its first step: the ledger says so too)
+    assert [u for u in ledger["unseen"] if "first step" not in u] == [
+        "data waits (transformers.Trainer does not say when they happen; nodectl_metrics.phase marks them)"], ledger
+    resumed_attempt = ledger["attempts"][-1]
+    assert resumed_attempt["first_step"] is not None and resumed_attempt["continued_from"] == 10, ledger
 
 
 def test_collect_brings_back_what_a_script_wrote_in_its_folder(cluster, tmp_path):
