@@ -282,18 +282,10 @@ def test_a_wrapper_killed_with_sigkill_takes_its_rank_with_it(tmp_path):
     import signal
 
     run_dir = make_run(tmp_path)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NODECTL_")}
-    env.update(NODECTL_RUN_ID=RUN_ID, NODECTL_NODE_RANK="0", NODECTL_RUN_DIR=str(run_dir), RANK="0")
-    wrapper = subprocess.Popen([sys.executable, str(resource_dir("launchers") / "rankexec.py"), "-c",
-                                "import time\nwhile True:\n    time.sleep(0.05)\n"], env=env, start_new_session=True)
-    pid_file = run_dir / runlayout.rank_pid(0)
+    wrapper = _real_wrapper(run_dir, "import time\nwhile True:\n    time.sleep(0.05)\n")
     child = None
     try:
-        deadline = time.time() + 30
-        while not (pid_file.exists() and pid_file.read_text().strip()):
-            assert time.time() < deadline and wrapper.poll() is None
-            time.sleep(0.02)
-        child = int(pid_file.read_text())
+        child = _its_rank(run_dir, wrapper)
         assert _lives(child)
         os.kill(wrapper.pid, signal.SIGKILL)
         wrapper.wait(10)
@@ -306,6 +298,23 @@ def test_a_wrapper_killed_with_sigkill_takes_its_rank_with_it(tmp_path):
         wrapper.wait()
         if child and _lives(child):
             os.kill(child, signal.SIGKILL)
+
+
+def _real_wrapper(run_dir, program: str) -> subprocess.Popen:
+    """lib/rankexec.py running `program` as rank 0 of the run in `run_dir`, in a session of its own."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NODECTL_")}
+    env.update(NODECTL_RUN_ID=RUN_ID, NODECTL_NODE_RANK="0", NODECTL_RUN_DIR=str(run_dir), RANK="0")
+    return subprocess.Popen([sys.executable, str(resource_dir("launchers") / "rankexec.py"), "-c", program],
+                            env=env, start_new_session=True)
+
+
+def _its_rank(run_dir, wrapper: subprocess.Popen) -> int:
+    """The pid the wrapper recorded for its rank, once it has."""
+    pid_file, deadline = run_dir / runlayout.rank_pid(0), time.time() + 30
+    while not (pid_file.exists() and pid_file.read_text().strip()):
+        assert time.time() < deadline and wrapper.poll() is None
+        time.sleep(0.02)
+    return int(pid_file.read_text())
 
 
 def _lives(pid: int) -> bool:
@@ -327,19 +336,11 @@ def test_a_rank_that_ended_while_its_wrapper_writes_the_exit_is_never_called_kil
 
     run_dir = make_run(tmp_path)
     go = tmp_path / "go"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NODECTL_")}
-    env.update(NODECTL_RUN_ID=RUN_ID, NODECTL_NODE_RANK="0", NODECTL_RUN_DIR=str(run_dir), RANK="0")
-    program = f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n"
-    wrapper = subprocess.Popen([sys.executable, str(resource_dir("launchers") / "rankexec.py"), "-c", program],
-                               env=env, start_new_session=True)
+    wrapper = _real_wrapper(run_dir, f"import os, time\nwhile not os.path.exists({str(go)!r}):\n    time.sleep(0.02)\n")
     markers = runctl.processes.run_markers(str(run_dir))
-    pid_file = run_dir / runlayout.rank_pid(0)
     try:
         deadline = time.time() + 30
-        while not (pid_file.exists() and pid_file.read_text().strip()):
-            assert time.time() < deadline and wrapper.poll() is None
-            time.sleep(0.02)
-        child = int(pid_file.read_text())
+        child = _its_rank(run_dir, wrapper)
         assert runctl.watch.rank_state(str(run_dir), 0, time.time(), markers)["alive"]
         os.kill(wrapper.pid, signal.SIGSTOP)   # it cannot reap its rank nor write the exit record
         go.touch()
