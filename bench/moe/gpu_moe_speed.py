@@ -19,7 +19,12 @@ the GPU for the reference), the demo tokenizer and --examples random texts of --
 and prints for each: tokens/s per GPU by wall clock (real tokens over the time between consecutive records,
 median after --skip steps) beside the program's own figure, the ratio to the reference, MFU over the active
 parameters (the trainer's formula; the reference's from the same FLOPs per token), peak memory; then, for
---compare A,B, the loss of A and B at every step and the largest difference.
+--compare A,B, the loss of A and B at every step and the largest difference. With --rounds R (and --no-ref for a
+gain under 10%), the --run runs go A B B A R times after a warm-up launch, and each gets a median with its spread
+and, against the first, the ratio of its adjacent pairs and whether the gain is beyond that spread:
+
+    python3 bench/moe/gpu_moe_speed.py --work /tmp/w --no-ref --rounds 2 \\
+        --run bf16:model.compile=true --run fp8:model.compile=true,model.fp8_experts=true
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -113,6 +119,10 @@ def main() -> None:
     parser.add_argument("--ref-noac", action="store_true")
     parser.add_argument("--no-ref", action="store_true")
     parser.add_argument("--run", action="append", default=[], help="NAME:section.key=value,...")
+    parser.add_argument("--rounds", type=int, default=0, help="run the --run runs R times forward and back (A B B A) "
+                        "after --warmup launches, and give each a median with its spread and each pair's ratios")
+    parser.add_argument("--warmup", type=int, default=1, help="launches of the first --run before the rounds, "
+                        "not counted (a call's first launch ran 8-13%% slow)")
     parser.add_argument("--launch", action="append", default=[],
                         help="NAME:NxG:section.key=value,...: the trainer through `nodectl launch --nodes N --gpus G`")
     parser.add_argument("--compare", action="append", default=[], help="A,B: step-by-step loss of two runs (repeatable)")
@@ -149,17 +159,68 @@ def main() -> None:
             break
     figures = args.out or work / "gpu_moe_speed.json"
     figures.write_text(json.dumps(results, indent=1))
-    for spec in args.run:
-        name, _, sets = spec.partition(":")
-        results[name] = trainer_run(name, assignments(sets), args, model, work, env)
+    for key, name, sets in run_order(args.run, args.rounds, args.warmup):
+        results[key] = trainer_run(key, assignments(sets), args, model, work, env)
+        results[key]["run"] = name
         figures.write_text(json.dumps(results, indent=1))  # what finished survives a cut-off
     for spec in args.launch:
         name, layout, sets = (spec.split(":", 2) + [""])[:3]
         results[name] = launch_run(name, layout, assignments(sets), args, model, work, env)
         figures.write_text(json.dumps(results, indent=1))
     report(results, args)
+    if args.rounds:
+        rounds_report(results, args)
     figures.write_text(json.dumps(results, indent=1))
     print(f"figures: {figures}")
+
+
+def run_order(specs: list[str], rounds: int, warmup: int) -> list[tuple[str, str, str]]:
+    """(result key, run name, overrides) in the order they run. With --rounds R: --warmup launches of the first run
+    (kept apart as warmup, warmup.2, ...), then R rounds of every run forward and back (A B B A; A B C C B A), each
+    execution keyed NAME.1, NAME.2, ... Without, each run once under its own name."""
+    runs = [(spec.partition(":")[0], spec.partition(":")[2]) for spec in specs]
+    if not rounds or not runs:
+        return [(name, name, sets) for name, sets in runs]
+    order = [("warmup" if i == 0 else f"warmup.{i + 1}", "warmup", runs[0][1]) for i in range(warmup)]
+    seen: dict[str, int] = {}
+    for _ in range(rounds):
+        for name, sets in runs + runs[::-1]:
+            seen[name] = seen.get(name, 0) + 1
+            order.append((f"{name}.{seen[name]}", name, sets))
+    return order
+
+
+def rounds_report(results: dict, args) -> None:
+    """Each run's tokens/s per GPU by wall over its executions (median, min-max), and every other run against the
+    first: the ratio of medians, the ratios of the adjacent pairs of the A B B A order, and whether the gain is
+    beyond the spread (the range of the pairs' ratios keeps to one side of 1)."""
+    names = [spec.partition(":")[0] for spec in args.run]
+    figures = {name: [] for name in names}
+    sequence = []
+    for key, result in results.items():
+        if result.get("run") in figures:
+            rate = by_gaps(result.get("steps", []), args.skip, result["world"])
+            if rate:
+                figures[result["run"]].append(rate)
+                sequence.append((result["run"], rate))
+    print(f"\n== {args.rounds} round(s) of {' '.join(names + names[::-1])} after {args.warmup} warm-up launch(es): "
+          f"tokens/s per GPU by wall, median (min-max, n)")
+    for name in names:
+        rates = figures[name]
+        if rates:
+            print(f"   {name:10} {statistics.median(rates):>9,.0f}  ({min(rates):,.0f}-{max(rates):,.0f}, n={len(rates)})")
+    base = names[0]
+    for name in names[1:]:
+        if not (figures[name] and figures[base]):
+            continue
+        pairs = [b / a if first == base else a / b
+                 for (first, a), (second, b) in zip(sequence, sequence[1:])
+                 if {first, second} == {base, name}]
+        ratio = statistics.median(figures[name]) / statistics.median(figures[base])
+        if pairs:
+            low, high = min(pairs), max(pairs)
+            verdict = "beyond the spread" if low > 1 or high < 1 else "inside the spread: no claimed gain"
+            print(f"   {name} / {base}: {ratio:.3f}x (adjacent pairs {low:.3f}-{high:.3f}x, n={len(pairs)}): {verdict}")
 
 
 def report(results: dict, args) -> None:
