@@ -107,6 +107,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--shape", default="qwen3-30b-a3b")
+    parser.add_argument("--model", type=Path, default=None, help="a model folder with its own train.jsonl (e.g. "
+                        "bench/moe/make_trained_moe.py's) instead of --shape's random one; runs set model.init=checkpoint")
     parser.add_argument("--tiny", action="store_true", help="a small model of the same layout (CPU is fine)")
     parser.add_argument("--layers", type=int, default=0, help="only this many of the shape's layers (what one GPU holds)")
     parser.add_argument("--gpus", type=int, default=1)
@@ -138,7 +140,10 @@ def main() -> None:
            "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
            "NVSHMEM_DISABLE_NVLS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}  # as nodectl sets it; the reference's best too
-    model = work / ("model-tiny" if args.tiny else f"model-{args.shape}" + (f"-{args.layers}l" if args.layers else ""))
+    if args.model:
+        args.shape = args.model.name   # the report's title
+    model = args.model.resolve() if args.model else \
+        work / ("model-tiny" if args.tiny else f"model-{args.shape}" + (f"-{args.layers}l" if args.layers else ""))
     if not (model / "config.json").exists():
         shape = ["--layout", "qwen3_moe", "--hidden", "64", "--layers", "2", "--experts", "8", "--top-k", "2",
                  "--expert-intermediate", "32", "--heads", "4"] if args.tiny else ["--shape", args.shape, "--shape-layers", str(args.layers)]
