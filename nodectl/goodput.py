@@ -191,11 +191,11 @@ def _unmarked(beats: list[dict]) -> list[str]:
     """The phase kinds no heartbeat of the run carries, and why: the script marks none, or the trainer nodectl
     wrapped (its `phases_by`) does not say when they happen."""
     missing = [kind for kind, key in PHASE_KEYS if not any(key in beat for beat in beats)]
+    if not missing:
+        return []
     if len(missing) == len(PHASE_KEYS):
         return ["checkpoints, evaluation and data waits (the script marks none: nodectl_metrics.phase)"]
     by = next((beat["phases_by"] for beat in beats if isinstance(beat.get("phases_by"), str)), None)
-    if not missing:
-        return []
     return [" and ".join(missing) + (f" ({by} does not say when they happen; nodectl_metrics.phase marks them)"
                                      if by else " (the script marks none: nodectl_metrics.phase)")]
 

@@ -525,7 +525,7 @@ class _CompileCache:
     def __init__(self, recipe: Recipe, ctx: Context, out_dir: Path, resumed: Path | None):
         self.on = recipe.model.compile and recipe.train.compile_cache and compile_cache.available()
         self.out_dir, self.ctx = out_dir, ctx
-        self.first_here = int(os.environ.get("LOCAL_RANK", ctx.rank)) == 0
+        self.first_here = resume.first_here()
         if self.on:
             said = compile_cache.load([p for p in (resumed, out_dir) if p is not None], ctx.device)
             if said and self.first_here:

@@ -68,7 +68,7 @@ class HostBuffers:
         self.planned = {}
         try:
             _local_state(model, optimizer, self)
-            if _first_here():   # the only rank that keeps the whole copy
+            if first_here():   # the only rank that keeps the whole copy
                 _replica(model, optimizer, self)
         finally:
             planned, self.planned = self.planned, None
@@ -224,7 +224,8 @@ class Staged:
         return self.folder / f"ckpt-{self.step:07d}"
 
 
-def _first_here() -> bool:
+def first_here() -> bool:
+    """This node's first rank (LOCAL_RANK 0)."""
     return int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
 
 
@@ -240,7 +241,7 @@ def stage(model: nn.Module, optimizer, step: int, folder: Path, device: torch.de
         model.reshard()  # store shards, never a parameter left unsharded by an eval forward
     staged = Staged(step=step, folder=folder, need=None, state={}, replica=None, keep_last=keep_last, staged_s=0.0,
                     complete={"step": step, "world_size": world, "layout": layout_key(layout), **(extra or {})})
-    need, free = room(folder, make_room) if _first_here() else (None, 0)
+    need, free = room(folder, make_room) if first_here() else (None, 0)
     staged.need = need
     fits = torch.tensor([0.0 if need and free < need else 1.0], device=device)
     dist.all_reduce(fits, op=dist.ReduceOp.MIN)
@@ -252,16 +253,16 @@ def stage(model: nn.Module, optimizer, step: int, folder: Path, device: torch.de
     if rank == 0:
         shutil.rmtree(staged.tmp, ignore_errors=True)
     # Ranks of other nodes see their own file system: each node's first rank prepares its own folder.
-    if _first_here():
+    if first_here():
         staged.tmp.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     if host is not None:
         host.ready()   # the buffers pinned ahead (HostBuffers.reserve)
     params, optimizer_state = _local_state(model, optimizer, host)
     # a collective; each node's first rank keeps the whole copy (REPLICA), the others gather it and drop it
-    replica = _replica(model, optimizer, host if _first_here() else DISCARD)
+    replica = _replica(model, optimizer, host if first_here() else DISCARD)
     staged.state = {"params": params, "optimizer": optimizer_state, "rng": _rng_state(device)}
-    staged.replica = replica if _first_here() else None
+    staged.replica = replica if first_here() else None
     if host is not None and device.type == "cuda":
         torch.cuda.synchronize(device)   # the queued copies to pinned memory are done: training may change the state
     staged.staged_s = time.perf_counter() - began
@@ -301,7 +302,7 @@ def write(staged: Staged, device: torch.device, group=None) -> Path:
         raise CheckpointError(f"checkpoint at step {step} could not be written to {folder}"
                               + (f" ({error})" if error else " (another rank failed)")
                               + "; the previous complete checkpoint is intact: free space, then resume")
-    if _first_here():
+    if first_here():
         (tmp / COMPLETE).write_text(json.dumps(staged.complete))
         os.replace(tmp, staged.final)
         for old in sorted(folder.glob("ckpt-*"))[:-staged.keep_last]:
