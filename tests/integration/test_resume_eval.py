@@ -138,13 +138,25 @@ def test_a_checkpoint_continues_on_fewer_ranks_from_its_replica(tmp_path, demo_c
     assert steps[11] < steps[1] * 0.9  # it continued training, not from the initial adapter
 
 
-def test_eval_subset_is_fixed_and_eval_loss_matches_one_process(tmp_path, demo_cache):
-    sets = ("train.steps=1", "train.eval_every=1", "train.eval_at_start=true", "data.eval_holdout=200",
-            "data.eval_samples=24", "train.micro_batch_size=5")
+def test_eval_subset_is_fixed_its_loss_matches_one_process_and_a_plateau_stops_every_rank_at_once(tmp_path,
+                                                                                                   demo_cache):
+    """One run proves both (they were two runs): the eval at start over a fixed subset of the held-out rows gives
+    Hugging Face's own loss of the base on those rows, and a plateau (no eval better by min_delta) ends training
+    at the same step on every rank: with patience 1, after the second eval of training (step 4; the eval at start
+    is not one of them)."""
+    sets = ("train.steps=50", "train.eval_every=2", "train.eval_at_start=true", "data.eval_holdout=200",
+            "data.eval_samples=24", "train.micro_batch_size=5", "train.early_stop_patience=1",
+            "train.early_stop_min_delta=100")
     proc = torchrun(2, tmp_path / "out", demo_cache, *sets)
     assert proc.returncode == 0, proc.stderr[-2000:]
     logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
     at_start = next(r["eval_loss"] for r in logged if r.get("eval_loss") is not None and r["step"] == 0)
+
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["end_reason"].startswith("plateau"), summary
+    beats = [json.loads((tmp_path / "out" / "heartbeat" / f"rank{r}.json").read_text())["step"] for r in (0, 1)]
+    assert beats == [4, 4]
+    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -161,18 +173,6 @@ def test_eval_subset_is_fixed_and_eval_loss_matches_one_process(tmp_path, demo_c
         expected = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                          labels=batch["labels"]).loss
     assert at_start == pytest.approx(expected.item(), rel=1e-5)  # LoRA B starts at zero: the base's loss
-
-
-def test_plateau_early_stop_fires_at_the_same_step_on_every_rank(tmp_path, demo_cache):
-    sets = ("train.steps=50", "train.eval_every=2", "data.eval_holdout=100", "data.eval_samples=16",
-            "train.early_stop_patience=1", "train.early_stop_min_delta=100")
-    proc = torchrun(2, tmp_path / "out", demo_cache, *sets)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
-    assert summary["steps"] == 4 and summary["end_reason"].startswith("plateau")
-    beats = [json.loads((tmp_path / "out" / "heartbeat" / f"rank{r}.json").read_text())["step"] for r in (0, 1)]
-    assert beats == [4, 4]
-    assert (tmp_path / "out" / "adapter" / "adapter_model.safetensors").is_file()
 
 
 def test_a_run_without_checkpoint_settings_still_resumes_from_its_end(tmp_path, demo_cache, monkeypatch):
