@@ -248,6 +248,9 @@ def test_the_default_preflight_runs_its_all_reduce_inside_the_image(cluster, ima
     rows = {(r["check"], r["node"]): r for r in report["results"]}
     assert rows[("collective", "cluster")]["verdict"] == "pass", rows[("collective", "cluster")]
     assert rows[("same torch", "cluster")]["detail"] == "2.13.0+cpu"
+    collective = report["collective"]   # two ranks on each node, all four in one gloo all-reduce
+    assert collective["world"] == 4 and collective["backend"] == "gloo", collective
+    assert all(size["ok"] for size in collective["sizes"]) and collective["sizes"][-1]["busbw_gbs"] > 0
     script = (project / "runs" / report["collective_run"] / "scripts" / "node1.sh").read_text()
     assert 'podman run --rm --name "$CONTAINER"' in script and image in script   # the job ran in the image
     assert containers_of(report["collective_run"]) == []

@@ -40,23 +40,6 @@ def python_with(cluster, index: int, name: str, extra_path: str | None = None, b
                              mode=0o755)
 
 
-def test_healthy_cluster_passes_with_a_correct_gloo_all_reduce(ssh_cluster, tmp_path):
-    inventory = ssh_cluster.inventory(count=2, gpus=2)
-    result = run_nodectl(["-i", str(inventory), "--json", "preflight"], env=ssh_cluster.env(), cwd=tmp_path)
-    assert result.exit_code == 0, result.output[-3000:]
-    document = result.json()
-    assert document["passed"]
-    collective = document["collective"]
-    assert collective["world"] == 4 and collective["backend"] == "gloo"
-    assert all(size["ok"] for size in collective["sizes"]) and collective["sizes"][-1]["busbw_gbs"] > 0
-    checks = {(r["node"], r["check"]): r["verdict"] for r in document["results"]}
-    assert checks[("node0", "master port")] == "pass" and checks[("node1", "reach master")] == "pass"
-    assert checks[("cluster", "same torch")] == "pass"
-
-    human = run_nodectl(["-i", str(inventory), "preflight", "--quick"], env=ssh_cluster.env(), cwd=tmp_path)
-    assert human.exit_code == 0 and "preflight passed" in human.stdout and "all-reduce" not in human.stdout
-
-
 def test_a_socket_ifname_naming_no_interface_fails_quick_preflight_on_that_node(ssh_cluster, tmp_path):
     """It passed the quick tier before, and the full tier said only that the all-reduce job failed."""
     inventory = ssh_cluster.inventory(count=2, node_overrides={1: {"env": {"GLOO_SOCKET_IFNAME": "nosuch0"}}})
@@ -70,12 +53,23 @@ def test_a_socket_ifname_naming_no_interface_fails_quick_preflight_on_that_node(
 
 
 def test_full_runs_a_collective_on_each_node_pair(ssh_cluster, tmp_path):
+    """A healthy cluster passes every tier: the default checks and its gloo all-reduce over every rank, then a
+    collective on each pair of nodes; --quick runs no collective. (Two ranks a node: the container test's default
+    preflight, tests/integration/test_containers.py.)"""
     inventory = ssh_cluster.inventory(count=3, gpus=1)
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     result = run_nodectl(["-i", str(inventory), "--json", "preflight", "--full"],
                          env={**ssh_cluster.env(), "TMPDIR": str(scratch)}, cwd=tmp_path, timeout=300)
     assert result.exit_code == 0, result.output[-3000:]
+    document = result.json()
+    assert document["passed"]
+    collective = document["collective"]
+    assert collective["world"] == 3 and collective["backend"] == "gloo"
+    assert all(size["ok"] for size in collective["sizes"]) and collective["sizes"][-1]["busbw_gbs"] > 0
+    checks = {(r["node"], r["check"]): r["verdict"] for r in document["results"]}
+    assert checks[("node0", "master port")] == "pass" and checks[("node1", "reach master")] == "pass"
+    assert checks[("node2", "reach master")] == "pass" and checks[("cluster", "same torch")] == "pass"
     # four collective jobs (the all-reduce, three pairs), and not one of their scratch folders left behind
     assert sorted(p.name for p in scratch.iterdir()) == [], sorted(p.name for p in scratch.iterdir())
     pairs = result.json()["collective"]["pairs"]
@@ -93,6 +87,9 @@ def test_full_runs_a_collective_on_each_node_pair(ssh_cluster, tmp_path):
     assert {r["metric"] for r in rows["rows"]} == {"busbw_gbs", "seconds"}
     assert not any(r["judged"] for r in rows["rows"])
     assert "the full preflight of node0+node1+node2" in [r["label"] for r in rows["rows"] if r["metric"] == "seconds"]
+
+    human = run_nodectl(["-i", str(inventory), "preflight", "--quick"], env=ssh_cluster.env(), cwd=tmp_path)
+    assert human.exit_code == 0 and "preflight passed" in human.stdout and "all-reduce" not in human.stdout
 
 
 def test_node_without_torch_fails_with_hint_and_launch_refuses(ssh_cluster, tmp_path):

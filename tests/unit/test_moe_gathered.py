@@ -36,50 +36,56 @@ def _reference(lopsided: bool):
     return out.detach(), hidden.grad, weights.grad, weight.grad
 
 
-def _rank(rank: int, store_path: str, results, lopsided: bool) -> None:
+def _rank(rank: int, store_path: str, results) -> None:
     moe = trainer_module("moe")
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
     try:
-        hidden, index, weights, weight, probe = _inputs(lopsided)
-        mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
-        x = hidden[mine].clone().requires_grad_(True)
-        w = weights[mine].clone().requires_grad_(True)
-        full = weight.clone().requires_grad_(True)
-        shard = moe.ExpertShard(rank, 2, EXPERTS)
-        assert shard.gathers(TOP_K)
-        seen = []
+        for lopsided in (False, True):   # both cases in one process group: each start of two ranks costs seconds
+            hidden, index, weights, weight, probe = _inputs(lopsided)
+            mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            x = hidden[mine].clone().requires_grad_(True)
+            w = weights[mine].clone().requires_grad_(True)
+            full = weight.clone().requires_grad_(True)
+            shard = moe.ExpertShard(rank, 2, EXPERTS)
+            assert shard.gathers(TOP_K)
+            seen = []
 
-        def compute(rows, counts, routed):
-            seen.append((rows.shape[0], int(counts.sum())))
-            offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-            return moe.grouped_mm(rows, full[shard.start:shard.stop], offsets) * routed.unsqueeze(-1)
+            def compute(rows, counts, routed, full=full, shard=shard, seen=seen):
+                seen.append((rows.shape[0], int(counts.sum())))
+                offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+                return moe.grouped_mm(rows, full[shard.start:shard.stop], offsets) * routed.unsqueeze(-1)
 
-        out = shard.gathered(x, index[mine], w, compute)
-        (out * probe[mine]).sum().backward()
-        grad = full.grad.clone()
-        dist.all_reduce(grad)   # each rank's gradient fills only its own experts
-        results[rank] = (out.detach(), x.grad, w.grad, grad, seen)
+            out = shard.gathered(x, index[mine], w, compute)
+            (out * probe[mine]).sum().backward()
+            grad = full.grad.clone()
+            dist.all_reduce(grad)   # each rank's gradient fills only its own experts
+            results[(rank, lopsided)] = (out.detach(), x.grad, w.grad, grad, seen)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("lopsided", [False, True], ids=["spread", "one-rank-gets-none"])
-def test_the_gathered_exchange_gives_each_rank_what_all_experts_on_one_rank_give(tmp_path, lopsided):
+def test_the_gathered_exchange_gives_each_rank_what_all_experts_on_one_rank_give(tmp_path):
     """Outputs and the gradients of the tokens, the routing weights and the experts' weights; each rank computes
-    only the copies routed to its own experts (one zero row where none are: grouped GEMMs fail on none)."""
+    only the copies routed to its own experts (one zero row where none are: grouped GEMMs fail on none). Two
+    routings: spread over both ranks' experts, and every copy to rank 0's (rank 1 gets none)."""
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
-    mp.start_processes(_rank, args=(str(tmp_path / "store"), results, lopsided), nprocs=2, start_method="spawn")
-    out, hidden_grad, weights_grad, weight_grad = _reference(lopsided)
-    _, index, *_ = _inputs(lopsided)
-    for rank in (0, 1):
-        got_out, got_x, got_w, got_weight, seen = results[rank]
-        mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
-        torch.testing.assert_close(got_out, out[mine])
-        torch.testing.assert_close(got_x, hidden_grad[mine])
-        torch.testing.assert_close(got_w, weights_grad[mine])
-        torch.testing.assert_close(got_weight, weight_grad)
-        held = int(((index >= rank * 2) & (index < rank * 2 + 2)).sum())
-        assert seen == [(held, held) if held else (1, 1)], (rank, seen)
-        assert held or lopsided
+    mp.start_processes(_rank, args=(str(tmp_path / "store"), results), nprocs=2, start_method="spawn")
+    without = {}   # routing -> the ranks that got no copy
+    for lopsided in (False, True):
+        out, hidden_grad, weights_grad, weight_grad = _reference(lopsided)
+        _, index, *_ = _inputs(lopsided)
+        without[lopsided] = []
+        for rank in (0, 1):
+            got_out, got_x, got_w, got_weight, seen = results[(rank, lopsided)]
+            mine = slice(rank * TOKENS, (rank + 1) * TOKENS)
+            torch.testing.assert_close(got_out, out[mine])
+            torch.testing.assert_close(got_x, hidden_grad[mine])
+            torch.testing.assert_close(got_w, weights_grad[mine])
+            torch.testing.assert_close(got_weight, weight_grad)
+            held = int(((index >= rank * 2) & (index < rank * 2 + 2)).sum())
+            assert seen == [(held, held) if held else (1, 1)], (lopsided, rank, seen)
+            if not held:
+                without[lopsided].append(rank)
+    assert without == {False: [], True: [1]}
