@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .config import ConfigError
+from .model import peft_false_alarms
 from .weights import Checkpoint, hf_name
 
 
@@ -45,7 +46,8 @@ def export_merged(model_path: Path, adapter: Path, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     base = AutoModelForCausalLM.from_pretrained(model_path, dtype="auto")
-    merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
+    with peft_false_alarms():
+        merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     tmp = _fresh(out)
     merged.save_pretrained(tmp, safe_serialization=True)
     AutoTokenizer.from_pretrained(model_path).save_pretrained(tmp)
@@ -61,7 +63,8 @@ def _lora_layers(model_path: Path, adapter: Path):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
-    model = peft.get_peft_model(model, peft.LoraConfig.from_pretrained(str(adapter)))
+    with peft_false_alarms():
+        model = peft.get_peft_model(model, peft.LoraConfig.from_pretrained(str(adapter)))
     return model, [(name, m) for name, m in model.named_modules() if isinstance(m, LoraLayer)]
 
 

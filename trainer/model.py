@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -20,6 +21,18 @@ from .weights import Checkpoint, hf_name
 NO_EXPERTS: Mapping = MappingProxyType({})   # no expert layout: every rank holds every expert
 
 
+@contextmanager
+def peft_false_alarms():
+    """peft's warnings that say nothing true of the trainer's adapters, silenced while peft builds or loads one:
+    it checks rank_pattern/alpha_pattern keys against the targeted modules alone, and ours name fused expert
+    weights (target_parameters), which it does give those ranks; and it asks transformers 5 for the deprecated
+    is_gradient_checkpointing. Every other warning still shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match", RuntimeWarning)
+        warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning)
+        yield
+
+
 def build_skeleton(recipe: Recipe, model_path: Path, dtype: torch.dtype) -> nn.Module:
     """The model with LoRA, on the meta device: no memory, no collectives, so a bad recipe fails everywhere
     at once before any process group exists."""
@@ -32,13 +45,7 @@ def build_skeleton(recipe: Recipe, model_path: Path, dtype: torch.dtype) -> nn.M
     model.to(dtype)
     lora = lora_config(model, recipe)
     try:
-        with warnings.catch_warnings():
-            # peft checks rank_pattern/alpha_pattern keys against the targeted modules alone; ours name fused
-            # expert weights (target_parameters), which it does give those ranks: a false alarm on every rank
-            warnings.filterwarnings("ignore", r"The following (rank|alpha)_pattern keys did not match",
-                                    RuntimeWarning)
-            # peft asks transformers 5 for the deprecated is_gradient_checkpointing
-            warnings.filterwarnings("ignore", r"`is_gradient_checkpointing` is deprecated", FutureWarning)
+        with peft_false_alarms():
             model = peft.get_peft_model(model, lora)
     except ValueError as exc:
         linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, nn.Linear)})
