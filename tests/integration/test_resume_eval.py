@@ -175,29 +175,26 @@ def test_eval_subset_is_fixed_its_loss_matches_one_process_and_a_plateau_stops_e
     assert at_start == pytest.approx(expected.item(), rel=1e-5)  # LoRA B starts at zero: the base's loss
 
 
-def test_a_run_without_checkpoint_settings_still_resumes_from_its_end(tmp_path, demo_cache, monkeypatch):
-    """The demo recipe sets no checkpoint_every: the end-of-run checkpoint (on by default, with the timed ones)
-    lets `launch --resume RUN --set train.steps=MORE` continue instead of starting again from step 0."""
-    out = tmp_path / "out"
-    first = torchrun(1, out, demo_cache, "train.steps=6", "train.log_every=1")
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert (out / "checkpoints" / "ckpt-0000006").is_dir()
-    monkeypatch.setenv("NODECTL_ATTEMPT", "1")
-    more = torchrun(1, out, demo_cache, "train.steps=9", "train.log_every=1")
-    assert more.returncode == 0, more.stderr[-2000:]
-    assert "resuming at step 6" in more.stdout
-    assert sorted(losses(out / "metrics.jsonl")) == list(range(1, 10))
-
-
-def test_a_restart_that_cannot_continue_says_so_and_keeps_the_previous_adapter(tmp_path, demo_cache, monkeypatch):
+def test_a_restart_without_a_checkpoint_starts_again_and_a_run_without_checkpoint_settings_resumes_from_its_end(
+        tmp_path, demo_cache, monkeypatch):
+    """Attempt 0 writes no checkpoint (train.checkpoint_minutes=0): attempt 1 says it cannot continue, keeps the
+    previous adapter and starts again from step 0. Attempt 1 has the demo recipe's settings (no checkpoint_every):
+    the end-of-run checkpoint (on by default, with the timed ones) lets the next attempt with more steps (`launch
+    --resume RUN --set train.steps=MORE`) continue instead of starting again from step 0."""
     out = tmp_path / "out"
     first = torchrun(1, out, demo_cache, "train.steps=3", "train.checkpoint_minutes=0")
     assert first.returncode == 0, first.stderr[-2000:]
     assert not (out / "checkpoints").exists()
     previous = (out / "adapter" / "adapter_model.safetensors").read_bytes()
     monkeypatch.setenv("NODECTL_ATTEMPT", "1")
-    again = torchrun(1, out, demo_cache, "train.steps=3", "train.checkpoint_minutes=0", "lora.dropout=0.2")
+    again = torchrun(1, out, demo_cache, "train.steps=6", "train.log_every=1", "lora.dropout=0.2")
     assert again.returncode == 0, again.stderr[-2000:]
     assert "attempt 1: no checkpoint" in again.stdout and "starts again from step 0" in again.stdout
     assert (out / "previous-attempt-0" / "adapter_model.safetensors").read_bytes() == previous
-    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() != previous
+    assert (out / "checkpoints" / "ckpt-0000006").is_dir()
+    monkeypatch.setenv("NODECTL_ATTEMPT", "2")
+    more = torchrun(1, out, demo_cache, "train.steps=9", "train.log_every=1", "lora.dropout=0.2")
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "resuming at step 6" in more.stdout
+    assert sorted(losses(out / "metrics.jsonl")) == list(range(1, 10))
