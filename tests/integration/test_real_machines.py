@@ -53,30 +53,6 @@ def test_a_node_sees_nothing_of_the_controller(ssh_cluster, project):
     assert uids[0] == 0 and uids[1] != 0 and uids[2] != 0   # node1 and node2 log in as users of their own
 
 
-def test_node1_has_no_sftp_and_files_still_travel_both_ways(ssh_cluster, project):
-    node = ssh_cluster.nodes[1]
-    client = paramiko.SSHClient()
-    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
-    client.connect(node.address, node.port, username=node.spec.user, key_filename=str(ssh_cluster.identity),
-                   look_for_keys=False, allow_agent=False)
-    try:
-        with pytest.raises(paramiko.SSHException):
-            client.open_sftp()
-    finally:
-        client.close()
-    result = launch(ssh_cluster, project, "--skip-preflight", "--", "train.py", indices=(0, 1))
-    assert result.exit_code == 0, result.output[-2000:]
-    run_id = latest_run_id(project)
-    assert (node.workdir / "runs" / run_id / "code" / "train.py").is_file()
-    collected = run_nodectl(["collect"], env=ssh_cluster.env(), cwd=project)
-    assert collected.exit_code == 0, collected.output
-    assert "rank=1" in (project / "runs" / run_id / "nodes" / "node1" / "logs" / "rank1.log").read_text()
-    # torchrun's own logs stay in the run folder, not in the node's /tmp forever
-    assert (node.workdir / "runs" / run_id / "torchelastic").is_dir()
-    listing = ssh_cluster.on_node(1, "ls -a /tmp")
-    assert listing.returncode == 0 and "torchelastic_" not in listing.stdout, listing
-
-
 def fake_ssh(folder, body: str) -> dict:
     """An environment whose PATH finds `ssh` in `folder` first: a script with `body`, logging its calls."""
     folder.mkdir(exist_ok=True)
@@ -123,6 +99,18 @@ def test_launch_config_sends_the_recipe_with_the_run(ssh_cluster, project):
 
 
 def test_fixed_master_port_full_preflight_then_two_launches_in_a_row(ssh_cluster, project):
+    """A fixed master port: the full preflight, then two launches on it. Node 1 has no SFTP subsystem, and files
+    still travel both ways (the code there, its logs back through collect)."""
+    node = ssh_cluster.nodes[1]
+    client = paramiko.SSHClient()
+    client.set_missing_host_key_policy(paramiko.AutoAddPolicy())
+    client.connect(node.address, node.port, username=node.spec.user, key_filename=str(ssh_cluster.identity),
+                   look_for_keys=False, allow_agent=False)
+    try:
+        with pytest.raises(paramiko.SSHException):
+            client.open_sftp()
+    finally:
+        client.close()
     port = free_port()
     inventory = str(ssh_cluster.inventory(indices=[0, 1], master_port=port))
     env = ssh_cluster.env()
@@ -147,6 +135,16 @@ def test_fixed_master_port_full_preflight_then_two_launches_in_a_row(ssh_cluster
     assert any(r["kind"] == "preflight" for r in every)
     status = run_nodectl(["--json", "status"], env=env, cwd=project).json()
     assert status["run_id"] == runs[-1]["run_id"] and status["state"] == "succeeded"
+
+    run_id = runs[-1]["run_id"]
+    assert (node.workdir / "runs" / run_id / "code" / "train.py").is_file()
+    collected = run_nodectl(["-i", inventory, "collect"], env=env, cwd=project)
+    assert collected.exit_code == 0, collected.output
+    assert "rank=1" in (project / "runs" / run_id / "nodes" / "node1" / "logs" / "rank1.log").read_text()
+    # torchrun's own logs stay in the run folder, not in the node's /tmp forever
+    assert (node.workdir / "runs" / run_id / "torchelastic").is_dir()
+    listing = ssh_cluster.on_node(1, "ls -a /tmp")
+    assert listing.returncode == 0 and "torchelastic_" not in listing.stdout, listing
 
 
 def test_ctrl_c_during_sync_exits_130_and_leaves_nothing_on_the_nodes(ssh_cluster, project):
