@@ -135,29 +135,6 @@ def test_tables_do_not_wrap_when_piped(project):
     assert torch.__version__ in row  # the whole row, the node's torch version included, on one line
 
 
-def test_a_launch_whose_output_goes_to_a_file_in_the_project_folder_succeeds(project):
-    """`nodectl launch ... > launch.log` (or nohup, or `| tee`) inside the project: the growing log is nodectl's
-    own output, not sent; a log another process writes meanwhile travels as a snapshot."""
-    import subprocess
-    import sys
-
-    (project / "train.py").write_text("import time\nprint('trained', flush=True)\n")
-    (project / "other.log").write_text("start\n")
-    env = env_for(project)
-    writer = subprocess.Popen([sys.executable, "-c", "import time\nwhile True:\n  open('other.log','a').write('x'*4096)"
-                               "\n  time.sleep(0.001)"], cwd=project)
-    try:
-        with open(project / "launch.log", "w") as log:
-            result = subprocess.run([sys.executable, "-m", "nodectl", "launch", "-i", "local.yaml", "--skip-preflight",
-                                     "--", "train.py"], cwd=project, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=180)
-    finally:
-        writer.kill()
-    text = (project / "launch.log").read_text()
-    assert result.returncode == 0, text
-    assert "trained" in text and "changed while it was being sent" not in text
-
-
 def test_a_second_launch_on_a_fixed_port_names_the_live_run_holding_it(project):
     """The README's fixed master_port and a run still alive there: the second launch says which run holds the
     port and how to end it, before anything starts (the cached preflight does not hide it)."""
@@ -275,14 +252,30 @@ def test_chat_records_for_a_model_without_a_template_are_refused_on_the_controll
 def test_a_scripts_relative_output_dir_comes_home_with_collect(project):
     """A third-party script's `--output_dir out` lands in <run>/code/out on the node: plain `collect` brings it
     back and says so (the synced project stays on the node); `--path` adds a synced file, a path outside the run is
-    refused. On the ended run, `diagnose` keeps no folder, and `report` without metrics is a failed run's 1."""
+    refused. On the ended run, `diagnose` keeps no folder, and `report` without metrics is a failed run's 1.
+    The launch runs as `nodectl launch ... > launch.log` (or nohup, or `| tee`) inside the project: the growing log
+    is nodectl's own output, not sent; a log another process writes meanwhile travels as a snapshot."""
+    import subprocess
+    import sys
+
     (project / "train.py").write_text("import os, sys\nos.makedirs(sys.argv[2], exist_ok=True)\n"
-                                      "open(os.path.join(sys.argv[2], 'result.txt'), 'w').write('42')\n")
+                                      "open(os.path.join(sys.argv[2], 'result.txt'), 'w').write('42')\n"
+                                      "print('trained', flush=True)\n")
+    (project / "other.log").write_text("start\n")
     env = env_for(project)
-    ran = run_nodectl(["launch", "-i", "local.yaml", "--skip-preflight", "--", "train.py", "--output_dir", "out"],
-                      env=env, cwd=project)
-    assert ran.exit_code == 0, ran.stdout + ran.stderr
-    assert "$NODECTL_OUTPUT_DIR" in ran.stderr
+    writer = subprocess.Popen([sys.executable, "-c", "import time\nwhile True:\n  open('other.log','a').write('x'*4096)"
+                               "\n  time.sleep(0.001)"], cwd=project)
+    try:
+        with open(project / "launch.log", "w") as log:
+            ran = subprocess.run([sys.executable, "-m", "nodectl", "launch", "-i", "local.yaml", "--skip-preflight",
+                                  "--", "train.py", "--output_dir", "out"], cwd=project, env=env, stdout=log,
+                                 stderr=subprocess.STDOUT, timeout=180)
+    finally:
+        writer.kill()
+    text = (project / "launch.log").read_text()
+    assert ran.returncode == 0, text
+    assert "trained" in text and "changed while it was being sent" not in text
+    assert "$NODECTL_OUTPUT_DIR" in text
     run_id = run_nodectl(["runs", "--json"], env=env, cwd=project).json()["runs"][-1]["run_id"]
     nodes = project / "runs" / run_id / "nodes"
     collected = run_nodectl(["collect"], env=env, cwd=project)
