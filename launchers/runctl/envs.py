@@ -55,12 +55,18 @@ def _env_files(env_dir: str) -> dict:
     return found
 
 
+def _of_copies(manifest: dict) -> bool:
+    """A manifest of this nodectl's venvs: their files are copies of uv's cache, never hard links into it."""
+    return isinstance(manifest, dict) and manifest.get("version") == MANIFEST_VERSION \
+        and isinstance(manifest.get("files"), dict)
+
+
 def _env_state(env_dir: str) -> dict:
     info = read_json(os.path.join(env_dir, ENV_INFO))
     if not isinstance(info, dict):
         return {"present": False}
     manifest = read_json(os.path.join(env_dir, ENV_MANIFEST), {}) or {}
-    if manifest.get("version") == MANIFEST_VERSION and isinstance(manifest.get("files"), dict):
+    if _of_copies(manifest):
         built, now = manifest["files"], _env_files(env_dir)
     else:   # a venv of an older nodectl: no ctimes, no bytecode in its manifest; drift is then rebuilt as ours
         built = manifest
@@ -152,7 +158,10 @@ def cmd_env_build(args: list, request: dict) -> dict:
             replaced = f"{env_dir}.drifted"
             shutil.rmtree(replaced, ignore_errors=True)
             os.replace(env_dir, replaced)
-            shutil.rmtree(_uv_cache(workdir), ignore_errors=True)   # it may hold the changed bytes (hard links)
+            if not _of_copies(read_json(os.path.join(replaced, ENV_MANIFEST), {}) or {}):
+                # built with hard links into uv's cache (a nodectl before manifest version 2): the cache may hold
+                # the changed bytes. A venv of copies leaves the cache as it was, and the rebuild unpacks nothing.
+                shutil.rmtree(_uv_cache(workdir), ignore_errors=True)
         shutil.rmtree(env_dir, ignore_errors=True)   # a build cut midway (no info file)
         started = time.time()
         try:

@@ -76,6 +76,8 @@ def test_offline_nodes_build_one_venv_reuse_it_and_rebuild_on_change(offline_clu
     # there, and reuses node0's as it is
     site = next((cluster.nodes[1].workdir / ".nodectl" / "envs" / key / "lib").glob("python3*/site-packages"))
     (site / "six.py").write_text((site / "six.py").read_text() + "\n# patched by hand\n")
+    unpacked = {p: p.stat().st_ino for p in (cluster.nodes[1].workdir / ".nodectl" / "uv-cache").rglob("six.py")}
+    assert unpacked   # uv's copy of six, unpacked there for the first build
     checked = run_nodectl(["--json", "-i", str(cluster.inventory(count=2, environment="requirements.txt")),
                            "preflight", "--quick"], env=env, cwd=project, timeout=300)
     verdicts = {(r["check"], r["node"]): r for r in checked.json()["results"]}
@@ -90,6 +92,8 @@ def test_offline_nodes_build_one_venv_reuse_it_and_rebuild_on_change(offline_clu
     assert f"venv {key}" in line and "built on node1 " in line and "node0" not in line, line
     assert "(0 B sent)" in line, line
     assert "# patched by hand" not in (site / "six.py").read_text()
+    # the venv held copies, so the edit never reached uv's cache: the rebuild took what uv had unpacked
+    assert {p: p.stat().st_ino for p in unpacked if p.exists()} == unpacked
 
     # one package changes: a new venv, and only that package's wheel travels (node0's; one node is enough)
     (project / "requirements.txt").write_text("six==1.17.0\ntorch==2.13.0\n")

@@ -261,9 +261,18 @@ def test_a_venv_from_wheels_with_pip_then_from_a_node_index_and_drift_is_caught(
     env_path = Path(status["path"])
     assert status["changed"] == [str((site / "six.py").relative_to(env_path))]
     assert status["added"] == [str((site / "extra.py").relative_to(env_path))]
+    uv_cache = workdir / ".nodectl" / "uv-cache"
+    (uv_cache / "unpacked").mkdir(parents=True)   # what uv unpacked for the first build
     again = runctl.envs.cmd_env_build([str(workdir)], request)
     assert again["reused"] is False and again["replaced"].endswith(".drifted") and again["intact"]
     assert "# by hand" not in (site / "six.py").read_text()
+    # the venv's files were copies: the edit never reached uv's cache, which stays for the rebuild to use
+    assert (uv_cache / "unpacked").is_dir()
+    # a venv of an older nodectl (hard links into the cache, a manifest without a version) that drifted: the
+    # cache may hold the changed bytes, and goes
+    (env_path / "nodectl-manifest.json").write_text("{}")
+    legacy = runctl.envs.cmd_env_build([str(workdir)], request)
+    assert legacy["reused"] is False and legacy["intact"] and not uv_cache.exists()
 
     index = tmp_path / "simple" / "six"
     index.mkdir(parents=True)
