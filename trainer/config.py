@@ -39,7 +39,8 @@ class ModelConfig:
                                        # whole expert stack's W + B@A on every forward)
     expert_lora_kernel: str = "auto"   # the grouped path's adapter products: triton (trainer/expert_lora.py, one
                                        # kernel per tile for the forward and one for the input gradient), torch
-                                       # (torch's grouped GEMMs, six launches), auto: triton on CUDA where installed
+                                       # (torch's grouped GEMMs, six launches), auto: torch (measured faster in the
+                                       # compiled trainer, A B B A; trainer/moe.py lora_kernel)
     fp8_experts: bool = False          # the routed experts' frozen base as e4m3 with per-channel scales (grouped
                                        # path, Hopper GPUs; layouts that keep experts unsharded by FSDP:
                                        # replicate, expert); adapters and gradients stay bf16 (trainer/fp8.py)

@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -64,6 +65,7 @@ def assignments(spec: str) -> list[str]:
 
 def trainer_run(name: str, sets: list[str], args, model: Path, work: Path, env: dict) -> dict:
     out = work / name
+    shutil.rmtree(out, ignore_errors=True)   # a run of an earlier call there would resume at its end and be read again
     defaults = recipe_defaults(model, args) + [f"train.output_dir={out}"]
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.gpus), "--master-port",
             "29613", "-m", "trainer"]
@@ -82,7 +84,8 @@ def launch_run(name: str, layout: str, sets: list[str], args, model: Path, work:
     project = work / f"project-{name}"
     project.mkdir(parents=True, exist_ok=True)
     out = work / name
-    out.mkdir(exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
     defaults = recipe_defaults(model, args) + ["train.checkpoint_every=0", "train.checkpoint_minutes=0",
                                                f"train.traffic_at={args.traffic_at}"]
     argv = [sys.executable, "-m", "nodectl", "launch", "--nodes", str(nodes), "--gpus", str(gpus), "--skip-preflight"]
