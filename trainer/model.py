@@ -259,7 +259,7 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool, layout=None,
     if recipe.model.moe_kernel == "grouped":
         from . import moe
 
-        lora_kernel = moe.lora_kernel(recipe.model.expert_lora_kernel, mesh.device_type)
+        lora_kernel = moe.lora_kernel(recipe.model.expert_lora_kernel)
         grouped, peft_path = moe.install(model, lora_kernel)
         if experts_over is not None:
             sharded, experts = moe.shard_experts(model, *experts_over)

@@ -217,13 +217,12 @@ def triton_kernels_here() -> str | None:
     return None
 
 
-def lora_kernel(setting: str, device_type: str) -> str:
-    """model.expert_lora_kernel as it runs on ranks of `device_type`: auto is torch's grouped GEMMs everywhere.
-    Measured A B B A in the trainer (Qwen3-30B-A3B cut to 16 layers, compiled, one H100, two rounds on
-    2026-12-06), torch's products ran 1.021x and 1.022x as fast as the Triton kernels, every run of one above
-    every run of the other: the kernels, 1.66x faster alone, lose to what torch.compile fuses around torch's.
-    `triton` still runs them (CUDA ranks only)."""
-    del device_type   # the same choice on every device, until a GPU where the kernels win is measured
+def lora_kernel(setting: str) -> str:
+    """model.expert_lora_kernel as it runs: auto is torch's grouped GEMMs, on every device. Measured A B B A in the
+    trainer (Qwen3-30B-A3B cut to 16 layers, compiled, one H100, two rounds on 2026-12-06), torch's products ran
+    1.021x and 1.022x as fast as the Triton kernels, every run of one above every run of the other: the kernels,
+    1.66x faster alone, lose to what torch.compile fuses around torch's. `triton` still runs them (CUDA ranks
+    only, checked at start)."""
     return "torch" if setting == "auto" else setting
 
 

@@ -101,8 +101,8 @@ def _model_matches_torch_grouped_path(device: str) -> None:
 def test_auto_takes_torchs_products_on_every_device_and_other_values_are_refused():
     from trainer import config, moe
 
-    assert moe.lora_kernel("auto", "cpu") == "torch" and moe.lora_kernel("auto", "cuda") == "torch"
-    assert moe.lora_kernel("torch", "cuda") == "torch" and moe.lora_kernel("triton", "cpu") == "triton"
+    assert moe.lora_kernel("auto") == "torch"
+    assert moe.lora_kernel("torch") == "torch" and moe.lora_kernel("triton") == "triton"
     assert config.load_recipe(None, []).model.expert_lora_kernel == "auto"
     with pytest.raises(config.ConfigError, match="model.expert_lora_kernel: expected auto, triton or torch"):
         config.load_recipe(None, ["model.expert_lora_kernel=cuda"])
