@@ -6,6 +6,12 @@ from pathlib import Path
 
 import pytest
 
+# Bytecode is written and read again: a shell that sets PYTHONDONTWRITEBYTECODE (this machine's shells do)
+# left every process the suite starts (each nodectl command, runctl on a local node, each rank) compiling
+# nodectl's, runctl's and the trainer's sources again, about 0.2 CPU s a command; and pytest rewrote every test
+# file's assertions again in each worker.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 sys.path.insert(0, str(Path(__file__).parent))
 from support import REPO  # noqa: E402,F401 - the repository, for tests that name its files
 from support.launch import make_project  # noqa: E402
