@@ -1,17 +1,19 @@
-"""The `nodectl` command group. Each command lives in its own module and is registered here explicitly."""
+"""The `nodectl` command group. Each command lives in its own module, named here (`COMMANDS`) and imported when it
+is run: `nodectl status` loads status's module, not launch's and preflight's."""
 from __future__ import annotations
 
 import atexit
 import errno
+import importlib
 import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import click
 
-from nodectl import __version__
 from nodectl.cli.context import AppContext
 from nodectl.cli.options import Seconds
 from nodectl.errors import EXIT_FAILED, EXIT_INTERRUPTED, InventoryError, NodectlError, install_signal_handlers
@@ -43,7 +45,7 @@ def _global_option(args: list[str], i: int) -> int:
     return 0
 
 
-def hoist_global_options(args: list[str], commands: dict[str, click.Command]) -> list[str]:
+def hoist_global_options(args: list[str], commands: Mapping[str, click.Command]) -> list[str]:
     """`nodectl tail rank0 --json` means `nodectl --json tail rank0`: global options given after the command name
     move in front of it. Only up to `--`, and for commands that pass their arguments on (launch, exec) only up to
     their first argument: what follows belongs to the user's program."""
@@ -72,12 +74,50 @@ def hoist_global_options(args: list[str], commands: dict[str, click.Command]) ->
     return moved + head + rest
 
 
+# Each command's name and its module under nodectl/cli (its `command`).
+COMMANDS = {"preflight": "preflight", "env-dump": "env_dump", "launch": "launch", "exec": "exec_cmd", "tail": "tail",
+            "status": "status", "top": "top", "stacks": "stacks", "diagnose": "diagnose", "stop": "stop",
+            "collect": "collect", "runs": "runs", "report": "report"}
+
+
+class _Commands(Mapping):
+    """The group's commands by name, each imported when it is first looked up."""
+
+    def __init__(self, group: NodectlGroup) -> None:
+        self.group = group
+
+    def __getitem__(self, name: str) -> click.Command:
+        command = self.group.get_command(None, name)
+        if command is None:
+            raise KeyError(name)
+        return command
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(COMMANDS)
+
+    def __len__(self) -> int:
+        return len(COMMANDS)
+
+
 class NodectlGroup(click.Group):
     """Click turns Ctrl-C into "Aborted!" and exit 1; nodectl says it was interrupted and exits 130 (docs/REFERENCE.md §2),
-    after the command has stopped whatever it started. Global options are accepted after the command too."""
+    after the command has stopped whatever it started. Global options are accepted after the command too. Commands
+    are imported when looked up: the one that runs, or all of them for the group's help."""
+
+    def list_commands(self, ctx: click.Context | None) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context | None, name: str) -> click.Command | None:
+        if name not in self.commands and name in COMMANDS:
+            self.add_command(importlib.import_module(f"nodectl.cli.{COMMANDS[name]}").command)
+        return self.commands.get(name)
+
+    @property
+    def every_command(self) -> Mapping[str, click.Command]:
+        return _Commands(self)
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, hoist_global_options(list(args), self.commands))
+        return super().parse_args(ctx, hoist_global_options(list(args), self.every_command))
 
     def main(self, *args, **kwargs):
         install_signal_handlers()
@@ -104,6 +144,15 @@ class NodectlGroup(click.Group):
             raise SystemExit(EXIT_FAILED) from None
 
 
+def _show_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    """--version, read from the installed package only when asked for (importlib.metadata is not loaded otherwise)."""
+    if value and not ctx.resilient_parsing:
+        from nodectl import __version__
+
+        click.echo(f"nodectl, version {__version__}")
+        ctx.exit()
+
+
 @click.group(cls=NodectlGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("-i", "--inventory", envvar="NODECTL_INVENTORY", metavar="INVENTORY",
               help="hosts.yaml or hostfile (default: $NODECTL_INVENTORY, ./hosts.yaml, else this machine).")
@@ -116,7 +165,8 @@ class NodectlGroup(click.Group):
               show_default=True, help="Seconds to wait for each node's SSH connection.")
 @click.option("--fanout", type=click.IntRange(min=1), default=DEFAULT_FANOUT, show_default=True,
               help="Nodes worked on at once.")
-@click.version_option(__version__, prog_name="nodectl")
+@click.option("--version", is_flag=True, expose_value=False, is_eager=True, callback=_show_version,
+              help="Show the version and exit.")
 @click.pass_context
 def main(ctx: click.Context, inventory, verbose, quiet, as_json, accept_new_host_keys, connect_timeout, fanout):
     """Check, launch and watch multi-node PyTorch training over plain SSH."""
@@ -155,15 +205,3 @@ def run() -> None:
         except (OSError, ValueError):  # a reader that went away (nodectl runs | head)
             pass
     os._exit(code)
-
-
-def _register() -> None:
-    from nodectl.cli import (collect, diagnose, env_dump, exec_cmd, launch, preflight, report, runs, stacks, status,
-                             stop, tail, top)
-
-    for module in (preflight, env_dump, launch, exec_cmd, tail, status, top, stacks, diagnose, stop, collect, runs,
-                   report):
-        main.add_command(module.command)
-
-
-_register()

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from nodectl.inventory import Inventory, load_inventory, resolve_inventory_path
 from nodectl.transport import Cluster, NodeResult, Session, TransportOptions
@@ -73,7 +72,11 @@ class AppContext:
     def node_progress(self, label: str, total: int) -> Iterator:
         """A progress bar on stderr over `total` nodes; yields the callback that advances it. Its `phase(label)`
         starts a step that is not counted in nodes (a collective test): the bar pulses with that label and the
-        elapsed time keeps running, so no wait sits on a finished "2/2"."""
+        elapsed time keeps running, so no wait sits on a finished "2/2". (rich.progress is loaded here, by the
+        commands that draw a bar.)"""
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn,
+                                   TimeElapsedColumn)
+
         progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=self.err, transient=True,
                             disable=self.quiet or not self.err.is_terminal)
@@ -84,7 +87,7 @@ class AppContext:
 class _Bar:
     """The bar as the library's NodeProgress (nodectl/progress.py)."""
 
-    def __init__(self, progress: Progress, task) -> None:
+    def __init__(self, progress, task) -> None:
         self.progress, self.task = progress, task
 
     def __call__(self, result: NodeResult) -> None:

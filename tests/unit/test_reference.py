@@ -26,9 +26,9 @@ def test_every_command_in_the_table_exists_with_its_options():
         usage = row.split("`")[1]
         name = usage.split()[1]
         if PLANNED in row:
-            assert name not in main.commands, f"{name} is built: drop its (planned) mark in docs/REFERENCE.md"
+            assert name not in main.every_command, f"{name} is built: drop its (planned) mark in docs/REFERENCE.md"
             continue
-        command = main.commands[name]
+        command = main.every_command[name]
         params = [*command.params, *main.params]   # global options are taken after the command too
         known = {opt for param in params for opt in getattr(param, "opts", []) + getattr(param, "secondary_opts", [])}
         for option in re.findall(r"(--[a-z][a-z-]*|-[a-zA-Z])\b", usage.split(name, 1)[1]):
@@ -71,15 +71,17 @@ def test_nothing_marked_planned_is_built():
     for found in re.finditer(r"planned", REFERENCE):
         around = REFERENCE[max(0, found.start() - 300):found.end() + 300]
         for name in re.findall(r"`([a-z_-]+):?`", around):
-            assert name not in NODE_KEYS and name not in main.commands, \
+            assert name not in NODE_KEYS and name not in main.every_command, \
                 f"docs/REFERENCE.md calls `{name}` planned near: {around!r}"
 
 
 def test_every_command_is_documented_and_every_launch_option_named_exists():
     documented = set(re.findall(r"`nodectl ([a-z-]+)", REFERENCE))
-    assert set(main.commands) <= documented, f"undocumented commands: {sorted(set(main.commands) - documented)}"
-    assert documented <= set(main.commands), f"documented, not built: {sorted(documented - set(main.commands))}"
-    launch = main.commands["launch"]
+    built = {name: command.name for name, command in main.every_command.items()}
+    assert all(name == found for name, found in built.items()), built   # each module's command, by its own name
+    assert set(built) <= documented, f"undocumented commands: {sorted(set(built) - documented)}"
+    assert documented <= set(built), f"documented, not built: {sorted(documented - set(built))}"
+    launch = main.every_command["launch"]
     known = {opt for param in launch.params for opt in getattr(param, "opts", [])}
     intro = REFERENCE.split("## 1.", 1)[0]
     for option in re.findall(r"`(--[a-z][a-z-]*)", intro):
@@ -95,3 +97,15 @@ def test_the_variables_a_program_sees_are_the_ones_nodectl_sets():
     for variable in ("NODECTL_RUN_ID", "NODECTL_RUN_DIR", "NODECTL_OUTPUT_DIR", "NODECTL_NODE_RANK", "NODECTL_NNODES",
                      "NODECTL_ATTEMPT"):
         assert variable in named
+
+
+def test_a_command_loads_its_own_module_and_not_the_others():
+    """`nodectl status` imports status's module, not launch's or preflight's: a command's start-up pays for itself."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom nodectl.cli import main\nmain.get_command(None, 'status')\n"
+             "print(sorted(m for m in sys.modules if m.startswith('nodectl.cli.')))")
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert "'nodectl.cli.status'" in loaded and "nodectl.cli.launch'" not in loaded \
+        and "nodectl.cli.preflight'" not in loaded, loaded
