@@ -317,7 +317,11 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
     held = None   # since when a rank failure waits for a node in doubt
     with Poller(cluster, run_nodes, offsets, interval, lost_after=lost_after, pace=asks) as poller:
         while True:
-            time.sleep(interval)
+            # a tick, or sooner where a node told of a rank's or its launcher's end; while a rank failure waits
+            # for the other nodes' word, each of their lines
+            hearing = held is not None and time.monotonic() - held < HEARD_HOLD * interval
+            poller.news.wait(min(interval, HEARD_EVERY) if hearing else interval)
+            poller.news.clear()
             drained = poller.drain()
             for answer in drained:   # in order: each line's log text once
                 one = {answer.result.node.name: answer.result}
@@ -341,6 +345,12 @@ def wait_for_end(cluster: Cluster, run_nodes: list[RunNode], stream: LogStream |
             if isinstance(outcome, Failure) and outcome.kind in (FailureKind.RANK, FailureKind.LAUNCHER):
                 held = held or time.monotonic()
                 outcome = _cause(outcome, latest, health, time.monotonic() - held < IN_DOUBT_HOLD * lost_after)
+                if isinstance(outcome, Failure) and outcome.kind in (FailureKind.RANK, FailureKind.LAUNCHER) \
+                        and time.monotonic() - held < HEARD_HOLD * interval \
+                        and any(rn.node.name != outcome.node and (rn.node.name not in answers
+                                                                  or answers[rn.node.name].at < held)
+                                for rn in run_nodes):
+                    outcome = None   # each other node speaks after it first: one that died with it is in doubt then
             if outcome is None or isinstance(outcome, Failure) and outcome.kind in (FailureKind.RANK,
                                                                                      FailureKind.LAUNCHER):
                 outcome = _broken_part(cluster, run_nodes, latest, outcome)
@@ -388,6 +398,11 @@ def _feed_pace(pace: PaceWatch, answer) -> None:
 
 
 IN_DOUBT_HOLD = 2.0   # a rank failure waits while a node is in doubt, at most this many times lost_after
+# A rank failure is told at once (its node's watcher sends a line when a rank ends), and judged once every other
+# node has sent a line since, at most this many intervals: a node that died with the rank (whose loss is the
+# cause) has then had the time a tick gave it to be in doubt, and a single-node run's crash is judged at once.
+HEARD_HOLD = 1.5
+HEARD_EVERY = 0.1     # seconds between two looks meanwhile
 
 
 def _cause(failure: Failure, latest: dict[str, NodeResult], health: dict[str, Health], wait: bool) -> Failure | None:

@@ -189,13 +189,15 @@ def cmd_poll(args: list, request: dict, stream: bool = False) -> dict:
 
 WATCH_INTERVAL = (0.2, 60.0)   # the bounds of the seconds between two state lines
 ASK_LIMIT = 1 << 20            # bytes of one request line; a longer one is dropped
+ENDS_EVERY = 0.1               # seconds between two looks, between lines, for a rank's or the launcher's exit record
 
 
 def cmd_watch(args: list, request: dict) -> dict:
     """The run's state as a stream: `poll`'s answer, with its `seq` and the `asked` time of the latest request
     line, written as one line every `interval` seconds until stdin ends (the controller closed its channel, or
     its connection went) or stdout breaks. One process for the whole watch: a node under load answers with a
-    line on time instead of starting two interpreters a poll.
+    line on time instead of starting two interpreters a poll. A rank's or the launcher's exit record that appears
+    between two lines sends the next one at once (a crash is news the controller should not wait a line for).
 
     The watcher moves its own log offsets and pace marks on as it sends, so the controller needs to send
     nothing; a request line (one JSON object) replaces `offsets`, raises `pace` marks and sets `gpus`,
@@ -210,7 +212,11 @@ def cmd_watch(args: list, request: dict) -> dict:
     if orphan_after > 0:
         signal.alarm(orphan_after)
     pending, seq = bytearray(), 0
+    node = read_json(os.path.join(os.path.expanduser(run_dir), layout.NODE_JSON))
+    ends = [os.path.join(os.path.expanduser(run_dir), path) for path in
+            [layout.LAUNCHER_EXIT, *(layout.rank_exit(rank) for rank in (node or {}).get("ranks", []))]]
     while True:
+        ended = sum(map(os.path.exists, ends))
         answer = cmd_poll([run_dir], {k: v for k, v in ask.items() if k != "sent"}, stream=True)
         seq += 1
         answer.update(seq=seq, asked=ask["sent"])
@@ -224,7 +230,9 @@ def cmd_watch(args: list, request: dict) -> dict:
         _moved_on(ask, answer)
         deadline = time.monotonic() + interval
         while (left := deadline - time.monotonic()) > 0:
-            if not select.select([0], [], [], left)[0]:
+            if not select.select([0], [], [], min(left, ENDS_EVERY))[0]:
+                if sum(map(os.path.exists, ends)) != ended:   # a rank or the launcher ended: said at once
+                    break
                 continue
             data = os.read(0, 1 << 16)
             if not data:

@@ -59,6 +59,8 @@ class Poller:
         self._seqs = dict.fromkeys(self._arrivals, 0)
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self.news = threading.Event()   # set when a node's line tells of an end not told before (a rank's, the
+        self._ended = dict.fromkeys(self._arrivals, frozenset())   # launcher's): the watch looks at once
         self._threads = [threading.Thread(target=self._follow, args=(rn,), daemon=True, name=f"watch-{rn.node.name}")
                          for rn in run_nodes]
 
@@ -132,6 +134,11 @@ class Poller:
             now = time.monotonic()
             if answer is not None:
                 self._keep(name, NodeResult(run_node.node, value=answer), now, sent=answer.asked, arrived=True)
+                ended = frozenset([*(r.rank for r in answer.ranks if r.exit is not None),
+                                   *(["launcher"] if answer.launcher_exit is not None else [])])
+                if ended - self._ended[name]:
+                    self.news.set()
+                self._ended[name] = ended
             pace = self.pace(run_node) if self.pace else None
             if pace is not None and bool(pace[1]) != detail or now - told >= TICK:
                 detail, told = bool(pace and pace[1]), now

@@ -430,6 +430,37 @@ def test_ranks_ending_normally_under_a_poll_every_20ms_are_never_shown_killed(tm
     assert final == ["exited(0)"] * 20, final
 
 
+def test_a_watch_stream_sends_a_ranks_end_at_once_not_at_its_next_line(tmp_path):
+    """A crash is news: the node's watcher (runctl watch, the stream the controller reads) sends a line as soon as
+    a rank's wrapper records its end, not at the end of its interval (60 s here), and that line carries the exit."""
+    run_dir = make_run(tmp_path)
+    gate = tmp_path / "end-now"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NODECTL_")}
+    program = f"import os, sys, time\nwhile not os.path.exists({str(gate)!r}):\n    time.sleep(0.01)\nsys.exit(3)\n"
+    wrapper = subprocess.Popen([sys.executable, str(resource_dir("launchers") / "rankexec.py"), "-c", program],
+                               env={**env, "NODECTL_RUN_ID": RUN_ID, "NODECTL_NODE_RANK": "0",
+                                    "NODECTL_RUN_DIR": str(run_dir), "RANK": "0"}, start_new_session=True)
+    (run_dir / runlayout.PGID).write_text(str(wrapper.pid))
+    watch = ("import sys\nsys.path.insert(0, sys.argv[1])\nfrom runctl.watch import cmd_watch\n"
+             "cmd_watch([sys.argv[2]], {'interval': 60})\n")
+    watcher = subprocess.Popen([sys.executable, "-c", watch, str(resource_dir("launchers")), str(run_dir)],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        first = json.loads(watcher.stdout.readline())
+        assert first["seq"] == 1 and first["ranks"][0]["exit"] is None
+        ended = time.monotonic()
+        gate.touch()
+        second = json.loads(watcher.stdout.readline())
+        took = time.monotonic() - ended
+        assert wrapper.wait(10) == 3
+    finally:
+        wrapper.kill()
+        watcher.kill()
+        watcher.wait()
+    assert second["seq"] == 2 and second["ranks"][0]["exit"]["code"] == 3, second["ranks"]
+    assert took < 20, took   # the interval is 60 s
+
+
 def test_the_busiest_processes_not_the_runs_are_told_with_their_share_of_a_cpu(tmp_path, monkeypatch):
     """What a rank waiting for a CPU waits on: a spinning process of someone else's is told (pid, name, share);
     one of the run's own, spinning as hard, is not. (Every process past a small share is told here: beside the
