@@ -447,7 +447,9 @@ def load(model: nn.Module, optimizer, checkpoint: Path, device: torch.device, la
             print(f"checkpoint of {meta['world_size']} ranks resharded to {world} from its {REPLICA} (layout "
                   f"{meta.get('layout') or 'of an older trainer'} -> {key})", flush=True)
         return meta["step"]
-    saved = torch.load(checkpoint / f"rank{rank}.pt", map_location="cpu", weights_only=False)
+    # mapped, not read: each tensor goes to the device straight from the page cache (a checkpoint written moments
+    # before a restart is there), without a first copy of the whole file into memory
+    saved = torch.load(checkpoint / f"rank{rank}.pt", map_location="cpu", weights_only=False, mmap=True)
     by_name = dict(model.named_parameters())
     with torch.no_grad():
         for name, local in saved["params"].items():
@@ -484,7 +486,7 @@ def _load_replica(model: nn.Module, optimizer, path: Path, device: torch.device)
     """Continue on another number of ranks: every rank reads its node's whole copy and keeps its own shards.
     The data split and random streams follow the new world (the steps go on; the losses are not the ones the
     old world would have logged)."""
-    replica = torch.load(path, map_location="cpu", weights_only=False)
+    replica = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
     by_name = dict(model.named_parameters())
     with torch.no_grad():
         for name, whole in replica["params"].items():
