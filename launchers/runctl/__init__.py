@@ -23,5 +23,14 @@ after that proof, so `stop` gets all of the run's processes and nothing else.
     net         ports, a listener, a connection, a route
     dispatch    the command line: name, request, answer
 """
-from runctl import (collect, common, containers, diagnose, dispatch, envs, net, processes, runfolder,  # noqa: F401
-                    start, stop, store, watch)
+import importlib
+
+# Each call imports only what its command needs (dispatch.command); `runctl.<module>` still reaches any of them.
+MODULES = ("collect", "common", "containers", "diagnose", "dispatch", "envs", "hardware", "net", "pace", "processes",
+           "runfolder", "start", "stop", "store", "watch")
+
+
+def __getattr__(name: str):
+    if name in MODULES:
+        return importlib.import_module(f"runctl.{name}")
+    raise AttributeError(f"module 'runctl' has no attribute {name!r}")

@@ -31,21 +31,25 @@ class NoRun(AgentError):
         super().__init__(message, kind=NodeErrorKind.NO_RUN, **kwargs)
 
 
-MAIN = b"from runctl.dispatch import main\n\nmain()\n"
+# The artifact's own __main__: its modules' code compiled once per node and Python, kept beside it
+# (launchers/codecache.py), then the command.
+MAIN = (b"import os\n\nimport codecache\n\ncodecache.install(os.path.dirname(__file__))\n"
+        b"from runctl.dispatch import main\n\nmain()\n")
 
 
 @lru_cache(maxsize=1)
 def _runctl() -> tuple[bytes, str, str]:
-    """runctl's artifact: the package launchers/runctl/, the run folder's layout (launchers/runlayout.py), the
-    answers' reader and whole-file writer (launchers/nodeio.py), the pace's reading of the flight recorder
-    (launchers/flightpace.py), the table of verbs (launchers/verbs.py), the secret rules (launchers/redaction.py:
+    """runctl's artifact: the package launchers/runctl/, the loader of its code compiled on the node
+    (launchers/codecache.py), the run folder's layout (launchers/runlayout.py), the answers' reader and whole-file
+    writer (launchers/nodeio.py), the pace's reading of the flight recorder (launchers/flightpace.py), the table of verbs (launchers/verbs.py), the secret rules (launchers/redaction.py:
     collect masks what ranks wrote), the /etc/hosts reader (launchers/hostsfile.py) and the port picker
     (launchers/ports.py), all but the package imported by the controller too, as one zip with a __main__
     (`python -S FILE` runs it); the short hash that names it on the nodes, and its full sha256. Every controller of
     one version builds the same bytes: entries in order, fixed times and modes, stored uncompressed."""
     launchers = resource_dir("launchers")
     buffer = io.BytesIO()
-    beside = ("runlayout.py", "nodeio.py", "flightpace.py", "verbs.py", "redaction.py", "hostsfile.py", "ports.py")
+    beside = ("codecache.py", "runlayout.py", "nodeio.py", "flightpace.py", "verbs.py", "redaction.py", "hostsfile.py",
+              "ports.py")
     entries = [("__main__.py", MAIN), *((name, (launchers / name).read_bytes()) for name in beside),
                *((f"runctl/{path.name}", path.read_bytes()) for path in sorted((launchers / "runctl").glob("*.py")))]
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
@@ -63,6 +67,10 @@ def agent_path(workdir: str) -> str:
 
 
 MISSING = "NODECTL-RUNCTL-MISSING"
+# What runs the checked artifact `p` in the same process: its modules from the code compiled and kept beside it
+# (launchers/codecache.py), then the command. As the artifact's __main__ does, without runpy (and what it imports:
+# about a quarter of a call's CPU once the code is kept).
+RUN = "sys.path.insert(0,p);import codecache;codecache.install(p);from runctl.dispatch import main;main()"
 
 
 # Runs the installed runctl only after checking it, in the same process: the folder and the file are the login
@@ -77,7 +85,7 @@ VERIFIED = ('import hashlib,os,stat,sys;p=sys.argv[1];u=os.getuid();d=os.path.di
             'mine=lambda x:x.st_uid==u and not x.st_mode&18;'
             'ok=ok and mine(os.lstat(d)) and mine(s) and hashlib.sha256(b).hexdigest()==sys.argv[2];'
             'ok or (print("' + MISSING + '"),sys.exit(0));'
-            'sys.argv=[p]+sys.argv[3:];import runpy;runpy.run_path(p,run_name="__main__")')
+            'sys.argv=[p]+sys.argv[3:];' + RUN)
 
 
 def _invocation(node, command: str, args: tuple[str, ...]) -> str:
@@ -175,7 +183,7 @@ BOOTSTRAP = SAFE_FOLDER + (
     'b=sys.stdin.buffer.read(int(sys.argv[2]));t=p+".tmp%d"%os.getpid();'
     'os.path.isfile(p) and not os.path.islink(p) and open(p,"rb").read()==b or '
     '(f:=open(t,"wb"),f.write(b),f.close(),os.chmod(t,0o600),os.replace(t,p));'
-    'sys.argv=[p]+sys.argv[3:];import runpy;runpy.run_path(p,run_name="__main__")')
+    'sys.argv=[p]+sys.argv[3:];' + RUN)
 # Installs runctl anew (the file was missing, or failed VERIFIED's check), under the same rule.
 INSTALL = SAFE_FOLDER + ('b=sys.stdin.buffer.read();t=p+".tmp%d"%os.getpid();f=open(t,"wb");f.write(b);f.close();'
                          'os.chmod(t,0o600);os.replace(t,p);print(json.dumps({"installed":p}))')

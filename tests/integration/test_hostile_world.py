@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import marshal
 import os
 import stat
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 from nodectl.inventory import parse_inventory
 from nodectl.remote import agent
 from nodectl.transport import Cluster, TransportOptions
+from support import REPO
 from support.cli import CLIResult, nodectl_in
 
 SCRIPT = """\
@@ -73,6 +75,54 @@ def test_a_runctl_planted_in_a_shared_workdir_is_never_run(tmp_path):
         assert first.ok and second.ok and second.value.port > 0, (first, second)
     assert not marker.exists()
     assert planted.read_bytes() == agent._runctl()[0] and mode(planted.parent) == 0o700
+
+
+def test_runctls_code_is_compiled_once_per_node_and_only_a_private_copy_of_this_artifact_is_run(tmp_path):
+    """runctl's modules are compiled by the node's first call and kept beside the artifact (launchers/codecache.py);
+    later calls import from that file. A file there that is not the login user's alone, or was compiled from other
+    bytes, is never run: it is compiled again from the artifact."""
+    from nodectl.resources.launchers import codecache
+
+    workdir = tmp_path / "work"
+    inventory = parse_inventory(f"nodes:\n  - {{host: localhost, name: n0, transport: local, device: cpu, "
+                                f"python: {sys.executable}, workdir: {workdir}}}\n")
+    artifact = Path(agent.agent_path(str(workdir)))
+
+    def port_twice() -> None:   # the first call of a connection bootstraps, the second runs the installed file
+        with Cluster(inventory.nodes, TransportOptions()) as cluster:
+            for _ in range(2):
+                [answer] = cluster.fan_out(lambda t: agent.call(t, "port", "0"))
+                assert answer.ok and answer.value.port > 0, answer
+
+    port_twice()
+    [kept] = artifact.parent.glob(artifact.name + ".*.codes")
+    assert mode(kept) == 0o600 and kept.read_bytes().startswith(codecache._header(artifact.read_bytes()))
+    written = kept.stat().st_mtime_ns
+    port_twice()
+    assert kept.stat().st_mtime_ns == written   # read, not compiled again
+
+    # a kept file whose runctl.net says it ran: used as it is while it is private and names this artifact's bytes
+    marker = tmp_path / "RAN-FROM-CACHE"
+    data = artifact.read_bytes()
+    index, blobs = codecache._compile_all(str(artifact), data)
+    net = (REPO / "launchers" / "runctl" / "net.py").read_text()
+    planted = marshal.dumps(compile(net + f"\nopen({str(marker)!r}, 'w').close()\n", "net.py", "exec"))
+    index["runctl.net"] = (False, len(blobs), len(blobs) + len(planted))
+    blobs += planted
+
+    def plant(header: bytes, file_mode: int) -> None:
+        kept.write_bytes(header + marshal.dumps(index) + blobs)
+        kept.chmod(file_mode)
+
+    plant(codecache._header(data), 0o600)
+    port_twice()
+    assert marker.exists()   # the mechanism: the kept code is what runs
+    for header, file_mode in ((codecache._header(data), 0o620), (codecache._header(data + b"other"), 0o600)):
+        marker.unlink(missing_ok=True)
+        plant(header, file_mode)
+        port_twice()
+        assert not marker.exists(), (header[-8:], oct(file_mode))   # not run: compiled again, and kept private
+        assert mode(kept) == 0o600 and kept.read_bytes().startswith(codecache._header(data))
 
 
 ESCAPER = """\
