@@ -8,8 +8,8 @@ Python, and writes the code objects into one file next to the artifact, `<artifa
 
 The file is trusted as the artifact is (VERIFIED in nodectl/remote/agent.py): a regular file of the login user's,
 writable by nobody else, in the folder VERIFIED has already checked (the user's own, 0700). It names the sha256 of
-the artifact it was compiled from and this Python's bytecode magic: a file compiled from other bytes or by another
-Python is not used, and is compiled again. Whatever goes wrong here (a full disk, a read-only folder) costs only
+the artifact it was compiled from and this Python build (its whole version string): a file compiled from other
+bytes or by another Python is not used, and is compiled again. Whatever goes wrong here (a full disk, a read-only folder) costs only
 the cache: the call imports from the zip as before. Standard library only, as runctl.
 """
 from __future__ import annotations
@@ -35,11 +35,12 @@ class _Finder:
         if entry is None:
             return None
         is_package = entry[0]
-        spec = importlib.machinery.ModuleSpec(name, self, origin=os.path.join(self.artifact, *name.split(".")),
-                                              is_package=is_package)
+        where = os.path.join(self.artifact, *name.split("."))
+        spec = importlib.machinery.ModuleSpec(name, self, is_package=is_package,
+                                              origin=os.path.join(where, "__init__.py") if is_package else where + ".py")
         spec.has_location = True
         if is_package:
-            spec.submodule_search_locations = [os.path.join(self.artifact, *name.split("."))]
+            spec.submodule_search_locations = [where]
         return spec
 
     def create_module(self, spec):
