@@ -137,8 +137,10 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     path = os.path.join(run_dir, layout.rank_pace(rank))
     timed = os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"
+    # looked for twice a second, not once a pace interval: a rank that lives a few seconds past its import of
+    # torch.distributed still serves its recorder (its pace file was missing when the rank ended first on a loaded node)
     while (c10d := sys.modules.get("torch._C._distributed_c10d")) is None:
-        time.sleep(every)
+        time.sleep(min(every, 0.5))
     if _serve_recorder(c10d, run_dir, rank, {"every": every, "timed": timed}):
         return
     dump_trace = getattr(c10d, "_dump_nccl_trace", None) or getattr(c10d, "_dump_fr_trace", None)
