@@ -3,8 +3,8 @@
 Python imports a zip's modules from their source every time (zipimport writes no bytecode), so every call of
 runctl compiled all of it again: about 0.15 CPU s a call, four times what the call itself costs, and a launch
 makes several calls per node. Here the first call compiles every module of the artifact once, with this node's
-Python, and writes the code objects into one file next to the artifact, `<artifact>.<cache tag>-<build>.codes` (mode
-0600, swapped in whole). Later calls import from it.
+Python, and writes the code objects into one file next to the artifact, `<artifact>.<cache tag>-<build>.codes`
+(mode 0600, swapped in whole). Later calls import from it.
 
 The file is trusted as the artifact is (VERIFIED in nodectl/remote/agent.py): a regular file of the login user's,
 writable by nobody else, in the folder VERIFIED has already checked (the user's own, 0700). It names the sha256 of
@@ -36,8 +36,8 @@ class _Finder:
             return None
         is_package = entry[0]
         where = os.path.join(self.artifact, *name.split("."))
-        spec = importlib.machinery.ModuleSpec(name, self, is_package=is_package,
-                                              origin=os.path.join(where, "__init__.py") if is_package else where + ".py")
+        origin = os.path.join(where, "__init__.py") if is_package else where + ".py"
+        spec = importlib.machinery.ModuleSpec(name, self, origin=origin, is_package=is_package)
         spec.has_location = True
         if is_package:
             spec.submodule_search_locations = [where]

@@ -20,9 +20,9 @@ AGREED_ERROR_WAIT = 120.0
 def _collector_off():
     """Python's cyclic garbage collector off while the trainer imports torch, transformers and peft. Those imports
     make a few hundred thousand objects that live as long as the process, and the collector walked them again and
-    again as they came: about a fifth of a rank's import time (bench/trainer/start.py). What the imports made is then
-    frozen out of the collector's later walks. Nothing but module objects is made meanwhile: the model's skeleton
-    and its weights come after, with the collector on."""
+    again as they came: a tenth to a sixth of a rank's import CPU time (docs/PERFORMANCE.md, "A trainer rank's
+    start"). What the imports made is then frozen out of the collector's later walks. Nothing but module objects is
+    made meanwhile: the model's skeleton and its weights come after, with the collector on."""
     gc.disable()
     try:
         yield

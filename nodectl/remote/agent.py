@@ -41,10 +41,10 @@ MAIN = (b"import os\n\nimport codecache\n\ncodecache.install(os.path.dirname(__f
 def _runctl() -> tuple[bytes, str, str]:
     """runctl's artifact: the package launchers/runctl/, the loader of its code compiled on the node
     (launchers/codecache.py), the run folder's layout (launchers/runlayout.py), the answers' reader and whole-file
-    writer (launchers/nodeio.py), the pace's reading of the flight recorder (launchers/flightpace.py), the table of verbs (launchers/verbs.py), the secret rules (launchers/redaction.py:
-    collect masks what ranks wrote), the /etc/hosts reader (launchers/hostsfile.py) and the port picker
-    (launchers/ports.py), all but the package imported by the controller too, as one zip with a __main__
-    (`python -S FILE` runs it); the short hash that names it on the nodes, and its full sha256. Every controller of
+    writer (launchers/nodeio.py), the pace's reading of the flight recorder (launchers/flightpace.py), the table of
+    verbs (launchers/verbs.py), the secret rules (launchers/redaction.py: collect masks what ranks wrote), the
+    /etc/hosts reader (launchers/hostsfile.py) and the port picker (launchers/ports.py), all but the package and
+    its loader imported by the controller too, as one zip with a __main__ (`python -S FILE` runs it); the short hash that names it on the nodes, and its full sha256. Every controller of
     one version builds the same bytes: entries in order, fixed times and modes, stored uncompressed."""
     launchers = resource_dir("launchers")
     buffer = io.BytesIO()
