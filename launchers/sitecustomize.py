@@ -137,9 +137,11 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     path = os.path.join(run_dir, layout.rank_pace(rank))
     timed = os.environ.get("TORCH_NCCL_ENABLE_TIMING") == "1"
-    # looked for twice a second, not once a pace interval: a rank that lives a few seconds past its import of
-    # torch.distributed still serves its recorder (its pace file was missing when the rank ended first on a loaded node)
-    while (c10d := sys.modules.get("torch._C._distributed_c10d")) is None:
+    # looked for twice a second, and only once the imports of torch and torch.distributed have ended: torch's C
+    # module is in sys.modules early in `import torch`, and a worker server started then had no recorder handler
+    # yet, so the rank fell back to copying in-process and a gloo rank wrote no pace file at all
+    while (c10d := sys.modules.get("torch._C._distributed_c10d")) is None \
+            or _importing("torch") or _importing("torch.distributed"):
         time.sleep(min(every, 0.5))
     if _serve_recorder(c10d, run_dir, rank, {"every": every, "timed": timed}):
         return
@@ -174,6 +176,11 @@ def _keep_pace(run_dir: str, rank: str, every: float) -> None:
                                              "copy_ms": round((time.perf_counter() - began) * 1e3, 1)}))
             except OSError:
                 return   # the run folder is gone
+
+
+def _importing(name: str) -> bool:
+    """The module is being imported now (it is in sys.modules from the start of its import)."""
+    return bool(getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", False))
 
 
 _SERVERS: list = []   # the worker server this process keeps for its life
