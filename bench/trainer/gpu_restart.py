@@ -58,10 +58,10 @@ def one(mode: str, args, model: Path, work: Path, env: dict) -> dict:
     caches = work / f"caches-{mode}"
     env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton")}
     sets = [f"model.path={model}", "model.init=random", f"model.compile={str(not args.tiny).lower()}",
-            f"model.fp8_experts={str(not args.tiny).lower()}",
+            f"model.fp8_experts={str(not args.tiny and not args.dropout).lower()}",
             f"model.activation_checkpointing={args.ac}", f"data.path={model / 'train.jsonl'}",
-            f"data.max_length={args.seq}", "lora.r=16", "lora.alpha=32", "lora.dropout=0.0",
-            "lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]",
+            f"data.max_length={args.seq}", "lora.r=16", "lora.alpha=32", f"lora.dropout={args.dropout}",
+            f"lora.target_modules=[{args.targets}]", *(["lora.target_parameters=[none]"] if args.dropout else []),
             f"train.steps={args.steps}", "train.log_every=1", "train.warmup_steps=2", "train.lr=2e-4",
             f"train.micro_batch_size={args.micro}", f"train.checkpoint_every={args.every}",
             "train.checkpoint_minutes=0", "train.keep_checkpoints=1", *MODES[mode]]
@@ -119,6 +119,8 @@ def one(mode: str, args, model: Path, work: Path, env: dict) -> dict:
     gaps = {b["step"]: b["time"] - a["time"] for a, b in zip(steps, steps[1:]) if b["step"] == a["step"] + 1}
     saved_at = {r["step"] for r in saves}
     plain = statistics.median([g for s, g in gaps.items() if s - 1 not in saved_at and s > 3] or [0])
+    before_kill = {r["step"]: r["loss"] for r in steps if killed and r["time"] <= killed}
+    redone = [(r["step"], before_kill[r["step"]], r["loss"]) for r in after_kill if r["step"] in before_kill]
     said = [text for _, text in lines if "compile cache" in text or "weights loaded" in text or "resuming" in text
             or "restart" in text.lower() or "attempt" in text]
     return {"mode": mode, "exit": proc.returncode, "wall_s": round(time.time() - began, 1),
@@ -128,7 +130,12 @@ def one(mode: str, args, model: Path, work: Path, env: dict) -> dict:
             "checkpoint_gb": round(saves[0].get("checkpoint_bytes_node", 0) / 1e9, 2) if saves else None,
             "step_s": round(plain, 3), "killed_at_s": round(killed - began, 1) if killed else None,
             "kill_to_first_new_step_s": round(after_kill[0]["time"] - killed, 1) if after_kill else None,
-            "resumed_at_step": after_kill[0]["step"] if after_kill else None, "said": said[:20]}
+            "resumed_at_step": after_kill[0]["step"] if after_kill else None,
+            # the steps done again: (step, loss before the kill, loss in the new attempt); resume is exact, so a
+            # difference beyond the kernels' nondeterminism is a fault (a kept graph replaying other random numbers)
+            "redone_losses": redone,
+            "redone_loss_max_diff": round(max((abs(a - b) for _, a, b in redone), default=0.0), 5),
+            "said": said[:20]}
 
 
 def main() -> None:
@@ -139,6 +146,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--ac", default="0.1", help="model.activation_checkpointing")
+    parser.add_argument("--dropout", type=float, default=0.0, help="lora.dropout: above 0, the checkpointed layers "
+                        "replay random numbers in backward, and the new attempt's losses show whether they match (peft "
+                        "has no dropout on fused experts: their weights are then left without adapters, and bf16; give --targets "
+                        "q_proj,k_proj,v_proj,o_proj with it)")
+    parser.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+                        help="lora.target_modules")
     parser.add_argument("--steps", type=int, default=14)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--kill-at", type=int, default=12)

@@ -1,5 +1,5 @@
-"""model.compile's work kept with the run (trainer/compile_cache.py), for real: a process compiles a layer with
-Inductor on the CPU, saves torch's portable cache artifacts into its output folder, and a checkpoint written then
+"""model.compile's work kept with the run (trainer/compile_cache.py), for real: a process compiles a layer (with an
+autograd.Function of its own, as the trainer's layers have) with Inductor on the CPU, saves torch's portable cache artifacts into its output folder, and a checkpoint written then
 carries a copy; a second process whose own compiler caches are empty (another node: its own TORCHINDUCTOR_CACHE_DIR)
 loads them from that checkpoint and compiles nothing. A damaged file or one made with another torch is said and
 left unused."""
@@ -28,12 +28,26 @@ out.mkdir(parents=True, exist_ok=True)
 print("LOAD", json.dumps(compile_cache.load(sources, torch.device("cpu"))), flush=True)
 if out.name == "load-only":
     sys.exit(0)
+
+
+class Twice(torch.autograd.Function):   # an autograd.Function of its own, as the trainer's FP8 experts have
+    @staticmethod
+    def forward(ctx, t):
+        return t * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
 torch.manual_seed(0)
 x = torch.randn(4, 32, requires_grad=True)
-loss = torch.compile(lambda t: (t.sin() * 2).square().sum())(x)   # a forward and a backward graph, small kernels
+loss = torch.compile(lambda t: Twice.apply(t.sin()).square().sum())(x)   # a forward and a backward graph
 loss.backward()
 print("LOSS", float(loss), float(x.grad.abs().sum()))
 print("SAVE", json.dumps(compile_cache.save(out, torch.device("cpu"))))
+from torch._dynamo.utils import counters
+print("COUNTERS", json.dumps({kind: dict(counters[kind]) for kind in ("inductor", "aot_autograd")}))
 '''
 
 
@@ -48,7 +62,8 @@ def node(tmp_path, name: str, out, *sources) -> dict:
     assert done.returncode == 0, done.stderr[-3000:]
     said = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in done.stdout.splitlines() if " " in line}
     return {"load": json.loads(said["LOAD"]), "loss": said.get("LOSS"),
-            "save": json.loads(said["SAVE"]) if "SAVE" in said else None}
+            "save": json.loads(said["SAVE"]) if "SAVE" in said else None,
+            "counters": json.loads(said["COUNTERS"]) if "COUNTERS" in said else None}
 
 
 def test_a_node_with_empty_caches_loads_the_checkpoints_copy_and_compiles_nothing(tmp_path):
@@ -73,7 +88,13 @@ def test_a_node_with_empty_caches_loads_the_checkpoints_copy_and_compiles_nothin
     compile_cache.copy_into(checkpoint, first_out)
     second = node(tmp_path, "node1", tmp_path / "node1-output", checkpoint, tmp_path / "node1-output")
     assert second["load"].startswith(f"compile cache: {about['artifacts']} artifact(s) loaded from {checkpoint}")
-    assert second["save"].startswith(f"compile cache: {compiled} graph(s) found in the cache, 0 compiled"), second
+    # nothing compiled again, the graphs that hold an autograd.Function included (torch's caches leave those out
+    # unless told: each start compiled them again, and an earlier count of "compiled" did not show them)
+    assert second["save"].startswith(f"compile cache: {compiled} graph(s) found in the cache, 0 compiled;"), second
+    assert "not cacheable" not in first["save"] + second["save"]
+    aot, inductor = second["counters"]["aot_autograd"], second["counters"]["inductor"]
+    assert aot.get("autograd_cache_hit", 0) >= 1 and not aot.get("autograd_cache_bypass"), second["counters"]
+    assert not inductor.get("fxgraph_cache_miss") and not inductor.get("fxgraph_cache_bypass"), second["counters"]
     assert second["loss"] == first["loss"]   # the same numbers from the loaded kernels
 
     # a damaged file, and one made with another torch: said, and not used (the run then compiles as the first did)
