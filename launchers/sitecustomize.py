@@ -2,7 +2,7 @@
 
 rankexec.py puts the run's lib/ folder (this file's) on the rank's PYTHONPATH and names a FIFO in
 NODECTL_RANK_HELPER; Python imports `sitecustomize` at start-up, so this runs in the rank's process before its
-program. It starts one daemon thread that blocks opening the FIFO: it costs nothing until runctl's `diagnose`
+program. It starts one daemon thread that blocks reading the FIFO: it costs nothing until runctl's `diagnose`
 writes a request to it. It then answers, from inside the live process, even when the main thread waits in a
 collective (torch releases the GIL there) or spins in Python (the GIL is handed over every few ms):
 - the Python stack of every thread (`sys._current_frames`);
@@ -79,7 +79,7 @@ def _seconds(text: str) -> float:
 def _quiet_fork(ours: list) -> None:
     """Python 3.12 warns at every fork() of a process with more than one thread ("This process is multi-threaded,
     use of fork() may lead to deadlocks in the child"). A program with no thread of its own would get it at each
-    fork only because of nodectl's threads, which wait in open() or sleep holding no lock: so while they are the
+    fork only because of nodectl's threads, which wait in read() or sleep holding no lock: so while they are the
     only other threads (by the kernel's count and by Python's), that warning is filtered out for the fork. A
     program that runs threads of its own still gets it, as it should."""
     held = []
@@ -110,13 +110,27 @@ def _serve(fifo: str, run_dir: str, rank: str) -> None:
     # never here. A program that blocks SIGTERM and takes it with sigtimedwait (to checkpoint first) was killed
     # by the default action through this thread, which had it unblocked.
     signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    # The FIFO stays open for reading, and for writing by this thread too, so a read never meets its end: a request
+    # written while another is answered waits in the pipe. A reader that closed it after each request lost any
+    # written between its last read and its close (one asker of six got no answer in a loaded CI run). runctl
+    # still finds no reader once the process has ended; a forked child (a data loader's worker) closes both ends.
+    try:
+        reading = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+        keeping = os.open(fifo, os.O_WRONLY)
+        os.set_blocking(reading, True)
+    except OSError:
+        return   # the run folder is gone: nothing will ask
+    os.register_at_fork(after_in_child=lambda: _close(reading, keeping))
+    pending = b""
     while True:
         try:
-            fd = os.open(fifo, os.O_RDONLY)   # blocks (the GIL released) until runctl opens it to write
+            pending += os.read(reading, 4096)   # blocks (the GIL released) until a request is written
         except OSError:
-            return                            # the run folder is gone: nothing will ask again
-        with os.fdopen(fd, "rb") as handle:   # two asking at once (two diagnoses): both ids, one answer
-            requests = handle.read(4096).decode("ascii", "replace").split()
+            return
+        done, _, pending = pending.rpartition(b"\n")   # whole lines: two asking at once get one answer
+        requests = done.decode("ascii", "replace").split()
+        if not requests:
+            continue
         interval = sys.getswitchinterval()
         sys.setswitchinterval(1e-5)   # a main thread spinning in Python holds the GIL 5 ms per hand-over
         try:
@@ -127,6 +141,14 @@ def _serve(fifo: str, run_dir: str, rank: str) -> None:
             sys.setswitchinterval(interval)
         answer["requests"] = requests[:16]
         _write_json(os.path.join(run_dir, layout.rank_answer(rank)), answer)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
 
 
 def _keep_pace(run_dir: str, rank: str, every: float) -> None:

@@ -126,9 +126,10 @@ LISTENER_GRACE = 1.0   # seconds a rank whose listener never answered may leave 
 
 def _ask_listener(run_dir: str, rank: int, request_id: str, deadline: float) -> bool:
     """Write a request to a rank's listener (launchers/sitecustomize.py); False when none reads the FIFO (the
-    program is not Python, ran with -S or -I, or ended). While the listener answers another diagnosis it reads
-    nothing: one that has answered before is waited for until `deadline` (on 2 loaded cores one answer took over a
-    second, and a third asker gave up), one that never has for LISTENER_GRACE."""
+    program is not Python, ran with -S or -I, or ended). A listener holds the FIFO open from the rank's start, but
+    one of a run started by an earlier nodectl opened it only between answers: one that has answered before is
+    waited for until `deadline` (on 2 loaded cores one answer took over a second, and a third asker gave up), one
+    that never has for LISTENER_GRACE."""
     fifo = os.path.join(run_dir, layout.rank_request(rank))
     grace = time.monotonic() + LISTENER_GRACE
     while True:
