@@ -120,7 +120,8 @@ def _serve(fifo: str, run_dir: str, rank: str) -> None:
         os.set_blocking(reading, True)
     except OSError:
         return   # the run folder is gone: nothing will ask
-    os.register_at_fork(after_in_child=lambda: _close(reading, keeping))
+    fifo_id = (os.fstat(reading).st_dev, os.fstat(reading).st_ino)
+    os.register_at_fork(after_in_child=lambda: _close_if(fifo_id, reading, keeping))
     pending = b""
     while True:
         try:
@@ -128,6 +129,7 @@ def _serve(fifo: str, run_dir: str, rank: str) -> None:
         except OSError:
             return
         done, _, pending = pending.rpartition(b"\n")   # whole lines: two asking at once get one answer
+        pending = pending[-4096:]   # a writer that never ends its line holds no more than this
         requests = done.decode("ascii", "replace").split()
         if not requests:
             continue
@@ -143,10 +145,14 @@ def _serve(fifo: str, run_dir: str, rank: str) -> None:
         _write_json(os.path.join(run_dir, layout.rank_answer(rank)), answer)
 
 
-def _close(*fds: int) -> None:
+def _close_if(fifo_id: tuple, *fds: int) -> None:
+    """In a forked child: close those of `fds` that are still the FIFO. A grandchild forked later runs this again,
+    when the numbers may name files of the child's own."""
     for fd in fds:
         try:
-            os.close(fd)
+            info = os.fstat(fd)
+            if (info.st_dev, info.st_ino) == fifo_id:
+                os.close(fd)
         except OSError:
             pass
 

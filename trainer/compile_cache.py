@@ -56,8 +56,8 @@ def allow_caching() -> None:
     except ImportError:   # a torch without it has nothing to mark
         return
     marked = getattr(inductor, "unsafe_marked_cacheable_functions", None)
-    if not replay.cacheable() and isinstance(marked, dict) \
-            and TorchVersion(torch.__version__.split("+")[0]) >= "2.11":
+    if TorchVersion(torch.__version__.split("+")[0]) >= "2.11" and isinstance(marked, dict) \
+            and not replay.cacheable():
         inductor.unsafe_marked_cacheable_functions = {**marked,
                                                       f"{replay.__module__}.{replay.__name__}": torch.__version__}
 

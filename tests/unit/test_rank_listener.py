@@ -147,6 +147,55 @@ def test_askers_wait_out_a_listener_slow_to_answer_another(tmp_path):
         proc.wait()
 
 
+def test_a_rank_that_died_leaving_a_forked_child_has_no_listener_left(tmp_path):
+    """The listener holds its FIFO open for the rank's whole life; a child the rank forks (a data loader's worker)
+    must not hold it on: once the rank is gone, runctl finds no reader at once, though the child lives on, rather
+    than writing a request nobody will answer and waiting out its time. The child's own files, opened after the
+    fork (perhaps under a number the FIFO had), stay open in a grandchild it forks."""
+    import errno
+    import signal
+
+    run_dir = tmp_path / "run"
+    (run_dir / "flight").mkdir(parents=True)
+    fifo = run_dir / "flight" / "rank0.request"
+    os.mkfifo(fifo)
+    (tmp_path / "forking.py").write_text(
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    mine = open(os.devnull, 'rb')\n"
+        "    if os.fork() == 0:\n"
+        "        try:\n"
+        "            mine.read(1)\n"
+        "            print('grandchild', os.getpid(), flush=True)\n"
+        "        except OSError as exc:\n"
+        "            print('grandchild-lost-its-file', exc.errno, flush=True)\n"
+        "    else:\n"
+        "        print('child', os.getpid(), flush=True)\n"
+        "    time.sleep(60)\n"
+        "while True:\n"
+        "    time.sleep(0.05)\n")
+    env = {**os.environ, "NODECTL_RANK_HELPER": str(fifo), "NODECTL_RUN_DIR": str(run_dir), "RANK": "0",
+           "PYTHONPATH": str(LAUNCHERS)}
+    rank = subprocess.Popen([sys.executable, "-u", str(tmp_path / "forking.py")], env=env, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    forked = {}
+    try:
+        for _ in range(2):
+            who, _, pid = rank.stdout.readline().strip().partition(" ")
+            forked[who or "nothing"] = pid
+        assert set(forked) == {"child", "grandchild"}, forked   # the grandchild read its file after both forks
+        assert ask(run_dir, "alive")["requests"] == ["alive"]
+        rank.kill()
+        rank.wait()
+        os.kill(int(forked["child"]), 0)   # the child lives on
+        with pytest.raises(OSError) as refused:
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        assert refused.value.errno == errno.ENXIO   # no reader: the listener went with its rank
+    finally:
+        os.killpg(rank.pid, signal.SIGKILL)   # the rank, its child and grandchild: a session of their own
+        rank.wait()
+
+
 def test_a_sitecustomize_already_on_the_path_still_runs(tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir()
