@@ -233,13 +233,14 @@ def _tree(base: Path, prefix: str) -> list[SyncFile]:
 def nodectl_files(builtin_trainer: bool, config: str | None, launchers_needed: tuple[str, ...] = ()) -> list[SyncFile]:
     """rankexec.py, nodectl_metrics.py and sitecustomize.py (the diagnose listener and pace thread) always, with
     runlayout.py, nodeio.py and flightpace.py, the run folder's names, the whole-file writer and the pace's reading
-    of the flight recorder they share with runctl, and framework_phases.py (HF Trainer's and Lightning's phases
-    for the goodput ledger); plus any other launcher a job runs; the
+    of the flight recorder they share with runctl, framework_phases.py (HF Trainer's and Lightning's phases
+    for the goodput ledger) and elastic_agent.py (torchrun's agent, as launch.sh starts it); plus any other
+    launcher a job runs; the
     built-in trainer and its recipe when it is what runs."""
     launchers = resource_dir("launchers")
     files = [SyncFile(f"lib/{name}", launchers / name, _hash(launchers / name), 0o644, (launchers / name).stat().st_size)
              for name in ("rankexec.py", "nodectl_metrics.py", "sitecustomize.py", "runlayout.py", "nodeio.py", "flightpace.py",
-                          "framework_phases.py", *launchers_needed)]
+                          "framework_phases.py", "elastic_agent.py", *launchers_needed)]
     if builtin_trainer:
         files += _tree(resource_dir("trainer"), f"lib/{NODE_TRAINER}")
     if config:

@@ -73,7 +73,8 @@ def test_docker_and_podman_get_what_distributed_training_needs(runtime, gpu):
     # every variable of env.sh goes in by name, so no value is ever on a command line
     assert "--env HF_TOKEN" in joined and "--env NODECTL_RUN_ID" in joined and "--env NCCL_SOCKET_IFNAME" in joined
     image = words.index("nvcr.io/nvidia/pytorch:25.01-py3")
-    assert words[image + 1:image + 4] == ["python3", "-m", "torch.distributed.run"]
+    # torchrun's agent, through lib/elastic_agent.py (its imports with the collector off), inside the image
+    assert words[image + 1:image + 3] == ["python3", "$RUN_DIR/lib/elastic_agent.py"]
     assert words.index("--shm-size") < image   # the user's options are the runtime's, before the image
     assert ("--user" in words) == (runtime == "docker")   # a root daemon's files in the run folder would be root's
 

@@ -81,7 +81,7 @@ def test_the_launch_script_runs_the_uploader_beside_torchrun_and_waits_for_its_l
     path.write_text(script)
     assert subprocess.run(["bash", "-n", str(path)]).returncode == 0
     uploader = script.index('nodectl_outputs.py" sync "$RUN_DIR"')
-    torchrun = script.index("-m torch.distributed.run")
+    torchrun = script.index('lib/elastic_agent.py" \\')
     signal_last = script.index('kill -USR1 "$UPLOADER"')
     assert uploader < torchrun < signal_last and script.rstrip().endswith('exit "$code"')
     assert SECRET not in script

@@ -36,7 +36,7 @@ set -a
 . "$RUN_DIR/env.sh"   # mode 0600: secrets stay off every command line
 set +a
 cd "$RUN_DIR/code" || exit 97
-/opt/venv/bin/python3 -m torch.distributed.run \
+/opt/venv/bin/python3 "$RUN_DIR/lib/elastic_agent.py" \
   --nnodes=2 \
   --node-rank=1 \
   --nproc-per-node=8 \
