@@ -115,13 +115,14 @@ def _serve(fifo: str, run_dir: str, rank: str) -> None:
     # written between its last read and its close (one asker of six got no answer in a loaded CI run). runctl
     # still finds no reader once the process has ended; a forked child (a data loader's worker) closes both ends.
     try:
+        info = os.stat(fifo)
+        # before the FIFO is opened: a fork by the program's own thread can come at any moment after
+        os.register_at_fork(after_in_child=lambda: _close_if((info.st_dev, info.st_ino)))
         reading = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-        keeping = os.open(fifo, os.O_WRONLY)
+        os.open(fifo, os.O_WRONLY)   # kept open, never used: no read meets an end
         os.set_blocking(reading, True)
     except OSError:
         return   # the run folder is gone: nothing will ask
-    fifo_id = (os.fstat(reading).st_dev, os.fstat(reading).st_ino)
-    os.register_at_fork(after_in_child=lambda: _close_if(fifo_id, reading, keeping))
     pending = b""
     while True:
         try:
@@ -145,9 +146,13 @@ def _serve(fifo: str, run_dir: str, rank: str) -> None:
         _write_json(os.path.join(run_dir, layout.rank_answer(rank)), answer)
 
 
-def _close_if(fifo_id: tuple, *fds: int) -> None:
-    """In a forked child: close those of `fds` that are still the FIFO. A grandchild forked later runs this again,
-    when the numbers may name files of the child's own."""
+def _close_if(fifo_id: tuple) -> None:
+    """In a forked child: close every descriptor that is the listener's FIFO, found by its file rather than by
+    number (a grandchild forked later runs this again, when the listener's numbers may name the child's own files)."""
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
     for fd in fds:
         try:
             info = os.fstat(fd)
