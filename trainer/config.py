@@ -49,6 +49,10 @@ class ModelConfig:
                                        # as parallelism: expert-global
     parallelism: str = "auto"          # auto, replicate, hsdp, fsdp, expert, expert-global (trainer/layout.py):
                                        # auto picks by memory and node count and prints what and why
+    expert_exchange: str = "host"      # expert layouts whose group gathers (up to top-k ranks): host (the count of
+                                       # this rank's copies read on the host, only those computed) or graph (the
+                                       # collectives inside the compiled layer, nothing read on the host, every
+                                       # copy of the group through the row-wise steps; trainer/moe.py)
 
     @property
     def layout(self) -> str:
@@ -295,6 +299,8 @@ def _check(recipe: Recipe, node_files: bool = True) -> None:
     if recipe.model.expert_lora_kernel not in ("auto", "triton", "torch"):
         raise ConfigError(f"model.expert_lora_kernel: expected auto, triton or torch, got "
                           f"{recipe.model.expert_lora_kernel!r}")
+    if recipe.model.expert_exchange not in ("host", "graph"):
+        raise ConfigError(f"model.expert_exchange: expected host or graph, got {recipe.model.expert_exchange!r}")
     if recipe.model.parallelism not in LAYOUTS:
         raise ConfigError(f"model.parallelism: expected one of {', '.join(LAYOUTS)}, got {recipe.model.parallelism!r}")
     if recipe.model.expert_parallel and recipe.model.parallelism not in ("auto", "expert-global"):

@@ -262,7 +262,8 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool, layout=None,
         lora_kernel = moe.lora_kernel(recipe.model.expert_lora_kernel)
         grouped, peft_path = moe.install(model, lora_kernel)
         if experts_over is not None:
-            sharded, experts = moe.shard_experts(model, *experts_over)
+            sharded, experts = moe.shard_experts(model, *experts_over,
+                                                 in_graph=recipe.model.expert_exchange == "graph")
     layers = decoder_layers(model)
     for index in checkpointed_layers(len(layers), recipe.model.activation_checkpointing):
         _checkpoint_forward(layers[index])

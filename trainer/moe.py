@@ -318,6 +318,16 @@ def _sum_back(partial: torch.Tensor, group) -> torch.Tensor:
     return _SumRowsBack.apply(partial, group)
 
 
+def _functional_collectives():
+    """(all-gather with its gradient, reduce-scatter with its gradient, all-gather): torch's functional
+    collectives, which torch.compile traces into a graph (named *_single_* from torch 2.10, *_tensor_* before)."""
+    import torch.distributed._functional_collectives as fc
+
+    return (getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd,
+            getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd,
+            getattr(fc, "all_gather_single", None) or fc.all_gather_tensor)
+
+
 class ExpertShard:
     """Expert parallelism for one experts module: this rank holds experts start:stop of the module's E (its
     frozen weights hold only those), and the tokens routed to them are computed here. Two ways to bring them:
@@ -325,7 +335,8 @@ class ExpertShard:
     - gathered (groups of up to top-k ranks): every rank's tokens and routing are all-gathered, each rank runs
       its own experts on the copies routed to them, and one reduce-scatter sums each token's outputs back on its
       rank. A token crosses to each other rank once (g - 1 rows a token); the one number read on the host is
-      how many of the group's copies this rank's experts take.
+      how many of the group's copies this rank's experts take. With `in_graph` (model.expert_exchange: graph)
+      nothing is read on the host and the collectives are traced into the compiled layer (gathered_in_graph).
     - exchanged (larger groups): each routed copy is sent to its expert's rank with one all_to_all and back with
       another (top-k (g - 1) / g rows a token, fewer once g passes top-k); the split sizes are read on the host.
 
@@ -333,8 +344,8 @@ class ExpertShard:
     this rank uses, and its gradient fills, only its experts' factors, and FSDP's reduce-scatter sums the ranks'
     gradients."""
 
-    def __init__(self, rank: int, world: int, num_experts: int, group=None) -> None:
-        self.rank, self.world, self.group = rank, world, group
+    def __init__(self, rank: int, world: int, num_experts: int, group=None, in_graph: bool = False) -> None:
+        self.rank, self.world, self.group, self.in_graph = rank, world, group, in_graph
         self.local = num_experts // world
         self.start, self.stop = rank * self.local, (rank + 1) * self.local
 
@@ -358,6 +369,8 @@ class ExpertShard:
         read on the host once (a 2 x H200 run with fixed-size tensors, the other ranks' copies zeroed, was no
         faster: every row-wise pass then moves the whole group's rows). Every rank of the group passes as many
         tokens: the trainer's batches have one shape on every rank (data.StepBatches, evaluate.evaluate)."""
+        if self.in_graph:
+            return self.gathered_in_graph(hidden, top_k_index, top_k_weights, compute)
         top_k = top_k_index.shape[-1]
         everyone, index, weights = _gather_routing(hidden, top_k_index, top_k_weights, self.group)
         local = index.reshape(-1) - self.start
@@ -378,6 +391,33 @@ class ExpertShard:
             counts = self._one_more_row(counts)
         out = compute(rows, counts, routed)
         return _sum_back(_SumCopies.apply(out, order, everyone.shape[0], top_k), self.group)
+
+    def gathered_in_graph(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                          compute) -> torch.Tensor:
+        """gathered's result with nothing read on the host: the collectives are torch's functional ones, which
+        torch.compile traces into the layer's graph (no graph break, no wait for the host), and every copy of the
+        group stays in place, this rank's experts' first (sorted by local expert) and the others' after them. The
+        grouped GEMMs stop at this rank's last row; what they leave unwritten below it is masked out of the sums
+        and, by the masks' gradients, out of the backward. The cost: the row-wise steps pass all the group's
+        copies (on 2 ranks, twice gathered's), and peak memory grows with them."""
+        import torch.distributed as dist
+
+        gather, scatter, gather_plain = _functional_collectives()
+        group = self.group if self.group is not None else dist.group.WORLD
+        top_k = top_k_index.shape[-1]
+        everyone = gather(hidden.contiguous(), 0, group)
+        index = gather_plain(top_k_index.contiguous(), 0, group)
+        weights = gather(top_k_weights.contiguous(), 0, group)
+        local = index.reshape(-1) - self.start
+        mine = (local >= 0) & (local < self.local)
+        key = torch.where(mine, local, self.local)       # other ranks' experts last
+        order = torch.sort(key).indices
+        counts = _counts(key, self.local + 1)[:-1]
+        held = mine[order]
+        rows = torch.where(held.unsqueeze(-1), _Pick.apply(everyone, order, everyone.shape[0], top_k), 0)
+        routed = torch.where(held, weights.reshape(-1)[order], 0)
+        out = torch.where(held.unsqueeze(-1), compute(rows, counts, routed), 0)
+        return scatter(_SumCopies.apply(out, order, everyone.shape[0], top_k), "sum", 0, group)
 
     def exchange(self, rows: torch.Tensor, counts: torch.Tensor, compute) -> torch.Tensor:
         """compute(local rows sorted by local expert, their counts) on the rows this rank's experts receive
@@ -413,10 +453,12 @@ class ExpertShard:
         return all_to_all_single(out.new_empty(rows.shape[0], out.shape[1]), out, send, recv, group=self.group)
 
 
-def shard_experts(model: nn.Module, group, rank: int, world: int) -> tuple[list[nn.Parameter], dict]:
+def shard_experts(model: nn.Module, group, rank: int, world: int,
+                  in_graph: bool = False) -> tuple[list[nn.Parameter], dict]:
     """Expert layouts: each covered experts module keeps only this rank's E/world experts of its frozen weights
     (`rank` and `world` within `group`, the layout's expert group; still on the meta device, filled by loading)
-    and gets an ExpertShard exchanging tokens over that group. Returns those weights, which FSDP must leave
+    and gets an ExpertShard exchanging tokens over that group (`in_graph`: model.expert_exchange: graph, for
+    groups that gather). Returns those weights, which FSDP must leave
     alone, and each one's name mapped to (first expert, last + 1, full shape), for loading and parameter counts."""
     from peft.tuners.lora.layer import ParamWrapper
 
@@ -431,7 +473,7 @@ def shard_experts(model: nn.Module, group, rank: int, world: int) -> tuple[list[
         if experts.num_experts % world:
             raise ConfigError(f"model.parallelism: {experts.num_experts} experts do not split evenly over "
                               f"{world} ranks (an expert layout needs a rank count that divides them)")
-        experts.expert_shard = shard = ExpertShard(rank, world, experts.num_experts, group)
+        experts.expert_shard = shard = ExpertShard(rank, world, experts.num_experts, group, in_graph)
         for name, param in list(experts.named_parameters(recurse=False)):
             if param.dim() != 3:
                 continue

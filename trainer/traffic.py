@@ -1,7 +1,9 @@
 """What one step really sends: every collective torch.distributed is asked for during the step, counted by group
 and size (FSDP's all-gathers and reduce-scatters, the expert exchange's all_to_all, the trainer's own
 all-reduces), with the same ring accounting as layout.traffic (layout.ring_split), so the layout's figure is
-checked against the calls the step made. Counting wraps torch.distributed's functions for one step only and never waits on the GPU."""
+checked against the calls the step made. Counting wraps torch.distributed's functions for one step only and never waits on the GPU.
+torch's functional collectives are not counted: the expert layout's exchange with model.expert_exchange: graph runs
+them inside compiled layers, so its bytes are the layout's figure alone."""
 from __future__ import annotations
 
 import contextlib

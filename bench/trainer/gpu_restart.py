@@ -3,7 +3,8 @@ measurement): before (checkpoints written while training waits, no compile cache
 `train.compile_cache: false`, the trainer before 28877b6) and after (the defaults), in one call.
 
     python3 bench/trainer/gpu_restart.py --work /tmp/rs [--shape qwen3-30b-a3b] [--layers 0] [--modes before,after]
-        [--steps 14] [--every 5] [--kill-at 12]
+        [--steps 14] [--every 5] [--kill-at 12] [--ac 0.1] [--dropout 0.0 --targets q_proj,k_proj,v_proj,o_proj]
+        [--timeout 400] [--tiny]
 
 One GPU, one local "node": `nodectl launch --nodes 1 --gpus 1 --max-restarts 1 --skip-preflight` of the built-in
 trainer on a random-weight model of the shape (FP8 experts, compile, rows of --seq tokens), a checkpoint every

@@ -4,6 +4,10 @@
 #     bash bench/trainer/gpu_scaling.sh qwen-b   # Qwen3-30B-A3B: nodectl 1x2 and 2x2 (auto)
 #     bash bench/trainer/gpu_scaling.sh qwen-ep  # Qwen3-30B-A3B 2x2: auto (replicate) and node-local expert, side by side
 #                                        # (EP_SHAPE=1x2 for one node of 2 GPUs, on nvidia-h200-x2)
+#     bash bench/trainer/gpu_scaling.sh qwen-ep16  # issue 71: Qwen3-30B-A3B cut to 16 layers on one node of 2 GPUs
+#                                          # (nvidia-h100-x2 or -h200-x2): replicate, the expert layout with its copy
+#                                          # count read on the host, with its exchange in the compiled graph
+#                                          # (model.expert_exchange: graph), replicate again (A B C A)
 #     bash bench/trainer/gpu_scaling.sh glm      # the whole GLM-4.5-Air: 1x4 and 2x2 (auto), bytes against fsdp's
 #     bash bench/trainer/gpu_scaling.sh glm-mb2  # GLM-4.5-Air 1x4 at micro-batch 2, half the layers checkpointed
 #     bash bench/trainer/gpu_scaling.sh dense    # 8B dense: 1x1, 2x1 (auto) and 2x1 with the base sharded (fsdp)
@@ -27,7 +31,7 @@ set -euo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 WORK=${WORK:-/tmp/w}
-PHASE=${1:?phase: qwen-a, qwen-b, qwen-ep, glm, glm-mb2, dense, qwen-auto, glm-auto, qwen-fp8, glm-2gpu, qwen-lora or combine-ab}
+PHASE=${1:?phase: qwen-a, qwen-b, qwen-ep, qwen-ep16, glm, glm-mb2, dense, qwen-auto, glm-auto, qwen-fp8, glm-2gpu, qwen-lora or combine-ab}
 Q=train.micro_batch_size=2,model.activation_checkpointing=0.1,model.compile=true
 G=train.micro_batch_size=1,model.activation_checkpointing=true,model.compile=true
 AUTO=train.micro_batch_size=auto,train.batch_size=4,model.activation_checkpointing=auto,model.compile=true
@@ -44,6 +48,12 @@ case "$PHASE" in
       --examples 240 --launch "q${EP_SHAPE:-2x2}:${EP_SHAPE:-2x2}:$Q" \
       --launch "q${EP_SHAPE:-2x2}-expert:${EP_SHAPE:-2x2}:$Q,model.parallelism=expert" --base "q${EP_SHAPE:-2x2}" \
       --out "$WORK/qwen-ep.json" ;;
+  qwen-ep16)
+    python3 bench/moe/gpu_moe_speed.py --work "$WORK/q16" --shape qwen3-30b-a3b --layers 16 --steps 14 --skip 5 \
+      --no-ref --examples 240 --launch "r1x2:1x2:$Q,model.parallelism=replicate" \
+      --launch "e1x2-host:1x2:$Q,model.parallelism=expert" \
+      --launch "e1x2-graph:1x2:$Q,model.parallelism=expert,model.expert_exchange=graph" \
+      --launch "r1x2-again:1x2:$Q,model.parallelism=replicate" --base r1x2 --out "$WORK/qwen-ep16.json" ;;
   glm)
     python3 bench/moe/gpu_moe_speed.py --work "$WORK/g" --shape glm-4.5-air --steps 8 --skip 3 --no-ref \
       --examples 60 --launch "g1x4:1x4:$G" --launch "g2x2:2x2:$G" --base g1x4 --out "$WORK/glm.json" ;;

@@ -26,7 +26,8 @@ def qwen3_moe(tmp_path_factory, demo_cache):
 
 def test_every_layout_trains_to_fsdps_losses_and_sends_what_it_says(tmp_path, demo_cache, qwen3_moe):
     """2 "nodes" x 2 gloo ranks (two torchrun agents, one rendezvous, each node its own output folder): the base
-    sharded inside each node (HSDP) and the experts split inside each node log FSDP's losses step for step (the
+    sharded inside each node (HSDP) and the experts split inside each node, their tokens' exchange either way
+    (model.expert_exchange: host, graph), log FSDP's losses step for step (the
     experts over all four ranks: the isolated-nodes test above); the base replicated goes on from FSDP's step-4
     checkpoint (read through its whole-state copy: another layout) and logs FSDP's steps 5 and 6. Each run counts
     what one step's collectives send; the figure matches the layout's own (ring accounting), and what crosses the
@@ -39,11 +40,11 @@ def test_every_layout_trains_to_fsdps_losses_and_sends_what_it_says(tmp_path, de
               "data.eval_holdout=5", "train.eval_every=2"]
     losses, traffic, evals = {}, {}, {}
 
-    def trained(name: str, *extra: str) -> list:
+    def trained(name: str, *extra: str, layout: str = "") -> list:
         out = tmp_path / name
-        procs = torchrun_nodes(2, 2, out, demo_cache, *common, *extra, f"model.parallelism={name}")
+        procs = torchrun_nodes(2, 2, out, demo_cache, *common, *extra, f"model.parallelism={layout or name}")
         assert all(p.returncode == 0 for p in procs), "\n".join(p.stderr[-2000:] for p in procs)
-        assert f"layout: {name} over 2 node(s) x 2 (forced by model.parallelism)" in procs[0].stdout
+        assert f"layout: {layout or name} over 2 node(s) x 2 (forced by model.parallelism)" in procs[0].stdout
         records = metrics(out / "node0")
         losses[name] = {m["step"]: m["loss"] for m in records if "loss" in m}
         evals[name] = {m["step"]: m["eval_loss"] for m in records if "eval_loss" in m}
@@ -52,6 +53,10 @@ def test_every_layout_trains_to_fsdps_losses_and_sends_what_it_says(tmp_path, de
 
     for name in ("fsdp", "hsdp", "expert"):
         trained(name)
+    # the experts' exchange as it runs inside a compiled layer, nothing read on the host (model.expert_exchange:
+    # graph), here uncompiled: tests/unit/test_moe_gathered.py compiles it in one graph (compiling four ranks on
+    # two cores would double this run)
+    trained("expert-graph", "model.expert_exchange=graph", layout="expert")
     # FSDP's step-4 checkpoint, on each node, continued with the base replicated
     for node in ("node0", "node1"):
         shutil.copytree(tmp_path / "fsdp" / node / "checkpoints" / "ckpt-0000004",
@@ -63,10 +68,12 @@ def test_every_layout_trains_to_fsdps_losses_and_sends_what_it_says(tmp_path, de
     fsdp = losses["fsdp"]
     assert sorted(fsdp) == [1, 2, 3, 4, 5, 6] and fsdp[6] < 0.9 * fsdp[1]
     assert sorted(losses["replicate"]) == [5, 6] and sorted(evals["replicate"]) == [6]
-    for name in ("hsdp", "expert", "replicate"):
+    for name in ("hsdp", "expert", "expert-graph", "replicate"):
         assert max(abs(loss - fsdp[step]) for step, loss in losses[name].items()) < 1e-4, (name, losses[name], fsdp)
         assert max(abs(loss - evals["fsdp"][step]) for step, loss in evals[name].items()) < 1e-4, evals
-    assert sorted(evals["fsdp"]) == sorted(evals["hsdp"]) == sorted(evals["expert"]) == [2, 4, 6], evals
+    assert sorted(evals["fsdp"]) == sorted(evals["hsdp"]) == sorted(evals["expert"]) == sorted(evals["expert-graph"]) \
+        == [2, 4, 6], evals
+    assert sorted(losses["expert-graph"]) == [1, 2, 3, 4, 5, 6]
     for name in ("fsdp", "replicate", "hsdp"):  # full rows aside (the exchange's share follows real tokens)
         for kind in ("intra", "inter"):
             counted, said = traffic[name][f"counted_{kind}_node_bytes"], traffic[name][f"layout_{kind}_node_bytes"]
