@@ -194,15 +194,27 @@ def _fsdp_takes_mixed_frozen_dtypes() -> bool:
     return TorchVersion(torch.__version__.split("+")[0]) >= "2.8"
 
 
-def _set_compile_numerics(mode: str) -> None:
-    """Fused kernels keep fp32 between operations that eager PyTorch rounds to bf16 one by one. That is more
+def compile_settings(numerics: str) -> None:
+    """torch's compiler settings for model.compile.
+
+    Numerics: fused kernels keep fp32 between operations that eager PyTorch rounds to bf16 one by one. That is more
     precise, but early LoRA updates (far below the bf16 resolution of the frozen layer's output, which eager
     rounds them into) then move the loss sooner than eager does: measured on the 8B bench, up to 2% lower loss
-    in steps 2-10, the same curve after. "eager" makes Inductor round where eager does, for the same curve."""
+    in steps 2-10, the same curve after. "eager" makes Inductor round where eager does, for the same curve.
+
+    Checkpointed layers: Dynamo refuses a layer whose checkpointed forward changes Python state (it would not be
+    done again when backward recomputes the forward), and the whole layer then runs uncompiled, silently.
+    transformers 5.2x's hub-kernel wrapper (the `kernels` package, which it requires) sets and restores a context
+    variable in every wrapped module's forward: with transformers 5.25 on a CPU, a Qwen3-MoE whose layers were all
+    checkpointed compiled no graph at all, and compiled one per layer with this setting, to the same losses. What
+    the wrapper sets it restores before the forward returns, so a recomputation that leaves it alone is the same."""
+    import torch._dynamo.config as dynamo
     import torch._inductor.config as inductor
 
     if hasattr(inductor, "emulate_precision_casts"):
-        inductor.emulate_precision_casts = mode == "eager"
+        inductor.emulate_precision_casts = numerics == "eager"
+    if hasattr(dynamo, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
 def _left_out(model: nn.Module, mesh, sharded: list[nn.Parameter], replicated: bool) -> dict:
@@ -270,7 +282,7 @@ def parallelize(model: nn.Module, recipe: Recipe, mesh, bf16: bool, layout=None,
     separate_adapters = len({p.dtype for p in model.parameters()}) > 1 and not _fsdp_takes_mixed_frozen_dtypes()
     left_out = _left_out(model, mesh, sharded, layout is not None and not layout.frozen_sharded)
     if recipe.model.compile:
-        _set_compile_numerics(recipe.model.compile_numerics)
+        compile_settings(recipe.model.compile_numerics)
     for layer in layers:
         if recipe.model.compile:
             layer.forward = torch.compile(layer.forward)

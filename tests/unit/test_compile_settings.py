@@ -1,0 +1,62 @@
+"""model.compile's settings (trainer/model.py compile_settings): a checkpointed layer whose forward sets Python
+state and puts it back, as transformers' hub-kernel wrapper does in every module it wraps, still compiles, in one
+graph, to eager's result. Without the setting torch refuses the checkpointed forward, and the trainer's layer ran
+uncompiled without a word."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from support.trainer_import import trainer_module
+
+
+class _Mode:
+    """What the `kernels` package's CompileableContextVar does under torch.compile: its value set and put back, and
+    a flag set that stays (it keeps the value in an attribute from then on)."""
+
+    def __init__(self) -> None:
+        self.value, self.compiled = None, False
+
+    def set(self, value):
+        previous, self.value, self.compiled = self.value, value, True
+        return previous
+
+
+MODE = _Mode()
+
+
+def test_a_checkpointed_forward_that_sets_and_restores_python_state_compiles_in_one_graph():
+    import torch._dynamo.config as dynamo
+    import torch._inductor.config as inductor
+
+    model = trainer_module("model")
+    if not hasattr(dynamo, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+        pytest.skip(f"torch {torch.__version__} has no such setting")
+    def forward(x):
+        previous = MODE.set("hub kernels")
+        try:
+            return x.sin() * 2
+        finally:
+            MODE.set(previous)
+
+    def layer(x):
+        return checkpoint(forward, x, use_reentrant=False)
+
+    saved = (dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint, getattr(inductor, "emulate_precision_casts", None))
+    try:
+        dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint = False
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="side effect"):   # torch's refusal, as the trainer met it
+            torch.compile(layer, fullgraph=True)(torch.randn(4, requires_grad=True))
+        model.compile_settings("eager")
+        torch._dynamo.reset()
+        x = torch.randn(4, requires_grad=True)
+        torch.compile(layer, fullgraph=True)(x).sum().backward()
+        torch.testing.assert_close(x.grad, 2 * x.detach().cos())
+        assert MODE.value is None
+    finally:
+        dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint = saved[0]
+        if saved[1] is not None:
+            inductor.emulate_precision_casts = saved[1]
+        torch._dynamo.reset()
