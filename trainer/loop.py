@@ -22,7 +22,7 @@ from .config import ConfigError, Recipe
 from .data import IGNORE, StepBatches, load_examples
 from .metrics import Reporter, peak_flops, window_flops
 from .telemetry import Telemetry
-from .model import (Parallel, build_skeleton, inactive_expert_params, materialise, materialise_random,
+from .model import (Parallel, build_skeleton, graph_breaks, inactive_expert_params, materialise, materialise_random,
                     materialise_sliced, parallelize, parameter_counts)
 from .weights import checkpoint_files
 
@@ -524,6 +524,7 @@ class _CompileCache:
 
     def __init__(self, recipe: Recipe, ctx: Context, out_dir: Path, resumed: Path | None):
         self.on = recipe.model.compile and recipe.train.compile_cache and compile_cache.available()
+        self.compiled = recipe.model.compile
         self.out_dir, self.ctx = out_dir, ctx
         self.first_here = resume.first_here()
         if self.on:
@@ -536,6 +537,9 @@ class _CompileCache:
             said = compile_cache.save(self.out_dir, self.ctx.device)
             if said:
                 print(f"rank {self.ctx.rank}: {said}", flush=True)
+        broken = graph_breaks() if self.compiled and self.ctx.rank == 0 else None
+        if broken:
+            print(broken, flush=True)
 
 
 class Profiler:

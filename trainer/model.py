@@ -217,6 +217,24 @@ def compile_settings(numerics: str) -> None:
         dynamo.skip_fwd_side_effects_in_bwd_under_checkpoint = True
 
 
+def graph_breaks(shown: int = 2) -> str | None:
+    """model.compile's graph breaks in this process so far, as one line, or None: each is code that ran uncompiled
+    between the layer's graphs (a checkpointed layer torch refused ran uncompiled whole), which nothing said. The
+    most frequent reasons first, each by the first line of torch's own explanation."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    breaks = counters.get("graph_break") or {}
+    if not breaks:
+        return None
+    reasons = [reason.strip().splitlines()[0][:160] for reason, _ in
+               sorted(breaks.items(), key=lambda item: -item[1])[:shown]]
+    more = f"; {len(breaks) - shown} other reason(s)" if len(breaks) > shown else ""
+    return (f"model.compile: {sum(breaks.values())} graph break(s) by the first step, so parts of the layers run "
+            f"uncompiled: {'; '.join(reasons)}{more} (TORCH_LOGS=graph_breaks shows where)")
+
+
 def _left_out(model: nn.Module, mesh, sharded: list[nn.Parameter], replicated: bool) -> dict:
     """fully_shard's arguments that leave out of FSDP the experts each rank holds itself (expert parallelism),
     and, when the layout replicates the base (or on a one-rank mesh), every frozen weight: FSDP would copy every
