@@ -66,7 +66,7 @@ def _rank(rank: int, store_path: str, results) -> None:
 
             if way == "graph-compiled":
                 torch._dynamo.reset()
-                forward = torch.compile(forward, fullgraph=True)
+                forward = torch.compile(forward, fullgraph=True, backend="aot_eager")
             out = forward(x, index[mine], w)
             (out * probe[mine]).sum().backward()
             grad = full.grad.clone()
