@@ -362,6 +362,15 @@ class ExpertShard:
         return counts + torch.nn.functional.one_hot(
             torch.tensor(self.local - 1, device=counts.device), self.local).to(counts.dtype)
 
+    def _local_order(self, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The group's routed copies (`index`, gathered) ordered with this rank's experts' first, sorted by local
+        expert, and the other ranks' after them: (which copies are routed here, the order, rows per local
+        expert)."""
+        local = index.reshape(-1) - self.start
+        mine = (local >= 0) & (local < self.local)
+        key = torch.where(mine, local, self.local)
+        return mine, torch.sort(key).indices, _counts(key, self.local + 1)[:-1]
+
     def gathered(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  compute) -> torch.Tensor:
         """The module's output for this rank's tokens: compute(rows, counts, weights) runs this rank's experts on
@@ -373,10 +382,7 @@ class ExpertShard:
             return self.gathered_in_graph(hidden, top_k_index, top_k_weights, compute)
         top_k = top_k_index.shape[-1]
         everyone, index, weights = _gather_routing(hidden, top_k_index, top_k_weights, self.group)
-        local = index.reshape(-1) - self.start
-        key = torch.where((local >= 0) & (local < self.local), local, self.local)  # other ranks' experts last
-        order = torch.sort(key).indices
-        counts = _counts(key, self.local + 1)[:-1]
+        _, order, counts = self._local_order(index)
         held = int(counts.sum())
         if held:
             order = order[:held]
@@ -408,11 +414,7 @@ class ExpertShard:
         everyone = gather(hidden.contiguous(), 0, group)
         index = gather_plain(top_k_index.contiguous(), 0, group)
         weights = gather(top_k_weights.contiguous(), 0, group)
-        local = index.reshape(-1) - self.start
-        mine = (local >= 0) & (local < self.local)
-        key = torch.where(mine, local, self.local)       # other ranks' experts last
-        order = torch.sort(key).indices
-        counts = _counts(key, self.local + 1)[:-1]
+        mine, order, counts = self._local_order(index)
         held = mine[order]
         rows = torch.where(held.unsqueeze(-1), _Pick.apply(everyone, order, everyone.shape[0], top_k), 0)
         routed = torch.where(held, weights.reshape(-1)[order], 0)
